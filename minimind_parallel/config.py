@@ -1,0 +1,115 @@
+"""Configuration: the model (MiniMind-3) and the parallel layout, and every size constraint.
+
+All checks live in `check_layout`, one message per constraint, so the launcher can refuse
+bad input with one clear line before any process starts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A size or flag constraint that a configuration breaks (one line, names the values)."""
+
+
+@dataclass(kw_only=True)
+class MiniMindConfig:
+    """MiniMind-3 (dense). Field names and defaults follow jingyaogong/minimind."""
+
+    hidden_size: int = 768
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    vocab_size: int = 6400
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    intermediate_size: int | None = None  # default ceil(hidden*pi/64)*64
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    dropout: float = 0.0
+    tie_word_embeddings: bool = True
+    flash_attn: bool = True
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.head_dim is None and self.num_attention_heads > 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = math.ceil(self.hidden_size * math.pi / 64) * 64
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act must be 'silu' (MiniMind-3); got {self.hidden_act!r}")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The rank grid dp x pp x cp x tp (TP fastest) and the tensor-parallel features."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    async_communication: bool = False
+    shared_sp_gather: bool = False
+    vocab_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+
+def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | None = None,
+                 world_size: int | None = None) -> None:
+    """Raise ConfigError naming the first broken constraint and its values."""
+    for name in ("tp", "pp", "cp", "dp"):
+        if getattr(par, name) < 1:
+            raise ConfigError(f"{name} size must be >= 1; got {name}={getattr(par, name)}")
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        if getattr(model, name) < 1:
+            raise ConfigError(f"{name} must be >= 1; got {name}={getattr(model, name)}")
+    if model.hidden_size % model.num_attention_heads:
+        raise ConfigError(f"hidden_size must be divisible by num_attention_heads; "
+                          f"got hidden_size={model.hidden_size}, num_attention_heads={model.num_attention_heads}")
+    if model.num_attention_heads % model.num_key_value_heads:
+        raise ConfigError(f"num_attention_heads must be divisible by num_key_value_heads (GQA); "
+                          f"got num_attention_heads={model.num_attention_heads}, "
+                          f"num_key_value_heads={model.num_key_value_heads}")
+    t = par.tp
+    if model.num_attention_heads % t:
+        raise ConfigError(f"num_attention_heads must be divisible by tp_size; "
+                          f"got num_attention_heads={model.num_attention_heads}, tp_size={t}")
+    if model.num_key_value_heads % t:
+        raise ConfigError(f"num_key_value_heads must be divisible by tp_size; "
+                          f"got num_key_value_heads={model.num_key_value_heads}, tp_size={t}")
+    if model.hidden_size % t:
+        raise ConfigError(f"hidden_size must be divisible by tp_size; got hidden_size={model.hidden_size}, tp_size={t}")
+    if model.intermediate_size % t:
+        raise ConfigError(f"intermediate_size must be divisible by tp_size; "
+                          f"got intermediate_size={model.intermediate_size}, tp_size={t}")
+    if par.vocab_parallel and model.vocab_size % t:
+        raise ConfigError(f"vocab_size must be divisible by tp_size with --vocab_parallel; "
+                          f"got vocab_size={model.vocab_size}, tp_size={t}")
+    if par.vocab_parallel and t == 1:
+        raise ConfigError("--vocab_parallel needs tensor parallelism; got tp_size=1")
+    if par.sequence_parallel and t == 1:
+        raise ConfigError("--sequence_parallel needs tensor parallelism; got tp_size=1")
+    if par.async_communication and t == 1:
+        raise ConfigError("--async_communication needs tensor parallelism; got tp_size=1")
+    if par.shared_sp_gather and not par.sequence_parallel:
+        raise ConfigError("--shared_sp_gather shares the sequence-parallel all-gather and needs --sequence_parallel")
+    if model.num_hidden_layers % par.pp:
+        raise ConfigError(f"num_hidden_layers must be divisible by pp_size; "
+                          f"got num_hidden_layers={model.num_hidden_layers}, pp_size={par.pp}")
+    if seq_len is not None:
+        if seq_len < 2:
+            raise ConfigError(f"seq_len must be >= 2 (the loss is shifted by one); got seq_len={seq_len}")
+        if seq_len > model.max_position_embeddings:
+            raise ConfigError(f"seq_len must be <= max_position_embeddings; "
+                              f"got seq_len={seq_len}, max_position_embeddings={model.max_position_embeddings}")
+        if par.sequence_parallel and seq_len % t:
+            raise ConfigError(f"seq_len must be divisible by tp_size with --sequence_parallel; "
+                              f"got seq_len={seq_len}, tp_size={t}")
+    if world_size is not None and world_size != par.world_size:
+        raise ConfigError(f"world size must equal dp*pp*cp*tp; got world_size={world_size}, "
+                          f"dp={par.dp} pp={par.pp} cp={par.cp} tp={par.tp} (= {par.world_size})")

@@ -1,0 +1,78 @@
+"""Process groups for the rank grid dp x pp x cp x tp (TP varies fastest), in one explicit object.
+
+Nothing here is global: build a `ProcessGroups` once per process and pass it to the code that
+needs it. `ProcessGroups.single()` stands in for a one-rank layout (no communication at all).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ParallelConfig
+
+AXES = ("dp", "pp", "cp", "tp")
+
+
+def rank_grid(par: ParallelConfig) -> torch.Tensor:
+    """grid[d, p, c, t] = global rank; TP fastest, then CP, then PP, then DP."""
+    return torch.arange(par.world_size).view(par.dp, par.pp, par.cp, par.tp)
+
+
+def groups_along(grid: torch.Tensor, axis: int) -> list[list[int]]:
+    """All rank lists that vary only along `axis` of the grid."""
+    moved = grid.movedim(axis, -1)
+    return moved.reshape(-1, grid.shape[axis]).tolist()
+
+
+@dataclass
+class ProcessGroups:
+    par: ParallelConfig
+    rank: int
+    coords: dict          # {"dp": d, "pp": p, "cp": c, "tp": t} of this rank
+    tp: object = None     # dist.ProcessGroup (None when the axis has size 1 -- no communication)
+    pp: object = None
+    cp: object = None
+    dp: object = None
+    pp_ranks: list | None = None  # global ranks of this rank's pipeline, stage order
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.par.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @classmethod
+    def single(cls, par: ParallelConfig | None = None) -> "ProcessGroups":
+        par = par or ParallelConfig()
+        assert par.world_size == 1
+        return cls(par=par, rank=0, coords=dict.fromkeys(AXES, 0), pp_ranks=[0])
+
+    @classmethod
+    def build(cls, par: ParallelConfig) -> "ProcessGroups":
+        """Collective over the world: every rank creates every group, in the same order."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != par.world_size:
+            raise ValueError(f"world size {world} != dp*pp*cp*tp = {par.world_size}")
+        grid = rank_grid(par)
+        index = (grid == rank).nonzero()[0].tolist()
+        out = cls(par=par, rank=rank, coords=dict(zip(AXES, index)))
+        for axis, name in enumerate(AXES):
+            for ranks in groups_along(grid, axis):
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    setattr(out, name, group)
+                    if name == "pp":
+                        out.pp_ranks = ranks
+        return out

@@ -1,0 +1,170 @@
+"""The dense MiniMind-3 reference model (single device, batch-first), as in jingyaogong/minimind.
+
+State-dict keys match MiniMind's so its checkpoints load with strict=True. This is the ground
+truth every parallel layout is validated against; it shares no code with the parallel model
+except the small numeric helpers below (RMSNorm math, RoPE tables, rotate_half).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MiniMindConfig
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class RMSNorm(nn.Module):
+    """MiniMind's RMSNorm: the fp32 upcast (and what autograd saves for it) is part of the memory story."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        # x.float() in MiniMind; float64 is kept as float64 rather than downcast.
+        return (self.weight * self.norm(x.to(torch.promote_types(x.dtype, torch.float32)))).type_as(x)
+
+
+def rope_tables(head_dim: int, end: int, theta: float, device=None):
+    """fp32 cos/sin tables of width head_dim, built as cat(freqs, freqs)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim))
+    freqs = torch.outer(torch.arange(end, device=device), freqs).float()
+    return torch.cat([freqs.cos(), freqs.cos()], dim=-1), torch.cat([freqs.sin(), freqs.sin()], dim=-1)
+
+
+def rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x: [..., S, heads, head_dim] with cos/sin [S, head_dim] broadcast over heads."""
+    return ((x * cos.unsqueeze(-2)) + (rotate_half(x) * sin.unsqueeze(-2))).to(x.dtype)
+
+
+def causal_attention(q, k, v, *, flash: bool):
+    """q: [B, h, S, d], k/v: [B, h, S, d] (kv already repeated for GQA) -> [B, h, S, d]."""
+    if flash:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    seq = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = scores + torch.full((seq, seq), float("-inf"), device=q.device).triu(1)
+    # MiniMind's softmax runs in fp32; float64 stays float64 (never downcast).
+    return F.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).type_as(q) @ v
+
+
+def repeat_kv(x, n_rep: int):
+    """[B, S, kv_heads, d] -> [B, S, kv_heads * n_rep, d]."""
+    if n_rep == 1:
+        return x
+    b, s, h, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+
+
+def shifted_cross_entropy(logits, labels):
+    """Next-token loss: logits[:, :-1] against labels[:, 1:], ignore_index -100."""
+    x, y = logits[:, :-1, :], labels[:, 1:]
+    return F.cross_entropy(x.reshape(-1, x.size(-1)), y.reshape(-1), ignore_index=-100)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: MiniMindConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim, self.flash = (
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.flash_attn)
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=c.rms_norm_eps)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        rep = self.n_heads // self.n_kv
+        q, k, v = q.transpose(1, 2), repeat_kv(k, rep).transpose(1, 2), repeat_kv(v, rep).transpose(1, 2)
+        out = causal_attention(q, k, v, flash=self.flash)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: MiniMindConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MiniMindBlock(nn.Module):
+    def __init__(self, c: MiniMindConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.mlp = FeedForward(c)
+
+    def forward(self, h, cos, sin):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MiniMindModel(nn.Module):
+    def __init__(self, c: MiniMindConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList([MiniMindBlock(c) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+
+    def forward(self, input_ids):
+        s = input_ids.shape[1]
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.freqs_cos[:s], self.freqs_sin[:s]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class MiniMindForCausalLM(nn.Module):
+    """`MiniMindForCausalLM(config)(input_ids, labels=None)` -> CausalLMOutput(logits, loss)."""
+
+    def __init__(self, config: MiniMindConfig | None = None):
+        super().__init__()
+        self.config = config or MiniMindConfig()
+        self.model = MiniMindModel(self.config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        if self.config.tie_word_embeddings:
+            self.model.embed_tokens.weight = self.lm_head.weight
+        self.apply(_init_weights)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.lm_head(self.model(input_ids))
+        loss = shifted_cross_entropy(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss)
+
+
+def _init_weights(m):
+    # Hugging Face's default for this family: normal(0, 0.02) for linears and embeddings.
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, mean=0.0, std=0.02)

@@ -1,0 +1,155 @@
+"""MiniMind-3 under tensor / sequence / vocab parallelism (Megatron-style), sequence-first.
+
+Parameter names are MiniMind's state-dict keys; each rank holds its shard of them
+(`sharding.shard_state_dict`). Layouts, with T = TP size:
+
+    ids [B, S] -> [S, B] -> embedding -> h [S, B, H]   (SP: [S/T, B, H] in norm/residual regions)
+    block: h + o_proj(attn(qkv(norm(h)))) ; h + down(silu(gate) * up)(norm(h))
+           q/k/v, gate/up: column-parallel [.., N/T];  o/down: row-parallel, partial -> sum
+    final norm -> lm_head: replicated [S, B, V], or column-parallel [S, B, V/T] with --vocab_parallel
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MiniMindConfig, ParallelConfig
+from .groups import ProcessGroups
+from .model import CausalLMOutput, RMSNorm, apply_rope, causal_attention, repeat_kv, rope_tables
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel,
+                              gather_from_sequence_parallel_region, mark_partial_grad,
+                              scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
+        super().__init__()
+        t = par.tp
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
+        self.flash, self.shared = c.flash_attn, par.shared_sp_gather
+        col = dict(group=group, sequence_parallel=par.sequence_parallel, async_communication=par.async_communication)
+        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_attention_heads * c.head_dim, **col)
+        self.k_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, **col)
+        self.v_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, **col)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, group=group,
+                                        sequence_parallel=par.sequence_parallel)
+        self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        if t > 1:  # each rank normalises only its own heads
+            mark_partial_grad(self.q_norm.weight)
+            mark_partial_grad(self.k_norm.weight)
+
+    def forward(self, x, cos, sin):
+        # x: [S/T, B, H] under SP, else [S, B, H]
+        projs = [self.q_proj, self.k_proj, self.v_proj]
+        q, k, v = column_parallel(projs, x) if self.shared else [p(x) for p in projs]  # [S, B, heads/T * d]
+        s, b = q.shape[:2]
+        q = q.view(s, b, self.n_heads, self.head_dim)
+        k = k.view(s, b, self.n_kv, self.head_dim)
+        v = v.view(s, b, self.n_kv, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos[:, None], sin[:, None])
+        k = apply_rope(self.k_norm(k), cos[:, None], sin[:, None])
+        rep = self.n_heads // self.n_kv
+        q = q.permute(1, 2, 0, 3)                                   # [B, h, S, d]
+        k = repeat_kv(k.transpose(0, 1), rep).transpose(1, 2)       # [B, h, S, d]
+        v = repeat_kv(v.transpose(0, 1), rep).transpose(1, 2)
+        out = causal_attention(q, k, v, flash=self.flash)           # [B, h, S, d]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)             # [S, B, h*d]
+        return self.o_proj(out)                                     # [S/T, B, H] (SP) or [S, B, H]
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
+        super().__init__()
+        self.shared = par.shared_sp_gather
+        col = dict(group=group, sequence_parallel=par.sequence_parallel, async_communication=par.async_communication)
+        self.gate_proj = ColumnParallelLinear(c.hidden_size, c.intermediate_size, **col)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, group=group,
+                                           sequence_parallel=par.sequence_parallel)
+        self.up_proj = ColumnParallelLinear(c.hidden_size, c.intermediate_size, **col)
+
+    def forward(self, x):
+        projs = [self.gate_proj, self.up_proj]
+        gate, up = column_parallel(projs, x) if self.shared else [p(x) for p in projs]  # [S, B, I/T]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
+        super().__init__()
+        self.self_attn = ParallelAttention(c, par, group)
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.mlp = ParallelMLP(c, par, group)
+        if par.sequence_parallel:  # norms run on sequence shards
+            mark_partial_grad(self.input_layernorm.weight)
+            mark_partial_grad(self.post_attention_layernorm.weight)
+
+    def forward(self, h, cos, sin):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ParallelMiniMindModel(nn.Module):
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
+        super().__init__()
+        self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
+        if par.vocab_parallel:
+            self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group,
+                                                       sequence_parallel=par.sequence_parallel)
+        else:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList([ParallelBlock(c, par, group) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if par.sequence_parallel:
+            mark_partial_grad(self.norm.weight)
+        cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+
+    def forward(self, input_ids):
+        ids = input_ids.t()                                          # [B, S] -> [S, B]
+        s = ids.shape[0]
+        h = self.embed_tokens(ids)                                   # [S, B, H]; VP+SP: [S/T, B, H]
+        if self.sp and not self.vp:
+            h = scatter_to_sequence_parallel_region(h, self.group)   # [S, B, H] -> [S/T, B, H]
+        cos, sin = self.freqs_cos[:s], self.freqs_sin[:s]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)                                          # [S/T, B, H] (SP) or [S, B, H]
+
+
+class ParallelMiniMindForCausalLM(nn.Module):
+    """The TP/SP/VP model. forward(input_ids [B, S], labels [B, S]) -> CausalLMOutput with
+    logits [B, S, V] (or this rank's vocab slice [B, S, V/T] with --vocab_parallel)."""
+
+    def __init__(self, config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups):
+        super().__init__()
+        self.config, self.par, self.group = config, par, groups.tp
+        self.model = ParallelMiniMindModel(config, par, groups.tp)
+        if par.vocab_parallel:
+            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, group=groups.tp,
+                                                sequence_parallel=par.sequence_parallel,
+                                                async_communication=par.async_communication)
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.model.embed_tokens.weight = self.lm_head.weight
+
+    def forward(self, input_ids, labels=None):
+        h = self.model(input_ids)
+        if self.par.vocab_parallel:
+            logits = self.lm_head(h)                                 # enters the TP region: [S, B, V/T]
+        else:
+            if self.par.sequence_parallel:                           # replicated head: bwd keeps own slice
+                h = gather_from_sequence_parallel_region(h, self.group, grad_is_partial=False)
+            logits = self.lm_head(h)                                 # [S, B, V]
+        loss = None
+        if labels is not None:
+            x, y = logits[:-1], labels.t()[1:]                       # predict token s+1 from s
+            if self.par.vocab_parallel:
+                loss = vocab_parallel_cross_entropy(x, y, self.group)
+            else:
+                loss = F.cross_entropy(x.reshape(-1, x.shape[-1]), y.reshape(-1), ignore_index=-100)
+        return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)

@@ -1,0 +1,1 @@
+"""Tasks the command line runs on every rank: validate, benchmark."""

@@ -1,0 +1,147 @@
+"""Numeric validation (SPEC 5): a parallel layout against the dense single-device model.
+
+Both models start from the same dense weights and see the same global batch. Compared: forward
+logits and loss, the gradient of every parameter (each shard against the matching slice of the
+dense gradient), and N AdamW steps (logits/loss every `log_interval` steps, every parameter at
+the end). Each rank compares its own shards; the report takes the worst rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import MiniMindConfig, ParallelConfig
+from .groups import ProcessGroups
+from .model import MiniMindForCausalLM
+from .sharding import tp_split_dim
+from .training import build_parallel_model, finalize_grads, make_optimizer, unwrap, wrap_data_parallel
+
+DEFAULT_TOL = {  # (max-abs, relative-L2): an item fails only when it exceeds both
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (5e-2, 5e-2),
+    torch.float16: (1e-2, 1e-2),
+}
+# Parameters after AdamW steps get a wider relative-L2 bound below float64: Adam's first update
+# is lr * g / (|g| + eps) ~ lr * sign(g), so an element whose gradient is within round-off of
+# zero can move by up to 2 lr on one side and not the other. Forward values, losses and
+# gradients keep the round-off bounds above; float64 shows the steps themselves are exact.
+PARAM_RTOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+
+
+@dataclass
+class Row:
+    item: str
+    max_abs: float
+    rel_l2: float
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs <= self.atol or self.rel_l2 <= self.rtol
+
+
+def error(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    a, e = actual.detach().double(), expected.detach().double()
+    diff = a - e
+    return diff.abs().max().item(), (diff.norm() / e.norm().clamp(min=1e-30)).item()
+
+
+def make_batch(seed: int, batch: int, seq_len: int, vocab: int, device="cpu"):
+    """Random ids and labels; label position 1 of every row is ignored (-100), so every row has
+    the same number of targets and a mean over DP ranks equals the global mean."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+    labels = ids.clone()
+    labels[:, 1] = -100
+    return ids.to(device), labels.to(device)
+
+
+def dense_slice(key: str, dense: torch.Tensor, par: ParallelConfig, tp_rank: int) -> torch.Tensor:
+    dim = tp_split_dim(key, par)
+    return dense if dim is None else dense.chunk(par.tp, dim=dim)[tp_rank]
+
+
+def logits_slice(dense_logits, par: ParallelConfig, tp_rank: int):
+    return dense_logits.chunk(par.tp, dim=-1)[tp_rank] if par.vocab_parallel else dense_logits
+
+
+def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, *, seq_len: int,
+                       micro_batch_size: int, dtype=torch.float32, lr: float = 1e-3, optimizer_steps: int = 3,
+                       log_interval: int = 1, check_backward: bool = True, seed: int = 1234, device="cpu",
+                       perturb: str | None = None, atol: float | None = None,
+                       rtol: float | None = None) -> list[Row]:
+    """Rows of (item, max-abs error, relative-L2 error, tolerances), worst over all ranks."""
+    atol = DEFAULT_TOL[dtype][0] if atol is None else atol
+    rtol = DEFAULT_TOL[dtype][1] if rtol is None else rtol
+    param_rtol = max(rtol, PARAM_RTOL[dtype])
+    torch.manual_seed(seed)
+    dense = MiniMindForCausalLM(config).to(device=device, dtype=dtype)
+    model = build_parallel_model(config, par, groups, dense.state_dict(), dtype=dtype, device=device)
+    if perturb is not None and groups.tp_rank == 0:
+        with torch.no_grad():
+            dict(model.named_parameters())[perturb].add_(1e-2)
+    model = wrap_data_parallel(model, groups)
+    ids, labels = make_batch(seed + 1, micro_batch_size * par.dp, seq_len, config.vocab_size, device)
+    rows_ = slice(groups.dp_rank * micro_batch_size, (groups.dp_rank + 1) * micro_batch_size)
+    dense_params = dict(dense.named_parameters())
+    opt_dense, opt_par = make_optimizer(dense, lr), make_optimizer(model, lr)
+    rows: list[Row] = []
+
+    def forward_backward(step: int, compare: bool):
+        ref, out = dense(ids, labels), model(ids[rows_], labels[rows_])
+        if compare:
+            loss = out.loss.detach().clone()
+            if groups.dp is not None:  # the global-batch loss is the mean over DP replicas
+                dist.all_reduce(loss, group=groups.dp)
+                loss /= par.dp
+            rows.append(Row(f"step {step} loss", *error(loss, ref.loss), atol, rtol))
+            rows.append(Row(f"step {step} logits", *error(out.logits, logits_slice(ref.logits[rows_], par,
+                                                                                      groups.tp_rank)), atol, rtol))
+        if check_backward or optimizer_steps > 0:
+            ref.loss.backward()
+            out.loss.backward()
+            finalize_grads(model, groups)
+
+    forward_backward(0, compare=True)
+    if check_backward:
+        for name, p in unwrap(model).named_parameters():
+            rows.append(Row(f"grad {name}", *error(p.grad, dense_slice(name, dense_params[name].grad, par,
+                                                                         groups.tp_rank)), atol, rtol))
+    for step in range(1, optimizer_steps + 1):
+        opt_dense.step(), opt_par.step()
+        opt_dense.zero_grad(set_to_none=True), opt_par.zero_grad(set_to_none=True)
+        compare = step % log_interval == 0 or step == optimizer_steps
+        forward_backward(step, compare)
+    if optimizer_steps > 0:
+        for name, p in unwrap(model).named_parameters():
+            rows.append(Row(f"param {name} after {optimizer_steps} steps",
+                            *error(p, dense_slice(name, dense_params[name], par, groups.tp_rank)),
+                            atol, param_rtol))
+    return worst_over_ranks(rows, device)
+
+
+def worst_over_ranks(rows: list[Row], device) -> list[Row]:
+    """Every rank has the same items in the same order: keep the largest errors."""
+    if not dist.is_initialized():
+        return rows
+    t = torch.tensor([[r.max_abs, r.rel_l2] for r in rows], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [Row(r.item, *t[i].tolist(), r.atol, r.rtol) for i, r in enumerate(rows)]
+
+
+def failures(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if not r.ok]
+
+
+def format_report(rows: list[Row]) -> str:
+    width = max(len(r.item) for r in rows)
+    lines = [f"{'item':<{width}}  {'max_abs':>10}  {'rel_l2':>10}  {'atol':>8}  {'rtol':>8}  ok",
+             "-" * (width + 50)]
+    for r in rows:
+        lines.append(f"{r.item:<{width}}  {r.max_abs:10.3e}  {r.rel_l2:10.3e}  {r.atol:8.1e}  {r.rtol:8.1e}  "
+                     f"{'yes' if r.ok else 'NO'}")
+    return "\n".join(lines)

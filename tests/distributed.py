@@ -1,0 +1,63 @@
+"""Run a function on N gloo ranks (forked processes, one torch thread each) and collect results.
+
+A rank that raises ends the run at once: the others are killed and its traceback is re-raised
+here, so a failing test never hangs in a collective.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _child(rank, world, store_path, out_dir, fn, args):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        result = fn(*args)
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
+    """fn(*args) on `world` ranks; returns [result of rank 0, rank 1, ...]."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_child, args=(r, world, store, tmp, fn, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.is_alive() for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
+        if errors:
+            raise AssertionError("a rank failed:\n" + errors[0])
+        if any(p.exitcode != 0 for p in procs):
+            raise AssertionError(f"ranks timed out or died: exit codes {[p.exitcode for p in procs]}")
+        out = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"{r}.pkl"), "rb") as f:
+                out.append(pickle.load(f))
+        return out

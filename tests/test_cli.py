@@ -1,0 +1,84 @@
+"""The command line: validate end to end under torchrun, bad input refused before launch,
+and a rank that raises ending the whole job."""
+import subprocess
+import sys
+
+import pytest
+
+from minimind_parallel import cli
+
+TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
+        "--seq_len", "16", "--num_hidden_layers", "2", "--optimizer_steps", "2"]
+
+
+def run(*argv, timeout=240):
+    return subprocess.run([sys.executable, "-m", "evaluation.parallel", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_validate_passes_end_to_end():
+    r = run("validate", "--tp_size", "2", "--pp_size", "1", "--", *TINY, "--dtype", "float32",
+            "--sequence_parallel", "--async_communication", "--vocab_parallel")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "validate: PASSED" in r.stdout
+    assert "grad model.layers.1.mlp.down_proj.weight" in r.stdout
+
+
+def test_validate_fails_on_a_perturbed_shard():
+    r = run("validate", "--tp_size", "2", "--", *TINY, "--perturb", "model.layers.0.self_attn.o_proj.weight")
+    assert r.returncode != 0
+    assert "validate: FAILED" in r.stdout
+    assert "NO" in r.stdout
+
+
+def test_a_rank_that_raises_ends_the_job_with_its_error():
+    # Only TP rank 0 looks the name up, so rank 1 would wait in a collective forever on its own.
+    r = run("validate", "--tp_size", "2", "--", *TINY, "--perturb", "no.such.parameter", timeout=120)
+    assert r.returncode != 0
+    assert "KeyError" in r.stderr and "no.such.parameter" in r.stderr
+
+
+BAD = [
+    (["validate", "--tp_size", "3", "--"], "num_attention_heads must be divisible by tp_size"),
+    (["validate", "--tp_size", "2", "--", "--num_attention_heads", "4", "--num_key_value_heads", "1",
+      "--hidden_size", "64"], "num_key_value_heads must be divisible by tp_size"),
+    (["validate", "--tp_size", "2", "--", "--num_attention_heads", "6", "--num_key_value_heads", "4"],
+     "num_attention_heads must be divisible by num_key_value_heads"),
+    (["validate", "--tp_size", "2", "--", "--hidden_size", "100", "--num_attention_heads", "8",
+      "--num_key_value_heads", "4"], "hidden_size must be divisible by num_attention_heads"),
+    (["validate", "--tp_size", "4", "--", "--vocab_size", "130", "--vocab_parallel"],
+     "vocab_size must be divisible by tp_size with --vocab_parallel"),
+    (["validate", "--tp_size", "2", "--", "--seq_len", "15", "--sequence_parallel"],
+     "seq_len must be divisible by tp_size with --sequence_parallel"),
+    (["validate", "--", "--sequence_parallel"], "--sequence_parallel needs tensor parallelism"),
+    (["validate", "--", "--async_communication"], "--async_communication needs tensor parallelism"),
+    (["validate", "--", "--vocab_parallel"], "--vocab_parallel needs tensor parallelism"),
+    (["validate", "--tp_size", "2", "--", "--shared_sp_gather"], "--shared_sp_gather"),
+    (["validate", "--tp_size", "0", "--"], "tp size must be >= 1"),
+    (["train_fast", "--"], "unknown task"),
+    (["validate", "--tp_size", "2", "--", "--mode", "tp_magic"], "unknown mode"),
+    (["validate", "--", "--dtype", "float8"], "invalid choice"),
+    (["validate", "--device", "cuda", "--"], "CUDA"),
+    (["validate", "--tp_size", "2", "--nnodes", "3", "--"], "world size must be divisible by nnodes"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
+    if "cuda" in argv:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    launched = []
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not launched
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_bad_input_from_the_shell_is_one_line():
+    r = run("validate", "--tp_size", "2", "--", "--seq_len", "15", "--sequence_parallel", timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: seq_len must be divisible by tp_size with --sequence_parallel; got seq_len=15, tp_size=2"]
