@@ -53,3 +53,14 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """AdamW as in MiniMind's trainer (foreach off: one update per tensor, easy to account)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, labels):
+    """One optimizer step of the non-pipelined layouts: forward, backward, TP sums, AdamW, zero grads.
+    Returns the detached loss of this rank's batch."""
+    loss = model(input_ids, labels).loss
+    loss.backward()
+    finalize_grads(model, groups)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
