@@ -170,6 +170,10 @@ def check_task(launch, args) -> None:
     for name in ("micro_batch_size", "num_microbatches", "seq_len"):
         if getattr(args, name) < 1:
             raise ConfigError(f"{name} must be >= 1; got {name}={getattr(args, name)}")
+    if args.dtype == "float16" and getattr(args, "optimizer_steps", 0) > 0:
+        raise ConfigError(f"float16 parameters cannot take AdamW steps (eps=1e-8 underflows to 0 in float16); "
+                          f"got --dtype float16 with --optimizer_steps {args.optimizer_steps}: use bfloat16, "
+                          f"or --optimizer_steps 0")
     par = parallel_config(launch, args)
     check_layout(model_config(args), par, seq_len=args.seq_len)
     if par.world_size % launch.nnodes:

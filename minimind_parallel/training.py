@@ -2,6 +2,8 @@
 gradient finalisation (TP sums of partial grads), DDP wrapping, the optimizer."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -28,7 +30,10 @@ def wrap_data_parallel(model: nn.Module, groups: ProcessGroups) -> nn.Module:
     if groups.dp is None:
         return model
     # RoPE tables are identical everywhere: no need to broadcast buffers each step.
-    return DistributedDataParallel(model, process_group=groups.dp, broadcast_buffers=False)
+    no_sync = ({"forward_sync_buffers": False}
+               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, process_group=groups.dp, **no_sync)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -60,6 +60,8 @@ BAD = [
     (["validate", "--", "--dtype", "float8"], "invalid choice"),
     (["validate", "--device", "cuda", "--"], "CUDA"),
     (["validate", "--tp_size", "2", "--nnodes", "3", "--"], "world size must be divisible by nnodes"),
+    (["validate", "--", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
+    (["validate", "--", "--seq_len", "1"], "seq_len must be >= 2"),
 ]
 
 
@@ -82,3 +84,18 @@ def test_bad_input_from_the_shell_is_one_line():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: seq_len must be divisible by tp_size with --sequence_parallel; got seq_len=15, tp_size=2"]
+
+
+def test_launcher_sets_one_cuda_connection_for_async_only():
+    assert cli.launch_env("cuda", True)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in cli.launch_env("cpu", True) or \
+        cli.launch_env("cpu", True)["CUDA_DEVICE_MAX_CONNECTIONS"] == __import__("os").environ.get(
+            "CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def test_torchrun_launches_world_size_ranks_of_the_worker():
+    class L:
+        nnodes, node_rank, master_addr, master_port = 1, 0, "127.0.0.1", None
+    cmd = cli.torchrun_command(L, 4, ["validate", "--tp_size", "4"])
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=4" in cmd
+    assert cmd[-4:] == ["minimind_parallel.worker", "validate", "--tp_size", "4"]

@@ -38,6 +38,7 @@ FOUNDATION = {  # issue: TP and VP, tied or not, DP on top
     "dp2_tp2": ParallelConfig(tp=2, dp=2),
     "dp2_tp2_vp": ParallelConfig(tp=2, dp=2, vocab_parallel=True),
     "dp2": ParallelConfig(dp=2),
+    "single": ParallelConfig(),
 }
 
 
