@@ -42,8 +42,7 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        grads = [g if g is not None else None for g in grads]
+        x, *weights = ctx.saved_tensors                                          # grads: one per output (None if unused)
         if ctx.sequence_parallel:
             full, gather = comm.all_gather_dim0(x, ctx.group, async_op=True)   # 1. re-gather input
         else:
