@@ -30,6 +30,8 @@ The peak is the largest of a few moments of the step (each a sum of what is aliv
     head_backward     all activations + the loss gradients of the logits
     final_norm_backward  after lm_head's backward: its grads, the activations but the head's, and the
                       final RMSNorm's backward fp32 temporaries (5 f Nn H)
+    mlp_backward      the last block's silu*up backward: down's grad is in, the product freed,
+                      three [N, I/T] gradients and the residual gradient live
     forward_end       all activations + the logits and log-softmax before backward frees them
     optimizer         params + grads + states + AdamW's two scratch tensors of the largest parameter
 """
@@ -173,6 +175,12 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     after_head = acts - kinds["model.logits_loss"] - kinds["model.head_input"] - (f * nn_ * hid + f * nn_)
     scalars = 2 * 4 if vp else 2 * b  # the loss and its gradient seed
     moments["final_norm_backward"] = (head_grads, after_head, 5 * f * nn_ * hid + batch + labels + scalars)
+    # the last block's MLP backward, at silu*up's backward: down's weight grad is in, the saved
+    # product and everything after the block is freed; grad of down's input and two products live
+    mlp_grads = head_grads + b * hid * (c.intermediate_size // t)
+    mlp_acts = after_head - f * nn_ * hid - kinds["block.mlp"] // 4
+    moments["mlp_backward"] = (mlp_grads, mlp_acts,
+                               3 * (kinds["block.mlp"] // 4) + b * nn_ * hid + batch + labels + scalars)
     largest = b * max(_numel(s) for s in shapes.values())
     moments["optimizer"] = (param_bytes, 8 * n if not vp else 0, 2 * largest + batch + labels + scalars)
 
