@@ -86,6 +86,11 @@ def parameter_shapes(c: MiniMindConfig, par: ParallelConfig) -> dict[str, tuple[
     return shapes
 
 
+def as_dtype(dtype) -> torch.dtype:
+    """A torch.dtype, or its name as the command line spells it ("bfloat16")."""
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -96,6 +101,7 @@ def _numel(shape) -> int:
 def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                         dtype) -> dict[str, int]:
     """Bytes saved for backward: per block ("block.<kind>") and once per model ("model.<kind>")."""
+    dtype = as_dtype(dtype)
     b = torch.empty((), dtype=dtype).element_size()
     f = max(b, 4)
     t, sp, vp = par.tp, par.sequence_parallel, par.vocab_parallel
@@ -143,6 +149,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
+    dtype = as_dtype(dtype)
     b = torch.empty((), dtype=dtype).element_size()
     f = max(b, 4)
     t, sp, vp = par.tp, par.sequence_parallel, par.vocab_parallel

@@ -53,6 +53,14 @@ class MemoryReport:
     def breakdown_mib(self) -> dict[str, float]:
         return {k: v / 2**20 for k, v in self.breakdown.items()}
 
+    def as_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, **self.breakdown}
+
+    @staticmethod
+    def worst(reports: list["MemoryReport"]) -> "MemoryReport":
+        """The worst rank's report (e.g. of dist.all_gather_object over the ranks)."""
+        return max(reports, key=lambda r: r.peak_bytes)
+
 
 def _inside_collective() -> bool:
     """Is a torch.distributed call on this thread's Python stack?"""
