@@ -74,9 +74,7 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
             labels = ids.clone()
             for _ in range(warmup):
                 train_step(model, optimizer, groups, ids, labels)
-            meter = MemoryMeter("cpu", model, optimizer)
-            for bucket in buckets:
-                meter.tracker.mark(bucket, "temporaries")
+            meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets))
             with meter:
                 for _ in range(iters):
                     train_step(model, optimizer, groups, ids, labels)

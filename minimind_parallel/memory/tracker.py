@@ -15,9 +15,9 @@ Categories (each storage has exactly one; the first that applies wins):
 
 A storage first seen as the input of an op, never as an output, existed before the window (the
 batch, DDP's buckets); it was alive all along, so it is counted from the start, the peak included.
-Except inside a collective (torch.distributed or our comm.py on the stack): there such a storage is the backend's own buffer (gloo's
-reduce-scatter works on a copy it makes out of our sight), the kind NCCL keeps outside the CUDA
-allocator too; it is not counted.
+Except inside a collective (torch.distributed or our comm.py on the Python stack): there such a
+storage is the backend's own buffer (gloo's reduce-scatter works on a copy it makes out of our
+sight), the kind NCCL keeps outside the CUDA allocator too; it is not counted.
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 from ..tensor_parallel import comm
 
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 # Python files whose frames mean "a collective is running" (comm.py holds every TP collective
 # and its wait()).
 _COLLECTIVE_FILES = (dist.distributed_c10d.__file__, comm.__file__)
@@ -63,7 +63,7 @@ class MemoryReport:
 
 
 def _inside_collective() -> bool:
-    """Is a torch.distributed call on this thread's Python stack?"""
+    """Is a collective (torch.distributed, or our comm.py incl. its wait()) on this thread's stack?"""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename in _COLLECTIVE_FILES:
