@@ -51,10 +51,19 @@ def ddp_gradient_buckets(model: nn.Module) -> list[torch.Tensor]:
     return [torch.empty(n, dtype=dt) for dt, n in sizes.items()]
 
 
+def _create_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What a warm-up step leaves behind (AdamW's states), without its forward and backward."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
-                         micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: int = 1,
+                         micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: bool = True,
                          rank: int = 0) -> MemoryReport:
-    """Peak memory of `iters` training steps (after `warmup`) of global rank `rank`, without kernels.
+    """Peak memory of `iters` training steps of global rank `rank`, without kernels. warmup: the
+    optimizer states exist before the window, as after the warm-up steps of a real run.
     Every TP/DP rank holds the same shapes, so rank 0 stands in for the worst one."""
     if par.pp > 1 or par.cp > 1:
         raise NotImplementedError("estimate_step_memory: pipeline / context parallelism not supported yet")
@@ -72,8 +81,8 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
             buckets = ddp_gradient_buckets(model) if par.dp > 1 else []
             ids = torch.randint(0, model_config.vocab_size, (micro_batch_size, seq_len))
             labels = ids.clone()
-            for _ in range(warmup):
-                train_step(model, optimizer, groups, ids, labels)
+            if warmup:
+                _create_optimizer_states(model, optimizer)
             meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets))
             with meter:
                 for _ in range(iters):
