@@ -34,8 +34,17 @@ def peaks(layers: int, mb: int, pars) -> tuple[list[float], list[float]]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--max_layers", type=int, default=64)
+    ap.add_argument("--part", choices=("sp", "recompute", "both"), default="both")
     args = ap.parse_args()
     t0 = time.time()
+    if args.part in ("sp", "both"):
+        sp_table(args)
+    if args.part in ("recompute", "both"):
+        recompute_table(args)
+    print(f"\n({time.time() - t0:.0f} s)")
+
+
+def sp_table(args):
     print("TP only - TP+SP (basic), S 2048, B 2, H 768, T 2, bf16; formula 6L + 12 MiB\n")
     print("| L | formula | --estimate | model | seed measured | TP / TP+SP / SP+shared (estimate) |")
     print("|---|---|---|---|---|---|")
@@ -45,6 +54,9 @@ def main():
         (tp, sp, sh), (mtp, msp, _) = peaks(L, 2, [TP, SP, SHARED])
         print(f"| {L} | {6 * L + 12} MiB | {tp - sp:.2f} MiB | {mtp - msp:.2f} MiB | {seed:.2f} MiB "
               f"| {tp:.2f} / {sp:.2f} / {sh:.2f} MiB |", flush=True)
+
+
+def recompute_table(args):
     print("\nTP+SP (basic) - TP+SP+recompute (--async_communication), B 4; formula 48L MiB\n")
     print("| L | formula | --estimate | model | seed measured | SP / SP+recompute (estimate) |")
     print("|---|---|---|---|---|---|")
@@ -54,7 +66,6 @@ def main():
         (sp, rc), (msp, mrc) = peaks(L, 4, [SP, RECOMPUTE])
         print(f"| {L} | {48 * L} MiB | {sp - rc:.2f} MiB | {msp - mrc:.2f} MiB | {seed:.2f} MiB "
               f"| {sp:.2f} / {rc:.2f} MiB |", flush=True)
-    print(f"\n({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
