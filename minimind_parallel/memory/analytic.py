@@ -165,7 +165,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     ddp_buckets = param_bytes if par.dp > 1 else 0                    # DDP's flat gradient buckets
     kinds = activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=bsz, dtype=dtype)
     acts = sum(v * (c.num_hidden_layers if k.startswith("block.") else 1) for k, v in kinds.items())
-    batch = 8 * n if vp else 0   # the ids: saved by the embedding (an activation) unless VP
+    batch = 8 * n if vp else 0   # the ids are a temporary under VP (else the embedding saves them)
     labels = 8 * n               # the labels are never saved
 
     # Each moment: (grads, activations, temporaries)
@@ -178,16 +178,20 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
         moments["head_backward"] = (0, acts - 8 * m - b, 2 * b * m * vocab + labels + 2 * b)
         pre_loss = acts - kinds["model.logits_loss"]
         moments["forward_end"] = (0, pre_loss, b * n * vocab + b * m * vocab + 8 * m + labels)
-    head_grads = b * vocab * hid * (0 if c.tie_word_embeddings else 1) + b * hid
+    # lm_head's weight grad and the final norm's; a tied weight's grad waits in autograd's buffer
+    # (a temporary) for the embedding's contribution
+    head_w_grad = b * vocab * hid
+    head_grads = b * hid + (0 if c.tie_word_embeddings else head_w_grad)
+    held = head_w_grad if c.tie_word_embeddings else 0
     after_head = acts - kinds["model.logits_loss"] - kinds["model.head_input"] - (f * nn_ * hid + f * nn_)
     scalars = 2 * 4 if vp else 2 * b  # the loss and its gradient seed
-    moments["final_norm_backward"] = (head_grads, after_head, 5 * f * nn_ * hid + batch + labels + scalars)
+    moments["final_norm_backward"] = (head_grads, after_head, 5 * f * nn_ * hid + batch + labels + scalars + held)
     # the last block's MLP backward, at silu*up's backward: down's weight grad is in, the saved
     # product and everything after the block is freed; grad of down's input and two products live
     mlp_grads = head_grads + b * hid * (c.intermediate_size // t)
     mlp_acts = after_head - f * nn_ * hid - kinds["block.mlp"] // 4
     moments["mlp_backward"] = (mlp_grads, mlp_acts,
-                               3 * (kinds["block.mlp"] // 4) + b * nn_ * hid + batch + labels + scalars)
+                               3 * (kinds["block.mlp"] // 4) + b * nn_ * hid + batch + labels + scalars + held)
     largest = b * max(_numel(s) for s in shapes.values())
     moments["optimizer"] = (param_bytes, 8 * n if not vp else 0, 2 * largest + batch + labels + scalars)
 
