@@ -173,7 +173,9 @@ def write_plot(path: str, rows: list[dict], swept: str) -> None:
     xlabel = {"num_hidden_layers": "num_hidden_layers", "seq_len": "seq_len"}[swept]
     mem.set(xlabel=xlabel, ylabel="peak MiB (worst rank)", title="peak memory")
     step.set(xlabel=xlabel, ylabel="step ms (median, max over ranks)", title="step time")
+    values = sorted({r["value"] for r in rows})
     for ax in (mem, step):
+        ax.set_xticks(values)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
