@@ -205,7 +205,7 @@ def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
         pred = predict_memory(config, par, seq_len=a.seq_len, micro_batch_size=rows, dtype=dtype)
         row["predicted_mib"] = pred.peak_bytes / 2**20
     except Exception as e:  # a missing prediction must not lose the measurement
-        row["reason"] = f"no prediction: {type(e).__name__}: {e}"
+        row["reason"] = f"no prediction: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
     if args.estimate:
         try:
             from ..memory import estimate_step_memory

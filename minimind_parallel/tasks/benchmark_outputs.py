@@ -59,7 +59,8 @@ def fill_memory(row: dict, peak_bytes: int, breakdown: dict) -> None:
 def fail(row: dict, error: BaseException) -> None:
     oom = isinstance(error, MemoryError) or "out of memory" in str(error).lower() or \
         type(error).__name__ == "OutOfMemoryError"
-    row["status"], row["reason"] = ("oom" if oom else "failed"), f"{type(error).__name__}: {error}"
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    row["status"], row["reason"] = ("oom" if oom else "failed"), f"{type(error).__name__}: {first_line}"[:300]
 
 
 ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:?\s*)?([\w.]*(?:Error|Exception)\b.*)$")
