@@ -93,6 +93,7 @@ BAD = [
     (["--kind", "profile", "--tp_size", "2", "--"], "--kind profile is not implemented yet"),
     (["--tp_size", "2", "--", "--num_microbatches", "2"], "num_microbatches > 1 needs pipeline parallelism"),
     (["--tp_size", "2", "--", "--benchmark_iters", "0"], "benchmark_iters must be >= 1"),
+    (["--tp_size", "2", "--", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
     (["--kind", "memory", "--tp_size", "2", "--", "--kind", "throughput"], "--kind given twice"),
     (["--tp_size", "2", "--", "--batch_policy", "per_node"], "invalid choice"),
 ]

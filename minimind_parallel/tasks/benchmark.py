@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from .. import cli
 from ..config import ConfigError, ParallelConfig, check_layout
@@ -144,6 +145,9 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
             raise ConfigError(f"{name} must be >= 1; got {name}={getattr(args, name)}")
     if args.warmup_iters < 0:
         raise ConfigError(f"warmup_iters must be >= 0; got warmup_iters={args.warmup_iters}")
+    if args.dtype == "float16" and not args.estimate:
+        raise ConfigError("float16 parameters cannot take AdamW steps (eps=1e-8 underflows to 0 in float16); "
+                          "got --dtype float16: use bfloat16, or --estimate")
     if args.num_microbatches != 1 and launch.pp_size == 1:
         raise ConfigError(f"num_microbatches > 1 needs pipeline parallelism; got num_microbatches="
                           f"{args.num_microbatches}, pp_size={launch.pp_size}")
@@ -168,13 +172,14 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     kind = kind_of(launch, args)
     cells = check_benchmark(launch, args, kind)  # ConfigError -> one line, exit 2 (cli.main)
     paths = outputs.default_paths(args, kind)
+    if kind == "throughput" and args.batch_policy == "fixed_per_rank":
+        print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
     device = "cpu (estimate)" if args.estimate else cli.resolve_device(launch)
     print(f"benchmark: kind={kind} device={device} modes={' '.join(args.modes)} "
           f"{cells[0].swept}={getattr(args, cells[0].swept)} batch_policy={batch_policy(kind, args)} "
           f"dtype={args.dtype} world={cli.parallel_config(launch, args).world_size}", flush=True)
     table = outputs.Table(cells[0].swept, kind)
     rows: list[dict] = []
-    from tqdm import tqdm
     bar = tqdm(cells, desc="benchmark", unit="cell", file=sys.stderr, dynamic_ncols=True)
     print(table.header(), flush=True)
     for cell in bar:
@@ -199,38 +204,43 @@ def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
     config, par = cli.model_config(a), cell_parallel(launch, a, cell.mode)
     rows = rows_per_rank(kind, args, par, launch)
     row = outputs.new_row(kind, cell, par, a, rows * par.dp, estimate=args.estimate)
-    dtype = DTYPES[args.dtype]
-    try:
+    sizes = dict(seq_len=a.seq_len, micro_batch_size=rows, dtype=DTYPES[args.dtype])
+    try:  # a missing prediction must not lose the measurement
         from ..memory import predict_memory
-        pred = predict_memory(config, par, seq_len=a.seq_len, micro_batch_size=rows, dtype=dtype)
-        row["predicted_mib"] = pred.peak_bytes / 2**20
-    except Exception as e:  # a missing prediction must not lose the measurement
-        row["reason"] = f"no prediction: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+        row["predicted_mib"] = predict_memory(config, par, **sizes).peak_bytes / outputs.MIB
+    except Exception as e:
+        row["reason"] = "no prediction: " + outputs.one_line(e)
     if args.estimate:
         try:
             from ..memory import estimate_step_memory
-            report = estimate_step_memory(config, par, seq_len=a.seq_len, micro_batch_size=rows, dtype=dtype, iters=2)
+            report = estimate_step_memory(config, par, iters=2, **sizes)
             outputs.fill_memory(row, report.peak_bytes, report.breakdown)
         except Exception as e:
             outputs.fail(row, e)
-        return row
+    else:
+        launch_cell(launch, argv, cell, par, a.async_communication, row, paths)
+    return row
+
+
+def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communication: bool, row: dict, paths) -> None:
+    """The cell's torchrun job: the same command line narrowed to this cell, plus where to put the result."""
+    log = os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        log = os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")
         head, tail = cli.split_argv(argv)
         worker_argv = [*head, "--", *tail, "--modes", cell.mode, "--num_hidden_layers", str(cell.num_hidden_layers),
                        "--seq_len", str(cell.seq_len), "--result_json", result_path]
-        code = cli.run_torchrun(launch, par.world_size, worker_argv, async_communication=a.async_communication,
-                                log=log)
+        code = cli.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication, log=log)
+        result = None
         if os.path.exists(result_path):
             with open(result_path) as f:
                 result = json.load(f)
-            row["step_ms"], row["tokens_per_s"] = result["step_ms"], result["tokens_per_s"]
-            if result.get("peak_bytes") is not None:
-                outputs.fill_memory(row, result["peak_bytes"], result["breakdown"])
-        if code != 0 or not os.path.exists(result_path):
-            row["status"], row["reason"] = outputs.failure_from_log(log, code)
-    return row
+    if code != 0 or result is None:
+        row["status"], row["reason"] = outputs.failure_from_log(log, code)
+        return
+    row["step_ms"], row["tokens_per_s"] = result["step_ms"], result["tokens_per_s"]
+    if result["peak_bytes"] is not None:
+        outputs.fill_memory(row, result["peak_bytes"], result["breakdown"])
 
 
 # ---------------------------------------------------------------- worker side (every rank)
@@ -261,7 +271,7 @@ def run_cell(launch, args, device) -> int:
     groups = ProcessGroups.build(par)
     rows = rows_per_rank(kind, args, par, launch)
     if args.inject_oom in (f"{cell.mode}:{cell.num_hidden_layers}", f"{cell.mode}:{cell.seq_len}"):  # test hook: a cell that dies the way a too-large one does
-        raise torch.OutOfMemoryError(f"injected out-of-memory in cell {cell.name}")
+        raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in cell {cell.name}")
     torch.manual_seed(args.seed)
     dense = MiniMindForCausalLM(config).state_dict()
     model = build_parallel_model(config, par, groups, dense, dtype=DTYPES[args.dtype], device=device)

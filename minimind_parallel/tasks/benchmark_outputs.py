@@ -56,11 +56,15 @@ def fill_memory(row: dict, peak_bytes: int, breakdown: dict) -> None:
         row["deviation_pct"] = 100 * row["deviation_mib"] / row["predicted_mib"] if row["predicted_mib"] else None
 
 
+def one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def fail(row: dict, error: BaseException) -> None:
     oom = isinstance(error, MemoryError) or "out of memory" in str(error).lower() or \
         type(error).__name__ == "OutOfMemoryError"
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    row["status"], row["reason"] = ("oom" if oom else "failed"), f"{type(error).__name__}: {first_line}"[:300]
+    row["status"], row["reason"] = ("oom" if oom else "failed"), one_line(error)
 
 
 ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:?\s*)?([\w.]*(?:Error|Exception)\b.*)$")
