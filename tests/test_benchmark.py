@@ -197,4 +197,5 @@ def test_a_real_sweep_under_torchrun_records_an_out_of_memory_cell_and_goes_on(t
     ddp = rows[1]
     assert float(ddp["step_ms"]) > 0 and float(ddp["tokens_per_s"]) > 0 and float(ddp["peak_mib"]) > 0
     assert ddp["dp"] == "2" and ddp["global_batch"] == "4"  # fixed_per_rank: 2 rows on each of 2 replicas
+    assert float(ddp["tokens_per_s"]) == pytest.approx(4 * 16 / (float(ddp["step_ms"]) / 1e3))
     assert "ddp" in r.stdout and "1 of 2 cells ok" in r.stdout
