@@ -179,9 +179,12 @@ def test_rows_are_written_as_each_cell_finishes(monkeypatch, tmp_path):
 def test_estimate_runs_in_process_and_launches_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp_sp_async", "--num_hidden_layers", "1",
-                     "2", *TINY, "--estimate", *outputs(tmp_path)]) == 0
+                     *TINY, "--seq_len", "16", "32", "--estimate", *outputs(tmp_path)]) == 0
     rows = read_csv(tmp_path / "b.csv")
-    assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"} and {r["estimate"] for r in rows} == {"True"}
+    assert [(r["mode"], r["swept"], r["value"]) for r in rows] == [
+        ("ddp", "seq_len", "16"), ("tp_sp_async", "seq_len", "16"), ("ddp", "seq_len", "32"),
+        ("tp_sp_async", "seq_len", "32")]
+    assert {r["status"] for r in rows} == {"ok"} and {r["estimate"] for r in rows} == {"True"}
     assert all(float(r["peak_mib"]) > 0 for r in rows)
     assert {r["step_ms"] for r in rows} == {""}  # nothing ran, nothing timed
 
