@@ -86,11 +86,10 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: in
 
 
 def write_outputs(result: dict, out_dir: str, title: str = "") -> None:
-    """report.json (per-rank reports without their timelines, and the mean) and timeline.png."""
+    """report.json (the mean over ranks, and every rank's report) and timeline.png."""
     from .timeline import plot_timelines
-    slim = [{k: v for k, v in r.items() if k != "timeline"} for r in result["ranks"]]
     with open(os.path.join(out_dir, "report.json"), "w") as f:
-        json.dump(dict(title=title, summary=result["summary"], ranks=slim), f, indent=1)
+        json.dump(dict(title=title, summary=result["summary"], ranks=result["ranks"]), f, indent=1)
     plot_timelines({title or "profile": [r["timeline"] for r in result["ranks"]]},
                    os.path.join(out_dir, "timeline.png"))
 
