@@ -90,7 +90,7 @@ BAD = [
     (["--kind", "throughput", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "1"],
      "fixed_global"),
     (["--kind", "throughput", "--tp_size", "2", "--", "--estimate"], "--estimate measures memory"),
-    (["--kind", "profile", "--tp_size", "2", "--"], "--kind profile is not implemented yet"),
+    (["--kind", "profile", "--tp_size", "2", "--", "--estimate"], "--estimate measures memory without running kernels; got --kind profile"),
     (["--tp_size", "2", "--", "--num_microbatches", "2"], "num_microbatches > 1 needs pipeline parallelism"),
     (["--tp_size", "2", "--", "--benchmark_iters", "0"], "benchmark_iters must be >= 1"),
     (["--tp_size", "2", "--", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),

@@ -31,8 +31,9 @@ def profile_cell(model, optimizer, groups, ids, labels, args, device) -> dict:
 
 
 def compare_cells(csv_path: str, cells) -> str | None:
-    """Side by side: one row per finished cell. Writes <stem>_profile.json and <stem>_timeline.png
-    (one panel per cell, one step per rank); returns the table (None when no cell finished)."""
+    """Each finished cell's report, then the cells side by side. Writes <stem>_profile.json and
+    <stem>_timeline.png (one panel per cell, one step per rank); returns the text (None when no
+    cell finished)."""
     from .timeline import plot_timelines
     summaries, timelines = {}, {}
     for cell in cells:
@@ -49,4 +50,5 @@ def compare_cells(csv_path: str, cells) -> str | None:
     with open(stem + "_profile.json", "w") as f:
         json.dump(summaries, f, indent=1)
     plot_timelines(timelines, stem + "_timeline.png")
-    return format_comparison(summaries)
+    details = [format_report(s, f"{name}: ") for name, s in summaries.items()]
+    return "\n\n".join([*details, format_comparison(summaries)])
