@@ -78,3 +78,16 @@ def test_gpu_trace_uses_nccl_kernels():
     c = r["collectives"]["all_gather"]
     assert c["overlap"] == pytest.approx(0.5)
     assert (r["compute_ms"], r["exposed_comm_ms"], r["idle_ms"]) == pytest.approx((0.060, 0.020, 0.020))
+
+
+def test_peer_wait_splits_a_span_into_waiting_for_the_late_rank_and_transfer():
+    from minimind_parallel.profiling.overlap import mean_over_ranks
+    base = dict(steps=1, step_ms=1.0, compute_ms=0.5, exposed_comm_ms=0.5, idle_ms=0.0)
+    coll = dict(count=2, time_ms=0.1, overlap=0.0, overlap_wgrad=0.0, exposed_ms=0.1, wait_ms=0.0, by_phase={})
+    # rank 0 starts both collectives 30 us before rank 1; each ends at the same time on both
+    r0 = dict(base, collectives={"all_gather": coll}, spans=[("all_gather", 0, 50), ("all_gather", 100, 150)])
+    r1 = dict(base, collectives={"all_gather": coll}, spans=[("all_gather", 30, 50), ("all_gather", 130, 150)])
+    got = mean_over_ranks([r0, r1])["collectives"]["all_gather"]["peer_wait_ms"]
+    assert got == pytest.approx((30 + 30) * 1e-3 / 2)  # rank 0 waited 2 x 30 us, rank 1 none; mean of ranks
+    r1["spans"] = [("all_gather", 30, 50), ("reduce_scatter", 130, 150)]  # sequences differ: no pairing
+    assert "peer_wait_ms" not in mean_over_ranks([r0, r1])["collectives"]["all_gather"]

@@ -181,6 +181,7 @@ def analyze(trace: dict, *, timeline_step: int = -1) -> dict:
             overlap_wgrad=with_wgrad / total if total else 0.0, exposed_ms=(total - overlapped) * ms,
             wait_ms=length(intersect(named(f"wait:{kind}"), windows)) * ms,
             by_phase={p: k / n for p, k in by_phase.items() if k})
+    report["spans"] = [(c["kind"], *c["span"]) for c in sorted(colls, key=lambda c: c["issue"])]
     report["timeline"] = _timeline(_span(steps[timeline_step]), compute, wgrad, phases, colls)
     return report
 
@@ -206,26 +207,47 @@ def format_report(report: dict, title: str = "") -> str:
     lines = [f"{title}step {r['step_ms']:.2f} ms = compute {r['compute_ms']:.2f} + exposed comm "
              f"{r['exposed_comm_ms']:.2f} + idle {r['idle_ms']:.2f}",
              f"{'collective':<15}{'count':>7}{'time ms':>10}{'overlap':>9}{'w/ wgrad':>10}{'exposed ms':>12}"
-             f"{'wait ms':>9}  by phase"]
+             f"{'wait() ms':>11}{'peer wait':>11}  by phase"]
     for kind, c in r["collectives"].items():
         phases = " ".join(f"{p}={v:g}" for p, v in c["by_phase"].items())
+        peer = f"{c['peer_wait_ms']:.2f}" if "peer_wait_ms" in c else "-"
         lines.append(f"{kind:<15}{c['count']:>7g}{c['time_ms']:>10.2f}{c['overlap']:>9.0%}{c['overlap_wgrad']:>10.0%}"
-                     f"{c['exposed_ms']:>12.2f}{c['wait_ms']:>9.2f}  {phases}")
+                     f"{c['exposed_ms']:>12.2f}{c['wait_ms']:>11.2f}{peer:>11}  {phases}")
     return "\n".join(lines)
 
 
+def peer_wait(reports: list[dict]) -> dict[str, float]:
+    """ms per step, per kind, that a collective's span spent waiting for a later peer to start it:
+    the n-th collective of every rank is the same call, so max(start over ranks) - own start is
+    the wait and end - max(start) the transfer. Valid when the ranks share a clock (one machine);
+    {} when the ranks' collective sequences differ (e.g. several TP groups under DP)."""
+    seqs = [r["spans"] for r in reports]
+    if any([k for k, *_ in s] != [k for k, *_ in seqs[0]] for s in seqs):
+        return {}
+    out: dict[str, float] = {}
+    for same_call in zip(*seqs):
+        latest = max(start for _, start, _ in same_call)
+        for kind, start, end in same_call:
+            out[kind] = out.get(kind, 0.0) + min(latest, end) - start
+    return {k: v * 1e-3 / reports[0]["steps"] / len(reports) for k, v in out.items()}
+
+
 def mean_over_ranks(reports: list[dict]) -> dict:
-    """Times and shares averaged over ranks (counts are the same on every rank of a TP layout)."""
+    """Times and shares averaged over ranks (counts are the same on every rank of a TP layout),
+    with each kind's `peer_wait_ms` (see peer_wait) when the ranks can be lined up."""
     first = reports[0]
     avg = lambda get: sum(get(r) for r in reports) / len(reports)  # noqa: E731
     out = {k: avg(lambda r, k=k: r[k]) for k in ("step_ms", "compute_ms", "exposed_comm_ms", "idle_ms")}
     out["steps"], out["collectives"] = first["steps"], {}
+    waits = peer_wait(reports) if all("spans" in r for r in reports) else {}
     for kind, c in first["collectives"].items():
         present = [r["collectives"][kind] for r in reports if kind in r["collectives"]]
         mean = lambda key: sum(p[key] for p in present) / len(present)  # noqa: E731
         out["collectives"][kind] = dict(count=c["count"], by_phase=c["by_phase"],
                                         **{k: mean(k) for k in ("time_ms", "overlap", "overlap_wgrad",
                                                                 "exposed_ms", "wait_ms")})
+        if kind in waits:
+            out["collectives"][kind]["peer_wait_ms"] = waits[kind]
     return out
 
 

@@ -21,7 +21,8 @@ def plot_timelines(runs: dict[str, list[dict]], path: str) -> None:
     from matplotlib.patches import Patch
 
     rows = sum(len(t) for t in runs.values())
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 0.9 + 1.1 * rows), squeeze=False)
+    height = 0.6 + 0.5 * len(runs) + 1.1 * rows  # inches: legend, titles and axes, lanes
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, height), squeeze=False)
     used = set()
     for ax, (title, timelines) in zip(axes[:, 0], runs.items()):
         ticks, labels = [], []
@@ -44,6 +45,6 @@ def plot_timelines(runs: dict[str, list[dict]], path: str) -> None:
     used |= {"compute", "wgrad"}
     fig.legend(handles=[Patch(color=COLORS[k], label=k) for k in COLORS if k in used],
                loc="lower center", ncol=min(8, len(used)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.6 / height, 1, 1))
     fig.savefig(path, dpi=80)
     plt.close(fig)
