@@ -68,6 +68,7 @@ def test_only_step_windows_count_and_times_are_per_step():
     assert set(r["collectives"]) == {"all_gather"}      # the barrier between the steps is left out
     c = r["collectives"]["all_gather"]
     assert c["count"] == 1 and c["by_phase"] == {"forward": 1}
+    assert c["overlap_by_phase"] == {"forward": pytest.approx(20 / 30)}
     assert c["time_ms"] == pytest.approx(0.030) and c["overlap"] == pytest.approx(20 / 30)
     assert r["step_ms"] == pytest.approx(0.100)
 

@@ -99,6 +99,12 @@ def _inside(t: float, xs: list[Interval]) -> bool:
     return any(a <= t <= b for a, b in xs)
 
 
+def _share(spans: list[list[Interval]], xs: list[Interval]) -> float:
+    """The fraction of the spans' total length that lies inside xs."""
+    total = sum(length(s) for s in spans)
+    return sum(length(intersect(s, xs)) for s in spans) / total if total else 0.0
+
+
 # ---- reading a trace ----------------------------------------------------------------------------
 
 def _span(e) -> Interval:
@@ -173,14 +179,13 @@ def analyze(trace: dict, *, timeline_step: int = -1) -> dict:
             continue
         spans = [[c["span"]] for c in mine]
         total = sum(length(s) for s in spans)
-        overlapped = sum(length(intersect(s, compute)) for s in spans)
-        with_wgrad = sum(length(intersect(s, wgrad)) for s in spans)
-        by_phase = {p: sum(1 for c in mine if _inside(c["issue"], phases[p])) for p in PHASES}
+        in_phase = {p: [s for c, s in zip(mine, spans) if _inside(c["issue"], phases[p])] for p in PHASES}
         report["collectives"][kind] = dict(
-            count=len(mine) / n, time_ms=total * ms, overlap=overlapped / total if total else 0.0,
-            overlap_wgrad=with_wgrad / total if total else 0.0, exposed_ms=(total - overlapped) * ms,
+            count=len(mine) / n, time_ms=total * ms, overlap=_share(spans, compute),
+            overlap_wgrad=_share(spans, wgrad), exposed_ms=(1 - _share(spans, compute)) * total * ms,
             wait_ms=length(intersect(named(f"wait:{kind}"), windows)) * ms,
-            by_phase={p: k / n for p, k in by_phase.items() if k})
+            by_phase={p: len(ss) / n for p, ss in in_phase.items() if ss},
+            overlap_by_phase={p: _share(ss, compute) for p, ss in in_phase.items() if ss})
     report["spans"] = [(c["kind"], *c["span"]) for c in sorted(colls, key=lambda c: c["issue"])]
     report["timeline"] = _timeline(_span(steps[timeline_step]), compute, wgrad, phases, colls)
     return report
@@ -209,7 +214,9 @@ def format_report(report: dict, title: str = "") -> str:
              f"{'collective':<15}{'count':>7}{'time ms':>10}{'overlap':>9}{'w/ wgrad':>10}{'exposed ms':>12}"
              f"{'wait() ms':>11}{'peer wait':>11}  by phase"]
     for kind, c in r["collectives"].items():
-        phases = " ".join(f"{p}={v:g}" for p, v in c["by_phase"].items())
+        share = c.get("overlap_by_phase", {})
+        phases = " ".join(f"{p}={v:g}" + (f" ({share[p]:.0%} ovl)" if share.get(p) else "")
+                          for p, v in c["by_phase"].items())
         peer = f"{c['peer_wait_ms']:.2f}" if "peer_wait_ms" in c else "-"
         lines.append(f"{kind:<15}{c['count']:>7g}{c['time_ms']:>10.2f}{c['overlap']:>9.0%}{c['overlap_wgrad']:>10.0%}"
                      f"{c['exposed_ms']:>12.2f}{c['wait_ms']:>11.2f}{peer:>11}  {phases}")
@@ -243,7 +250,9 @@ def mean_over_ranks(reports: list[dict]) -> dict:
     for kind, c in first["collectives"].items():
         present = [r["collectives"][kind] for r in reports if kind in r["collectives"]]
         mean = lambda key: sum(p[key] for p in present) / len(present)  # noqa: E731
-        out["collectives"][kind] = dict(count=c["count"], by_phase=c["by_phase"],
+        phase_overlap = {p: sum(x.get("overlap_by_phase", {}).get(p, 0.0) for x in present) / len(present)
+                         for p in c["by_phase"]}
+        out["collectives"][kind] = dict(count=c["count"], by_phase=c["by_phase"], overlap_by_phase=phase_overlap,
                                         **{k: mean(k) for k in ("time_ms", "overlap", "overlap_wgrad",
                                                                 "exposed_ms", "wait_ms")})
         if kind in waits:
