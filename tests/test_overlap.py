@@ -53,7 +53,7 @@ def test_partial_overlap_with_the_wgrad_gemm():
                   rng("gloo:all_reduce", 20, 40, tid=GLOO))
     assert set(r["collectives"]) == {"reduce_scatter"}
     c = r["collectives"]["reduce_scatter"]
-    assert c["overlap"] == pytest.approx(0.5) and c["overlap_wgrad"] == pytest.approx(0.5)
+    assert c["overlap"] == pytest.approx(0.5) and c["overlap_wgrad"] == pytest.approx(0.5) and c["overlap_dgrad"] == 0
     assert c["wait_ms"] == pytest.approx(0.020) and c["exposed_ms"] == pytest.approx(0.020)
     assert (r["compute_ms"], r["exposed_comm_ms"], r["idle_ms"]) == pytest.approx((0.068, 0.022, 0.010))
 
@@ -84,7 +84,8 @@ def test_gpu_trace_uses_nccl_kernels():
 def test_peer_wait_splits_a_span_into_waiting_for_the_late_rank_and_transfer():
     from minimind_parallel.profiling.overlap import mean_over_ranks
     base = dict(steps=1, step_ms=1.0, compute_ms=0.5, exposed_comm_ms=0.5, idle_ms=0.0)
-    coll = dict(count=2, time_ms=0.1, overlap=0.0, overlap_wgrad=0.0, exposed_ms=0.1, wait_ms=0.0, by_phase={})
+    coll = dict(count=2, time_ms=0.1, overlap=0.0, overlap_dgrad=0.0, overlap_wgrad=0.0, exposed_ms=0.1, wait_ms=0.0,
+                by_phase={}, overlap_by_phase={})
     # rank 0 starts both collectives 30 us before rank 1; each ends at the same time on both
     r0 = dict(base, collectives={"all_gather": coll}, spans=[("all_gather", 0, 50), ("all_gather", 100, 150)])
     r1 = dict(base, collectives={"all_gather": coll}, spans=[("all_gather", 30, 50), ("all_gather", 130, 150)])

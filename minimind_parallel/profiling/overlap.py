@@ -163,7 +163,7 @@ def analyze(trace: dict, *, timeline_step: int = -1) -> dict:
     else:
         busy = subtract(union(_span(e) for e in main if e.get("cat") == "cpu_op"), in_comm)
     compute = intersect(busy, windows)
-    wgrad = intersect(named(WGRAD), windows)
+    wgrad, dgrad = intersect(named(WGRAD), windows), intersect(named(DGRAD), windows)
     phases = {p: intersect(named(p), windows) for p in PHASES}
 
     colls = [c for c in collectives(events, main_tid) if intersect([c["span"]], windows)]
@@ -182,7 +182,8 @@ def analyze(trace: dict, *, timeline_step: int = -1) -> dict:
         in_phase = {p: [s for c, s in zip(mine, spans) if _inside(c["issue"], phases[p])] for p in PHASES}
         report["collectives"][kind] = dict(
             count=len(mine) / n, time_ms=total * ms, overlap=_share(spans, compute),
-            overlap_wgrad=_share(spans, wgrad), exposed_ms=(1 - _share(spans, compute)) * total * ms,
+            overlap_dgrad=_share(spans, dgrad), overlap_wgrad=_share(spans, wgrad),
+            exposed_ms=(1 - _share(spans, compute)) * total * ms,
             wait_ms=length(intersect(named(f"wait:{kind}"), windows)) * ms,
             by_phase={p: len(ss) / n for p, ss in in_phase.items() if ss},
             overlap_by_phase={p: _share(ss, compute) for p, ss in in_phase.items() if ss})
@@ -193,7 +194,9 @@ def analyze(trace: dict, *, timeline_step: int = -1) -> dict:
 
 def _timeline(window: Interval, compute, wgrad, phases, colls) -> dict:
     """Intervals of one step, in ms from its start, for timeline.py."""
-    clip = lambda xs: [((a - window[0]) / 1e3, (b - window[0]) / 1e3) for a, b in intersect(union(xs), [window])]  # noqa: E731
+    def clip(xs):
+        return [((a - window[0]) / 1e3, (b - window[0]) / 1e3) for a, b in intersect(union(xs), [window])]
+
     return dict(step_ms=(window[1] - window[0]) / 1e3, compute=clip(compute), wgrad=clip(wgrad),
                 phases={p: clip(v) for p, v in phases.items()},
                 comm={k: clip([c["span"] for c in colls if c["kind"] == k]) for k in KINDS
@@ -211,14 +214,16 @@ def format_report(report: dict, title: str = "") -> str:
     r = report
     lines = [f"{title}step {r['step_ms']:.2f} ms = compute {r['compute_ms']:.2f} + exposed comm "
              f"{r['exposed_comm_ms']:.2f} + idle {r['idle_ms']:.2f}",
-             f"{'collective':<15}{'count':>7}{'time ms':>10}{'overlap':>9}{'w/ wgrad':>10}{'exposed ms':>12}"
+             f"{'collective':<15}{'count':>7}{'time ms':>10}{'overlap':>9}{'w/ dgrad':>10}{'w/ wgrad':>10}"
+             f"{'exposed ms':>12}"
              f"{'wait() ms':>11}{'peer wait':>11}  by phase"]
     for kind, c in r["collectives"].items():
-        share = c.get("overlap_by_phase", {})
+        share = c["overlap_by_phase"]
         phases = " ".join(f"{p}={v:g}" + (f" ({share[p]:.0%} ovl)" if share.get(p) else "")
                           for p, v in c["by_phase"].items())
         peer = f"{c['peer_wait_ms']:.2f}" if "peer_wait_ms" in c else "-"
-        lines.append(f"{kind:<15}{c['count']:>7g}{c['time_ms']:>10.2f}{c['overlap']:>9.0%}{c['overlap_wgrad']:>10.0%}"
+        lines.append(f"{kind:<15}{c['count']:>7g}{c['time_ms']:>10.2f}{c['overlap']:>9.0%}"
+                     f"{c['overlap_dgrad']:>10.0%}{c['overlap_wgrad']:>10.0%}"
                      f"{c['exposed_ms']:>12.2f}{c['wait_ms']:>11.2f}{peer:>11}  {phases}")
     return "\n".join(lines)
 
@@ -243,18 +248,17 @@ def mean_over_ranks(reports: list[dict]) -> dict:
     """Times and shares averaged over ranks (counts are the same on every rank of a TP layout),
     with each kind's `peer_wait_ms` (see peer_wait) when the ranks can be lined up."""
     first = reports[0]
-    avg = lambda get: sum(get(r) for r in reports) / len(reports)  # noqa: E731
-    out = {k: avg(lambda r, k=k: r[k]) for k in ("step_ms", "compute_ms", "exposed_comm_ms", "idle_ms")}
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    out = {k: mean([r[k] for r in reports]) for k in ("step_ms", "compute_ms", "exposed_comm_ms", "idle_ms")}
     out["steps"], out["collectives"] = first["steps"], {}
     waits = peer_wait(reports) if all("spans" in r for r in reports) else {}
     for kind, c in first["collectives"].items():
         present = [r["collectives"][kind] for r in reports if kind in r["collectives"]]
-        mean = lambda key: sum(p[key] for p in present) / len(present)  # noqa: E731
-        phase_overlap = {p: sum(x.get("overlap_by_phase", {}).get(p, 0.0) for x in present) / len(present)
-                         for p in c["by_phase"]}
-        out["collectives"][kind] = dict(count=c["count"], by_phase=c["by_phase"], overlap_by_phase=phase_overlap,
-                                        **{k: mean(k) for k in ("time_ms", "overlap", "overlap_wgrad",
-                                                                "exposed_ms", "wait_ms")})
+        out["collectives"][kind] = dict(
+            count=c["count"], by_phase=c["by_phase"],
+            overlap_by_phase={p: mean([x["overlap_by_phase"].get(p, 0.0) for x in present]) for p in c["by_phase"]},
+            **{k: mean([x[k] for x in present])
+               for k in ("time_ms", "overlap", "overlap_dgrad", "overlap_wgrad", "exposed_ms", "wait_ms")})
         if kind in waits:
             out["collectives"][kind]["peer_wait_ms"] = waits[kind]
     return out
