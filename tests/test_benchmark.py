@@ -90,7 +90,8 @@ BAD = [
     (["--kind", "throughput", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "1"],
      "fixed_global"),
     (["--kind", "throughput", "--tp_size", "2", "--", "--estimate"], "--estimate measures memory"),
-    (["--kind", "profile", "--tp_size", "2", "--", "--estimate"], "--estimate measures memory without running kernels; got --kind profile"),
+    (["--kind", "profile", "--tp_size", "2", "--", "--estimate"],
+     "--estimate measures memory without running kernels; got --kind profile"),
     (["--tp_size", "2", "--", "--num_microbatches", "2"], "num_microbatches > 1 needs pipeline parallelism"),
     (["--tp_size", "2", "--", "--benchmark_iters", "0"], "benchmark_iters must be >= 1"),
     (["--tp_size", "2", "--", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
@@ -178,12 +179,28 @@ def test_rows_are_written_as_each_cell_finishes(monkeypatch, tmp_path):
 
 def test_estimate_runs_in_process_and_launches_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
-    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "tp_sp", "tp_sp_async",
-                     "--num_hidden_layers", "1", "2", *TINY, "--estimate", *outputs(tmp_path)]) == 0
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp_sp_async", "--num_hidden_layers", "1",
+                     *TINY, "--seq_len", "16", "32", "--estimate", *outputs(tmp_path)]) == 0
     rows = read_csv(tmp_path / "b.csv")
-    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"} and {r["estimate"] for r in rows} == {"True"}
-    assert all(float(r["peak_mib"]) > 0 and float(r["predicted_mib"]) > 0 for r in rows)
+    assert [(r["mode"], r["swept"], r["value"]) for r in rows] == [
+        ("ddp", "seq_len", "16"), ("tp_sp_async", "seq_len", "16"), ("ddp", "seq_len", "32"),
+        ("tp_sp_async", "seq_len", "32")]
+    assert {r["status"] for r in rows} == {"ok"} and {r["estimate"] for r in rows} == {"True"}
+    assert all(float(r["peak_mib"]) > 0 for r in rows)
     assert {r["step_ms"] for r in rows} == {""}  # nothing ran, nothing timed
+
+
+def test_every_row_carries_the_analytic_prediction_and_the_deviation(monkeypatch, tmp_path):
+    from minimind_parallel import memory
+    if not hasattr(memory, "predict_memory"):
+        pytest.skip("predict_memory is not in the memory API yet")
+    run, _ = fake_torchrun(oom_cell=None)
+    monkeypatch.setattr(cli, "run_torchrun", run)
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--num_hidden_layers", "1", *TINY,
+                     *outputs(tmp_path)]) == 0
+    for r in read_csv(tmp_path / "b.csv"):
+        assert float(r["predicted_mib"]) > 0
+        assert float(r["deviation_mib"]) == pytest.approx(float(r["peak_mib"]) - float(r["predicted_mib"]))
 
 
 def test_a_real_sweep_under_torchrun_records_an_out_of_memory_cell_and_goes_on(tmp_path):
@@ -197,4 +214,10 @@ def test_a_real_sweep_under_torchrun_records_an_out_of_memory_cell_and_goes_on(t
     ddp = rows[1]
     assert float(ddp["step_ms"]) > 0 and float(ddp["tokens_per_s"]) > 0 and float(ddp["peak_mib"]) > 0
     assert ddp["dp"] == "2" and ddp["global_batch"] == "4"  # fixed_per_rank: 2 rows on each of 2 replicas
+    assert float(ddp["tokens_per_s"]) == pytest.approx(4 * 16 / (float(ddp["step_ms"]) / 1e3))
     assert "ddp" in r.stdout and "1 of 2 cells ok" in r.stdout
+    # The same cell measured without running it agrees with the run.
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "--num_hidden_layers", "1", *TINY,
+                     "--estimate", "--output_csv", str(tmp_path / "e.csv")]) == 0
+    estimate = read_csv(tmp_path / "e.csv")[0]
+    assert float(estimate["peak_mib"]) == pytest.approx(float(ddp["peak_mib"]), rel=0.02)

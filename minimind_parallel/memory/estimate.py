@@ -16,7 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ..config import MiniMindConfig, ParallelConfig, check_layout
 from ..groups import ProcessGroups
 from ..parallel_model import ParallelMiniMindForCausalLM
-from ..training import make_optimizer, train_step, wrap_data_parallel
+from ..training import make_optimizer, train_step
 from .meter import MemoryMeter
 from .tracker import MemoryReport
 
@@ -37,6 +37,19 @@ def _to_dtype(model, dtype):
     return model
 
 
+def ddp_gradient_buckets(model: nn.Module) -> list[torch.Tensor]:
+    """What DistributedDataParallel adds to memory: its flat gradient buckets, one element per
+    parameter element, in the parameters' dtype, held for the model's lifetime (the grads are
+    copied in, all-reduced, copied back: nothing else stays). DDP itself cannot wrap fake
+    parameters, and its all-reduce changes no shape, so the estimate runs the bare model with
+    these buckets beside it."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return [torch.empty(n, dtype=dt) for dt, n in sizes.items()]
+
+
 def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
                          micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: int = 1,
                          rank: int = 0) -> MemoryReport:
@@ -53,13 +66,15 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
         groups = ProcessGroups.build(par)  # real (fake-backend) groups, built outside the fake mode
         with FakeTensorMode():
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
-            model = wrap_data_parallel(model, groups)
             optimizer = make_optimizer(model, lr=1e-3)
+            buckets = ddp_gradient_buckets(model) if par.dp > 1 else []
             ids = torch.randint(0, model_config.vocab_size, (micro_batch_size, seq_len))
             labels = ids.clone()
             for _ in range(warmup):
                 train_step(model, optimizer, groups, ids, labels)
             meter = MemoryMeter("cpu", model, optimizer)
+            for bucket in buckets:
+                meter.tracker.mark(bucket, "temporaries")
             with meter:
                 for _ in range(iters):
                     train_step(model, optimizer, groups, ids, labels)

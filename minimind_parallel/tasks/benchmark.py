@@ -174,8 +174,10 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     if kind == "throughput" and args.batch_policy == "fixed_per_rank":
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
     device = "cpu (estimate)" if args.estimate else cli.resolve_device(launch)
+    meta = dict(command=["python", "-m", "evaluation.parallel", *argv], kind=kind, device=device,
+                swept=cells[0].swept, batch_policy=batch_policy(kind, args))
     print(f"benchmark: kind={kind} device={device} modes={' '.join(args.modes)} "
-          f"{cells[0].swept}={getattr(args, cells[0].swept)} batch_policy={batch_policy(kind, args)} "
+          f"{cells[0].swept}={getattr(args, cells[0].swept)} batch_policy={meta['batch_policy']} "
           f"dtype={args.dtype} world={cli.parallel_config(launch, args).world_size}", flush=True)
     table = outputs.Table(cells[0].swept, kind)
     rows: list[dict] = []
@@ -187,7 +189,7 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
         outputs.compare_with_previous(row, rows)
         rows.append(row)
         outputs.write_csv(paths.csv, rows)
-        outputs.write_json(paths.json, rows, argv)
+        outputs.write_json(paths.json, rows, meta)
         bar.write(table.line(row))
     bar.close()
     outputs.write_plot(paths.plot, rows, cells[0].swept)
@@ -285,7 +287,7 @@ def run_cell(launch, args, device) -> int:
     model = wrap_data_parallel(model, groups)
     optimizer = make_optimizer(model, args.learning_rate)
     ids, labels = shared_batch(config, groups, rows * par.dp, a.seq_len, args.seed + 1, device)
-    result = measure(kind, model, optimizer, groups, ids, labels, args, device)
+    result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
     global_tokens = rows * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
     if dist.get_rank() == 0 and args.result_json:
@@ -297,11 +299,7 @@ def run_cell(launch, args, device) -> int:
 
 def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     """Median step time over the measured iterations, max over ranks; with kind memory the
-    worst rank's peak (MemoryMeter around the measured iterations); with kind profile the
-    profiled steps' time and overlap report (profiling/sweep.py)."""
-    if kind == "profile":
-        from ..profiling.sweep import profile_cell
-        return profile_cell(model, optimizer, groups, ids, labels, args, device)
+    worst rank's peak (MemoryMeter around the measured iterations)."""
     def timed_step() -> float:
         sync(device)
         t0 = time.perf_counter()
@@ -327,3 +325,10 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     return {"step_ms": 1e3 * max(r["step_s"] for r in ranks),
             "peak_bytes": worst.get("peak_bytes"), "breakdown": worst.get("breakdown"),
             "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks]}
+
+
+def profile(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
+    """Hook for `--kind profile` (the profiling task): trace the measured steps, write the per-rank
+    trace and overlap report, return the same dict as `measure` (step_ms, peak_bytes, breakdown)."""
+    from ..profiling.sweep import profile_cell
+    return profile_cell(model, optimizer, groups, ids, labels, args, device)

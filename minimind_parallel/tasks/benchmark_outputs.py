@@ -147,8 +147,9 @@ def write_csv(path: str, rows: list[dict]) -> None:
     _atomic_write(path, write)
 
 
-def write_json(path: str, rows: list[dict], argv: list[str]) -> None:
-    _atomic_write(path, lambda f: json.dump({"command": argv, "rows": rows}, f, indent=1))
+def write_json(path: str, rows: list[dict], meta: dict) -> None:
+    """{"command": ..., "kind": ..., "device": ..., "swept": ..., "rows": [one per finished cell]}"""
+    _atomic_write(path, lambda f: json.dump({**meta, "rows": rows}, f, indent=1))
 
 
 def write_plot(path: str, rows: list[dict], swept: str) -> None:
