@@ -155,7 +155,10 @@ def analyze(trace: dict, *, timeline_step: int = -1) -> dict:
     main_tid = steps[0]["tid"]
     windows = union(_span(e) for e in steps)
     main = [e for e in events if e.get("tid") == main_tid]
-    named = lambda *names: union(_span(e) for e in main if e["name"].startswith(names))  # noqa: E731
+
+    def named(*prefixes) -> list[Interval]:
+        return union(_span(e) for e in main if e["name"].startswith(prefixes))
+
     in_comm = named("comm:", "wait:", "c10d::")
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if kernels:
