@@ -9,3 +9,6 @@ from .meter import MemoryMeter
 from .tracker import CATEGORIES, MemoryReport, StorageTracker
 
 __all__ = ["CATEGORIES", "MemoryMeter", "MemoryReport", "StorageTracker", "estimate_step_memory"]
+from .analytic import MemoryPrediction, activations_by_kind, parameter_shapes, predict_memory  # noqa: E402
+
+__all__ += ["MemoryPrediction", "activations_by_kind", "parameter_shapes", "predict_memory"]

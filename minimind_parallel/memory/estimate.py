@@ -17,6 +17,7 @@ from ..config import MiniMindConfig, ParallelConfig, check_layout
 from ..groups import ProcessGroups
 from ..parallel_model import ParallelMiniMindForCausalLM
 from ..training import make_optimizer, train_step
+from .analytic import as_dtype
 from .meter import MemoryMeter
 from .tracker import MemoryReport
 
@@ -58,6 +59,7 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
     if par.pp > 1 or par.cp > 1:
         raise NotImplementedError("estimate_step_memory: pipeline / context parallelism not supported yet")
     check_layout(model_config, par, seq_len=seq_len)
+    dtype = as_dtype(dtype)
     if dist.is_initialized():
         raise RuntimeError("estimate_step_memory needs its own (fake) process group; "
                            "call it from a process without torch.distributed initialised")
@@ -72,9 +74,7 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
             labels = ids.clone()
             for _ in range(warmup):
                 train_step(model, optimizer, groups, ids, labels)
-            meter = MemoryMeter("cpu", model, optimizer)
-            for bucket in buckets:
-                meter.tracker.mark(bucket, "temporaries")
+            meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets))
             with meter:
                 for _ in range(iters):
                     train_step(model, optimizer, groups, ids, labels)

@@ -20,10 +20,14 @@ from .tracker import CATEGORIES, MemoryReport, StorageTracker
 
 
 class MemoryMeter:
-    def __init__(self, device, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, device, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 also_alive: tuple[torch.Tensor, ...] = (), detail: bool = False):
+        """also_alive: tensors alive through the window that no op touches (counted as
+        temporaries); detail: see StorageTracker. Each `with meter:` is a fresh measurement."""
         self.device = torch.device(device)
         self.model, self.optimizer = model, optimizer
-        self.tracker = StorageTracker()
+        self.also_alive, self.detail = also_alive, detail
+        self.tracker = StorageTracker(detail=detail)
         self._handles = []
         self._cuda_peak = None
 
@@ -48,7 +52,10 @@ class MemoryMeter:
                 self.tracker.mark(v, "optimizer")
 
     def __enter__(self):
+        self.tracker = StorageTracker(detail=self.detail)
         self._register_state()
+        for t in self.also_alive:
+            self.tracker.mark(t, "temporaries")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -15,9 +15,9 @@ Categories (each storage has exactly one; the first that applies wins):
 
 A storage first seen as the input of an op, never as an output, existed before the window (the
 batch, DDP's buckets); it was alive all along, so it is counted from the start, the peak included.
-Except inside a collective (torch.distributed or our comm.py on the stack): there such a storage is the backend's own buffer (gloo's
-reduce-scatter works on a copy it makes out of our sight), the kind NCCL keeps outside the CUDA
-allocator too; it is not counted.
+Except inside a collective (torch.distributed or our comm.py on the Python stack): there such a
+storage is the backend's own buffer (gloo's reduce-scatter works on a copy it makes out of our
+sight), the kind NCCL keeps outside the CUDA allocator too; it is not counted.
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 from ..tensor_parallel import comm
 
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 # Python files whose frames mean "a collective is running" (comm.py holds every TP collective
 # and its wait()).
 _COLLECTIVE_FILES = (dist.distributed_c10d.__file__, comm.__file__)
@@ -53,9 +53,17 @@ class MemoryReport:
     def breakdown_mib(self) -> dict[str, float]:
         return {k: v / 2**20 for k, v in self.breakdown.items()}
 
+    def as_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, **self.breakdown}
+
+    @staticmethod
+    def worst(reports: list["MemoryReport"]) -> "MemoryReport":
+        """The worst rank's report (e.g. of dist.all_gather_object over the ranks)."""
+        return max(reports, key=lambda r: r.peak_bytes)
+
 
 def _inside_collective() -> bool:
-    """Is a torch.distributed call on this thread's Python stack?"""
+    """Is a collective (torch.distributed, or our comm.py incl. its wait()) on this thread's stack?"""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename in _COLLECTIVE_FILES:
@@ -64,12 +72,20 @@ def _inside_collective() -> bool:
     return False
 
 
+def _describe(func, out) -> str:
+    shapes = [f"{tuple(t.shape)}:{str(t.dtype)[6:]}" for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return f"{func.__name__} -> {' '.join(shapes)}"
+
+
 class StorageTracker(TorchDispatchMode):
     """`with StorageTracker() as t: ...` then `t.report()`. Register known storages with `mark`."""
 
-    def __init__(self):
+    def __init__(self, *, detail: bool = False):
+        """detail=True also keeps, for the peak, every live storage with the op that made it
+        (`peak_items`) and the op at the peak (`peak_op`): slow, for finding out what is there."""
         super().__init__()
-        self._entries: dict[int, list] = {}  # id(storage) -> [nbytes, category, weakref]
+        self.detail, self.peak_items, self.peak_op, self._op = detail, [], None, None
+        self._entries: dict[int, list] = {}  # id(storage) -> [nbytes, category, weakref, origin]
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
         self.peak_breakdown = dict(self.live)
@@ -98,7 +114,7 @@ class StorageTracker(TorchDispatchMode):
             self.live[category] += entry[0]
             entry[1] = category
             if self.live_bytes == self.peak_bytes:  # still at the peak: refine its breakdown
-                self.peak_breakdown = dict(self.live)
+                self._snapshot()
 
     def _add(self, st: torch.UntypedStorage, category: str) -> None:
         key, nbytes = id(st), st.nbytes()
@@ -110,7 +126,7 @@ class StorageTracker(TorchDispatchMode):
                 if entry is not None:
                     live[entry[1]] -= entry[0]
 
-        entries[key] = [nbytes, category, weakref.ref(st, freed)]
+        entries[key] = [nbytes, category, weakref.ref(st, freed), self._op if self.detail else None]
         live[category] += nbytes
 
     def _see(self, t: torch.Tensor, *, is_input: bool, foreign: set) -> None:
@@ -135,14 +151,20 @@ class StorageTracker(TorchDispatchMode):
         first seen now was alive at every earlier moment, the peak included."""
         self.peak_bytes += nbytes
         self.peak_breakdown["temporaries"] += nbytes
+        if self.detail:
+            self.peak_items.append(("temporaries", nbytes, f"(before the window) {self._op}"))
 
     def _update_peak(self) -> None:
-        total = self.live_bytes
-        if total > self.peak_bytes:
-            self.peak_bytes, self.peak_breakdown = total, dict(self.live)
+        if self.live_bytes > self.peak_bytes:
+            self._snapshot()
 
-    def reset_peak(self) -> None:
+    def _snapshot(self) -> None:
         self.peak_bytes, self.peak_breakdown = self.live_bytes, dict(self.live)
+        if self.detail:
+            self.peak_op = self._op
+            self.peak_items = sorted(((e[1], e[0], e[3]) for e in self._entries.values()), reverse=True)
+
+    reset_peak = _snapshot
 
     def report(self) -> MemoryReport:
         return MemoryReport(peak_bytes=self.peak_bytes, breakdown=dict(self.peak_breakdown))
@@ -152,6 +174,8 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         foreign = set()
         with self._lock:
+            if self.detail:
+                self._op = _describe(func, out)
             for is_input, tree in ((True, (args, kwargs)), (False, out)):
                 for t in tree_flatten(tree)[0]:
                     if isinstance(t, torch.Tensor) and t.device.type != "meta":

@@ -211,7 +211,8 @@ def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
     sizes = dict(seq_len=a.seq_len, micro_batch_size=rows, dtype=DTYPES[args.dtype])
     try:  # a missing prediction must not lose the measurement
         from ..memory import predict_memory
-        row["predicted_mib"] = predict_memory(config, par, **sizes).peak_bytes / outputs.MIB
+        device = "cpu" if args.estimate else cli.resolve_device(launch)
+        row["predicted_mib"] = predict_memory(config, par, device=device, **sizes).peak_bytes / outputs.MIB
     except Exception as e:
         row["reason"] = "no prediction: " + outputs.one_line(e)
     if args.estimate:

@@ -143,7 +143,8 @@ def write_csv(path: str, rows: list[dict]) -> None:
     def write(f):
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
-        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+        w.writerows({k: "" if v is None else round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                    for r in rows)
     _atomic_write(path, write)
 
 

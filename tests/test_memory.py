@@ -1,0 +1,175 @@
+"""Peak memory: the CPU tracker of a real run, the same tracker on fake tensors (--estimate) and
+the analytic model agree, and the seed's two derivations (chapter 4.2.1 and 4.4.2) come out of
+all three, as byte arithmetic in F = b*S*B*H, the bytes of one full-sequence [S, B, H] tensor."""
+import pytest
+import torch
+
+from distributed import run_ranks
+from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
+from minimind_parallel.memory import (MemoryMeter, StorageTracker, estimate_step_memory, predict_memory)
+from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
+from minimind_parallel.validation import make_batch
+
+S, B, T = 32, 2, 2
+TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                      vocab_size=512, tie_word_embeddings=False, max_position_embeddings=256)
+MODES = {
+    "tp": ParallelConfig(tp=T),
+    "tp_sp": ParallelConfig(tp=T, sequence_parallel=True),
+    "tp_sp_async": ParallelConfig(tp=T, sequence_parallel=True, async_communication=True),
+    "tp_sp_shared": ParallelConfig(tp=T, sequence_parallel=True, shared_sp_gather=True),
+    "tp_sp_async_vp": ParallelConfig(tp=T, sequence_parallel=True, async_communication=True, vocab_parallel=True),
+    "ddp": ParallelConfig(dp=T),
+}
+
+
+def _measure_real(modes):
+    """On each of T gloo ranks: one warm-up step, then the meter around one step, per mode."""
+    out = {}
+    for name, par in modes.items():
+        groups = ProcessGroups.build(par)
+        torch.manual_seed(0)
+        dense = MiniMindForCausalLM(TINY).state_dict()
+        model = wrap_data_parallel(build_parallel_model(TINY, par, groups, dense, dtype=torch.bfloat16), groups)
+        optimizer = make_optimizer(model, 1e-3)
+        ids, labels = make_batch(0, B, S, TINY.vocab_size)
+        train_step(model, optimizer, groups, ids, labels)
+        meter = MemoryMeter("cpu", model, optimizer)
+        with meter:
+            train_step(model, optimizer, groups, ids, labels)
+        out[name] = meter.report()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    ranks = run_ranks(_measure_real, T, MODES)
+    real = {name: max((r[name] for r in ranks), key=lambda rep: rep.peak_bytes) for name in MODES}
+    estimate = {name: estimate_step_memory(TINY, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16, iters=1)
+                for name, par in MODES.items()}
+    model = {name: predict_memory(TINY, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+             for name, par in MODES.items()}
+    return real, estimate, model
+
+
+def test_tracker_counts_each_storage_once_until_it_is_freed():
+    with StorageTracker() as t:
+        x = torch.empty(1000)              # 4000 B
+        views = [x[10:], x.view(10, 100)]  # views share the storage: no bytes
+        y = x * 2                          # 4000 B more: the peak
+        del x, views, y
+        z = torch.empty(10)                # after the frees only these 40 B are alive
+    assert t.peak_bytes == 8000 and t.live_bytes == 40
+    assert t.report().breakdown["temporaries"] == 8000
+    del z
+
+
+def test_saved_tensors_are_activations():
+    w = torch.randn(8, 8, requires_grad=True)
+    with StorageTracker() as t:
+        a = torch.randn(4, 8)             # temporary, saved by mm: an activation
+        y = (a @ w).sum()
+    assert t.report().breakdown["activations"] == 4 * 8 * 4
+    del y
+
+
+def test_estimate_equals_the_real_cpu_run(measured):
+    """Same tracker, same train_step: fake tensors change no byte (incl. DDP's buckets)."""
+    real, estimate, _ = measured
+    for name in MODES:
+        assert estimate[name].peak_bytes == real[name].peak_bytes, name
+        assert estimate[name].breakdown == real[name].breakdown, name
+        assert sum(real[name].breakdown.values()) == real[name].peak_bytes
+
+
+def _check_model(pred, meas, name):
+    for key in ("params", "grads", "optimizer"):
+        assert pred.breakdown[key] == meas.breakdown[key], (name, key, pred.breakdown, meas.breakdown)
+    assert abs(pred.breakdown["activations"] - meas.breakdown["activations"]) <= 0.01 * meas.breakdown["activations"]
+    assert abs(pred.peak_bytes - meas.peak_bytes) <= 0.01 * meas.peak_bytes, (name, pred.peak_bytes, meas.peak_bytes)
+
+
+def test_analytic_model_matches_the_measurement(measured):
+    real, _, model = measured
+    for name in MODES:
+        _check_model(model[name], real[name], name)
+
+
+@pytest.mark.parametrize("dtype,config", [
+    (torch.float32, dict(vocab_size=128)),                # peak in the last block's MLP backward
+    (torch.bfloat16, dict(vocab_size=128)),               # peak in the final norm's backward
+    (torch.bfloat16, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+])
+def test_analytic_model_matches_estimate_elsewhere(dtype, config):
+    c = MiniMindConfig(**{**TINY.__dict__, **config})
+    for par in (ParallelConfig(tp=T, sequence_parallel=True, vocab_parallel=True), ParallelConfig(tp=T)):
+        meas = estimate_step_memory(c, par, seq_len=S, micro_batch_size=B, dtype=dtype, iters=1)
+        _check_model(predict_memory(c, par, seq_len=S, micro_batch_size=B, dtype=dtype), meas, str(par))
+
+
+def seed_sp_delta(L, *, S, B, H, T, b=2):
+    """Seed 4.2.1: TP only - TP+SP (basic) = L (8F(1-1/T) - 3F) + 4F(1-1/T), F = b S B H.
+    Plus what the seed leaves out: each RMSNorm also saves rsqrt [S, B, 1] in fp32 (4 S B bytes),
+    which SP shrinks by 1/T as well: 2 per block and the final one."""
+    F, rsqrt = b * S * B * H, 4 * S * B
+    shrink = lambda x: x - x // T  # noqa: E731  x (1 - 1/T)
+    return L * (shrink(8 * F) - 3 * F) + shrink(4 * F) + (2 * L + 1) * shrink(rsqrt)
+
+
+def seed_recompute_delta(L, *, S, B, H, T, b=2):
+    """Seed 4.4.2: basic SP - SP recompute = L (5F - 2F/T): five gathered inputs per block become
+    the two local shards (q/k/v share one, gate/up the other)."""
+    F = b * S * B * H
+    return L * (5 * F - 2 * F // T)
+
+
+def test_basic_sp_saves_8F_minus_3F_per_block_and_the_final_norm(measured):
+    want = seed_sp_delta(TINY.num_hidden_layers, S=S, B=B, H=TINY.hidden_size, T=T)
+    for reports in measured:
+        assert reports["tp"].peak_bytes - reports["tp_sp"].peak_bytes == want
+
+
+def test_sp_recompute_saves_5F_minus_2F_over_T_per_block(measured):
+    want = seed_recompute_delta(TINY.num_hidden_layers, S=S, B=B, H=TINY.hidden_size, T=T)
+    for reports in measured:
+        assert reports["tp_sp"].peak_bytes - reports["tp_sp_async"].peak_bytes == want
+
+
+def test_shared_sp_gather_saves_3F_per_block(measured):
+    """--shared_sp_gather: q/k/v and gate/up save one gathered input each, as plain TP does."""
+    F = 2 * S * B * TINY.hidden_size
+    for reports in measured:
+        assert reports["tp_sp"].peak_bytes - reports["tp_sp_shared"].peak_bytes == TINY.num_hidden_layers * 3 * F
+
+
+SEED = dict(hidden_size=768, num_attention_heads=8, num_key_value_heads=4, vocab_size=6400, tie_word_embeddings=False)
+MiB = 2**20
+
+
+@pytest.mark.parametrize("L", [8, 16, 32, 64])
+def test_seed_basic_sp_saves_6L_plus_12_MiB(L):
+    """At the seed's configuration (S 2048, B 2, H 768, T 2, bf16): 6L + 12 MiB, plus the rsqrt
+    rows the seed leaves out: (2L + 1) x 8 KiB."""
+    c = MiniMindConfig(num_hidden_layers=L, **SEED)
+    tp, sp = (predict_memory(c, ParallelConfig(tp=2, sequence_parallel=s), seq_len=2048, micro_batch_size=2,
+                             dtype=torch.bfloat16) for s in (False, True))
+    assert tp.peak_bytes - sp.peak_bytes == (6 * L + 12) * MiB + (2 * L + 1) * 8 * 1024
+
+
+@pytest.mark.parametrize("L", [2, 4, 8, 16, 32])
+def test_seed_sp_recompute_saves_48_MiB_per_layer(L):
+    c = MiniMindConfig(num_hidden_layers=L, **SEED)
+    sp, rc = (predict_memory(c, ParallelConfig(tp=2, sequence_parallel=True, async_communication=a), seq_len=2048,
+                             micro_batch_size=4, dtype=torch.bfloat16) for a in (False, True))
+    assert sp.peak_bytes - rc.peak_bytes == 48 * L * MiB
+
+
+def test_seed_deltas_from_estimate_at_the_seed_configuration():
+    """The fake-tensor measurement at the seed's real sizes (two layers keeps it quick)."""
+    c = MiniMindConfig(num_hidden_layers=2, **SEED)
+    est = {name: estimate_step_memory(c, ParallelConfig(tp=2, **flags), seq_len=2048, micro_batch_size=4,
+                                      dtype=torch.bfloat16, iters=1)
+           for name, flags in {"tp": {}, "sp": dict(sequence_parallel=True),
+                               "rc": dict(sequence_parallel=True, async_communication=True)}.items()}
+    assert est["tp"].peak_bytes - est["sp"].peak_bytes == seed_sp_delta(2, S=2048, B=4, H=768, T=2)
+    assert est["sp"].peak_bytes - est["rc"].peak_bytes == 48 * 2 * MiB
