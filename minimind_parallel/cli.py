@@ -88,6 +88,8 @@ MODES = {
     "tp": dict(),
     "tp_sp": dict(sequence_parallel=True),
     "tp_sp_async": dict(sequence_parallel=True, async_communication=True),
+    "tp_async": dict(async_communication=True),                      # seed 4.4.1
+    "tp_sp_async_shared": dict(sequence_parallel=True, async_communication=True, shared_sp_gather=True),
     "tp_vp": dict(vocab_parallel=True),
     "tp_sp_async_vp": dict(sequence_parallel=True, async_communication=True, vocab_parallel=True),
 }

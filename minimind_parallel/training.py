@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .config import MiniMindConfig, ParallelConfig
 from .groups import ProcessGroups
 from .parallel_model import ParallelMiniMindForCausalLM
+from .profiling.ranges import span
 from .sharding import shard_state_dict
 from .tensor_parallel import comm
 
@@ -63,9 +64,13 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, labels):
     """One optimizer step of the non-pipelined layouts: forward, backward, TP sums, AdamW, zero grads.
     Returns the detached loss of this rank's batch."""
-    loss = model(input_ids, labels).loss
-    loss.backward()
-    finalize_grads(model, groups)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with span("forward"):
+        loss = model(input_ids, labels).loss
+    with span("backward"):
+        loss.backward()
+    with span("finalize_grads"):
+        finalize_grads(model, groups)
+    with span("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss.detach()

@@ -57,6 +57,7 @@ def benchmark_parser() -> argparse.ArgumentParser:
     p.add_argument("--estimate", action="store_true", help="memory under FakeTensorMode, in-process, no kernels")
     # Launcher -> worker plumbing and a test hook; not for users.
     p.add_argument("--result_json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject_oom", default=None, metavar="MODE:VALUE", help=argparse.SUPPRESS)
     return p
 
@@ -136,8 +137,6 @@ def check_cell(launch, args, kind: str, cell: Cell) -> None:
 
 def check_benchmark(launch, args, kind: str) -> list[Cell]:
     """Every constraint of every cell, before anything launches; -> the cells."""
-    if kind == "profile":  # hook: the profiling task lifts this check and fills in `profile`
-        raise ConfigError("--kind profile is not implemented yet; use --kind memory or --kind throughput")
     if args.estimate and kind != "memory":
         raise ConfigError(f"--estimate measures memory without running kernels; got --kind {kind}")
     for name in ("micro_batch_size", "num_microbatches", "benchmark_iters"):
@@ -194,6 +193,9 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
         bar.write(table.line(row))
     bar.close()
     outputs.write_plot(paths.plot, rows, cells[0].swept)
+    if kind == "profile":  # traces and reports per cell; here the modes side by side
+        from ..profiling.sweep import compare_cells
+        print(compare_cells(paths.csv, cells) or "benchmark: no profile finished")
     failed = [r for r in rows if r["status"] != "ok"]
     print(f"benchmark: {len(rows) - len(failed)} of {len(rows)} cells ok; wrote {paths.csv}, {paths.json}, "
           f"{paths.plot}")
@@ -233,6 +235,9 @@ def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communicati
         head, tail = cli.split_argv(argv)
         worker_argv = [*head, "--", *tail, "--modes", cell.mode, "--num_hidden_layers", str(cell.num_hidden_layers),
                        "--seq_len", str(cell.seq_len), "--result_json", result_path]
+        if row["kind"] == "profile":
+            from ..profiling.sweep import cell_dir
+            worker_argv += ["--profile_dir", cell_dir(paths.csv, cell)]
         code = cli.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication, log=log)
         result = None
         if os.path.exists(result_path):
@@ -326,4 +331,5 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
 def profile(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     """Hook for `--kind profile` (the profiling task): trace the measured steps, write the per-rank
     trace and overlap report, return the same dict as `measure` (step_ms, peak_bytes, breakdown)."""
-    raise NotImplementedError("--kind profile is not implemented yet")
+    from ..profiling.sweep import profile_cell
+    return profile_cell(model, optimizer, groups, ids, labels, args, device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..profiling.ranges import span
 from . import comm
 
 
@@ -47,22 +48,26 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
             full, gather = comm.all_gather_dim0(x, ctx.group, async_op=True)   # 1. re-gather input
         else:
             full, gather = x, None
-        dgrad = None
-        for g, w in zip(grads, weights):                                         # dgrad: sum over linears
-            if g is not None:
-                d = g.matmul(w)
-                dgrad = d if dgrad is None else dgrad + d
-        if dgrad is None:
-            dgrad = torch.zeros_like(full)
+        with span("async_linear.dgrad"):
+            dgrad = None
+            for g, w in zip(grads, weights):                                     # dgrad: sum over linears
+                if g is not None:
+                    d = g.matmul(w)
+                    dgrad = d if dgrad is None else dgrad + d
+            if dgrad is None:
+                dgrad = torch.zeros_like(full)
         if ctx.sequence_parallel:
             dgrad, reduce = comm.reduce_scatter_dim0(dgrad, ctx.group, async_op=True)  # 3. RS overlaps wgrad
-            gather.wait()                                                        # 4. full input is back
+            with span("wait:all_gather"):
+                gather.wait()                                                    # 4. full input is back
         else:
             dgrad, reduce = comm.all_reduce(dgrad, ctx.group, async_op=True)     # AR overlaps wgrad
-        wgrads = [_wgrad(g, full) if g is not None else None for g in grads]     # 5. wgrad GEMMs
+        with span("async_linear.wgrad"):
+            wgrads = [_wgrad(g, full) if g is not None else None for g in grads]  # 5. wgrad GEMMs
         bgrads = [g.reshape(-1, g.shape[-1]).sum(0) if (g is not None and has) else None
                   for g, has in zip(grads, ctx.has_bias)]
-        reduce.wait()                                                            # 6. dgrad is complete
+        with span("wait:reduce_scatter" if ctx.sequence_parallel else "wait:all_reduce"):
+            reduce.wait()                                                        # 6. dgrad is complete
         return (dgrad, None, None, None, *wgrads, *bgrads)
 
 

@@ -1,6 +1,7 @@
 """The raw collectives of the tensor-parallel group. Every TP collective in the library goes
 through one of these (the autograd mappings and the async linear call them; layers never call
 `torch.distributed` themselves). `group=None` means a one-rank group: nothing to communicate.
+Each call is a `comm:<kind>` range in a profiler trace (profiling/ranges.py).
 
 Sequence collectives act on dim 0 because activations are sequence-first [S, B, H].
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from ..profiling.ranges import span
 
 # torch >= 2.13 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -45,7 +48,8 @@ def all_reduce(x: torch.Tensor, group, *, async_op: bool = False, op=dist.Reduce
     """In place on `x` (callers pass a tensor they own, e.g. a fresh GEMM output)."""
     if group is None:
         return (x, _Done()) if async_op else x
-    work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    with span("comm:all_reduce"):
+        work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
     return (x, _Started(work)) if async_op else x
 
 
@@ -56,7 +60,8 @@ def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
         return (x, _Done()) if async_op else x
     x = x.contiguous()
     out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _all_gather_single(out, x, group=group, async_op=async_op)
+    with span("comm:all_gather"):
+        work = _all_gather_single(out, x, group=group, async_op=async_op)
     return (out, _Started(work)) if async_op else out
 
 
@@ -67,7 +72,8 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
         return (x, _Done()) if async_op else x
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    with span("comm:reduce_scatter"):
+        work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
     return (out, _Started(work)) if async_op else out
 
 

@@ -1,0 +1,102 @@
+"""A real 2-rank profile: the trace parses, names every phase, and the report counts exactly the
+collectives the layers issue, phase by phase."""
+import json
+import os
+
+import torch
+
+from distributed import run_ranks
+from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
+from minimind_parallel.model import MiniMindForCausalLM
+from minimind_parallel.profiling.ranges import span
+from minimind_parallel.profiling.trace import profile_steps
+from minimind_parallel.training import build_parallel_model, make_optimizer
+from minimind_parallel.validation import make_batch
+
+L = 2  # decoder blocks
+TINY = dict(hidden_size=64, num_hidden_layers=L, num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
+            tie_word_embeddings=False)
+MODES = {
+    "tp": dict(),
+    "tp_sp": dict(sequence_parallel=True),
+    "tp_sp_async": dict(sequence_parallel=True, async_communication=True),
+    "tp_sp_async_shared": dict(sequence_parallel=True, async_communication=True, shared_sp_gather=True),
+}
+
+
+def expected_counts(mode: str) -> dict:
+    """Collectives per step, {kind: {phase: n}}, derived from the layers (T = 2, untied, no VP).
+
+    Per block: 5 column-parallel linears (q, k, v, gate, up), 2 row-parallel (o, down).
+    Model level: a replicated embedding and lm_head; under SP the embedding output is split (its
+    backward all-gathers) and the final hidden state is gathered for the lm_head (its backward
+    only keeps this rank's slice). finalize_grads: one coalesced all-reduce of the norm grads.
+    """
+    finalize = {"all_reduce": {"finalize_grads": 1}}
+    if mode == "tp":  # f: fwd identity / bwd all-reduce per column linear; g: fwd all-reduce per row
+        return {"all_reduce": {"forward": 2 * L, "backward": 5 * L, "finalize_grads": 1}}
+    gathers_fwd = (2 if "shared" in mode else 5) * L       # one gather per column linear, or per region
+    column_bwd = gathers_fwd                               # one dgrad reduce-scatter per gather
+    regather = column_bwd if "async" in mode else 0        # recompute: re-gather the saved local shard
+    return {"all_gather": {"forward": gathers_fwd + 1, "backward": regather + 2 * L + 1},
+            "reduce_scatter": {"forward": 2 * L, "backward": column_bwd}, **finalize}
+
+
+def _profile_modes(out_root):
+    out = {}
+    for mode, flags in MODES.items():
+        par = ParallelConfig(tp=2, **flags)
+        groups = ProcessGroups.build(par)
+        config = MiniMindConfig(**TINY)
+        torch.manual_seed(0)
+        model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
+        ids, labels = make_batch(1, 2, 16, config.vocab_size)
+        result = profile_steps(model, make_optimizer(model, 1e-3), groups, ids, labels, steps=2, warmup=1,
+                               out_dir=os.path.join(out_root, mode), title=mode)
+        out[mode] = result["rank"]
+    return out
+
+
+def test_profile_counts_names_and_outputs(tmp_path):
+    ranks = run_ranks(_profile_modes, 2, str(tmp_path))
+    for mode in MODES:
+        for rank, reports in enumerate(ranks):
+            r = reports[mode]
+            got = {kind: c["by_phase"] for kind, c in r["collectives"].items()}
+            assert got == expected_counts(mode), f"{mode} rank {rank}"
+            assert r["compute_ms"] > 0 and r["idle_ms"] >= 0
+            assert abs(r["compute_ms"] + r["exposed_comm_ms"] + r["idle_ms"] - r["step_ms"]) < 1e-6
+        with open(tmp_path / mode / "trace_rank1.json") as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        names = {e["name"] for e in events}
+        assert {"step 0", "forward", "backward", "block 0 forward", "block 1 backward", "optimizer"} <= names
+        main = next(e["tid"] for e in events if e["name"] == "step 0")
+        kinds = ["comm:all_reduce"] if mode == "tp" else ["comm:all_gather", "comm:reduce_scatter"]
+        assert set(kinds) <= names
+        assert any(e["name"].startswith("gloo:") and e["tid"] != main for e in events)  # gloo's own threads
+        if "async" in mode:
+            assert {"async_linear.dgrad", "async_linear.wgrad", "wait:all_gather", "wait:reduce_scatter"} <= names
+        saved = json.loads((tmp_path / mode / "report.json").read_text())
+        assert len(saved["ranks"]) == 2 and saved["summary"]["collectives"].keys() == r["collectives"].keys()
+        assert (tmp_path / mode / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ranges_are_free_when_not_profiling():
+    import contextlib
+    assert isinstance(span("comm:all_reduce"), contextlib.nullcontext)
+
+
+def test_benchmark_kind_profile_writes_traces_reports_and_the_comparison(tmp_path):
+    import subprocess
+    import sys
+    csv = tmp_path / "p.csv"
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "benchmark", "--kind", "profile", "--tp_size", "2",
+                        "--", "--modes", "tp_sp_async", "--num_hidden_layers", "1", "--seq_len", "16",
+                        "--hidden_size", "64", "--vocab_size", "128", "--warmup_iters", "1", "--benchmark_iters", "1",
+                        "--output_csv", str(csv)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = tmp_path / "p_profiles" / "tp_sp_async_num_hidden_layers1"
+    assert {"trace_rank0.json", "trace_rank1.json", "report.json", "timeline.png"} <= {p.name for p in d.iterdir()}
+    compared = json.loads((tmp_path / "p_profile.json").read_text())
+    assert compared["tp_sp_async:1"]["collectives"]["all_gather"]["count"] == 12 * 1 + 2  # see expected_counts
+    assert (tmp_path / "p_timeline.png").exists() and "tp_sp_async:1" in r.stdout
