@@ -1,0 +1,2 @@
+"""Pipeline parallelism: point-to-point exchange between stages (p2p) and the schedules."""
+from .schedules import SCHEDULES, StepResult, deallocate_output_tensor, forward_backward, split_microbatches
