@@ -1,0 +1,179 @@
+"""Pipeline parallelism: GPipe and 1F1B give the dense model's numbers (loss, logits, every
+gradient of every stage, AdamW steps) alone and with TP/SP/async/VP and DP; tied embeddings
+stay identical across the first and last stage; 1F1B holds at most P microbatches on stage 0
+where GPipe holds M; bad pipeline input is refused before launch; a failing stage ends the job."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups, cli
+from minimind_parallel.model import MiniMindForCausalLM
+from minimind_parallel.pipeline_parallel import deallocate_output_tensor
+from minimind_parallel.training import build_parallel_model, make_optimizer, train_step_detailed
+from minimind_parallel.validation import compare_with_dense, failures, format_report, make_batch
+
+TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
+
+
+def _compare(par, schedule, microbatches, tied, steps=3, perturb=None):
+    groups = ProcessGroups.build(par)
+    return compare_with_dense(MiniMindConfig(**TINY, tie_word_embeddings=tied), par, groups, seq_len=16,
+                              micro_batch_size=2, num_microbatches=microbatches, pp_schedule=schedule,
+                              optimizer_steps=steps, seed=7, perturb=perturb)
+
+
+def assert_pipeline_matches_dense(par, schedule, microbatches, tied=False):
+    rows = run_ranks(_compare, par.world_size, par, schedule, microbatches, tied)[0]
+    names = [r.item for r in rows]
+    # every stage reported: the first stage's embedding, the last layer, the last stage's head
+    for item in ("step 0 loss", "step 0 logits", "grad model.embed_tokens.weight", "grad model.layers.3.mlp.up_proj.weight",
+                 "grad model.norm.weight", "step 3 loss", "param model.layers.0.self_attn.q_proj.weight after 3 steps"):
+        assert item in names, item
+    assert ("grad lm_head.weight" in names) == (not tied or par.pp > 1)  # one name per Parameter
+    assert names.index("grad model.embed_tokens.weight") < names.index("grad model.norm.weight") < names.index("step 1 loss")
+    bad = failures(rows)
+    assert not bad, "\n" + format_report(bad)
+    # forward values and gradients at float32 round-off
+    assert max(r.rel_l2 for r in rows if r.item.startswith(("step", "grad"))) < 2e-5, format_report(rows)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,microbatches", [(2, 1), (2, 2), (2, 5), (4, 1), (4, 4), (4, 9)])
+def test_pipeline_schedules_give_the_dense_numbers(pp, microbatches, schedule):
+    assert_pipeline_matches_dense(ParallelConfig(pp=pp), schedule, microbatches, tied=microbatches % 2 == 1)
+
+
+COMBOS = {
+    "tp2_pp2_sp_async_vp": ParallelConfig(tp=2, pp=2, sequence_parallel=True, async_communication=True,
+                                          vocab_parallel=True),
+    "tp2_pp2_sp_async_shared_vp": ParallelConfig(tp=2, pp=2, sequence_parallel=True, async_communication=True,
+                                                 shared_sp_gather=True, vocab_parallel=True),
+    "tp2_pp2": ParallelConfig(tp=2, pp=2),
+    "dp2_pp2": ParallelConfig(dp=2, pp=2),
+    "dp2_accumulation": ParallelConfig(dp=2),  # one stage: DDP with no_sync until the last microbatch
+}
+
+
+def combo_cases():
+    for name in COMBOS:
+        for schedule in (["gpipe", "1f1b"] if name in ("tp2_pp2_sp_async_vp", "dp2_pp2") else ["1f1b"]):
+            yield pytest.param(COMBOS[name], schedule, id=f"{name}-{schedule}")
+
+
+@pytest.mark.parametrize("par,schedule", list(combo_cases()))
+def test_pipeline_with_tensor_and_data_parallel_gives_the_dense_numbers(par, schedule):
+    assert_pipeline_matches_dense(par, schedule, 3, tied=True)
+
+
+def test_the_checker_catches_a_perturbed_last_stage_shard():
+    par = ParallelConfig(pp=2)
+    rows = run_ranks(_compare, 2, par, "1f1b", 2, False, 1, "model.layers.3.self_attn.o_proj.weight")[0]
+    bad = {r.item for r in failures(rows)}
+    assert {"step 0 logits", "param model.layers.3.self_attn.o_proj.weight after 1 steps"} <= bad
+    assert "grad model.layers.0.self_attn.o_proj.weight" in bad  # the wrong grad travelled back to stage 0
+
+
+def _tied_copies_after_steps(par, schedule):
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(config)
+    initial = dense.lm_head.weight.detach().clone()
+    model = build_parallel_model(config, par, groups, dense.state_dict())
+    opt = make_optimizer(model, 1e-2)
+    for step in range(5):
+        ids, labels = make_batch(step, 6, 16, config.vocab_size)
+        train_step_detailed(model, opt, groups, ids, labels, num_microbatches=3, schedule=schedule)
+    params = dict(model.named_parameters())
+    copy = params.get("model.embed_tokens.weight", params.get("lm_head.weight"))  # None on middle stages
+    initial = initial.chunk(par.tp)[groups.tp_rank] if par.vocab_parallel else initial
+    return groups.pp_rank, None if copy is None else copy.detach().clone(), initial
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(pp=2), ParallelConfig(pp=4),
+                                 ParallelConfig(tp=2, pp=2, sequence_parallel=True, vocab_parallel=True)],
+                         ids=["pp2", "pp4", "tp2_pp2_sp_vp"])
+def test_tied_embeddings_stay_identical_across_first_and_last_stage(par):
+    results = run_ranks(_tied_copies_after_steps, par.world_size, par, "1f1b")
+    for tp_rank in range(par.tp):
+        (first, emb, initial), (last, head, _) = results[tp_rank], results[-par.tp + tp_rank]
+        assert (first, last) == (0, par.pp - 1)
+        assert torch.equal(emb, head), f"tied copies diverged on TP rank {tp_rank}"
+        assert not torch.equal(emb, initial), "the embedding never trained"
+
+
+def _in_flight(par, schedule, microbatches):
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
+    ids, labels = make_batch(0, 2 * microbatches, 16, config.vocab_size)
+    step = train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, labels,
+                               num_microbatches=microbatches, schedule=schedule)
+    return step.max_in_flight
+
+
+@pytest.mark.parametrize("pp,microbatches", [(2, 5), (4, 9)])
+def test_1f1b_holds_at_most_p_microbatches_where_gpipe_holds_m(pp, microbatches):
+    par = ParallelConfig(pp=pp)
+    one_f_one_b = run_ranks(_in_flight, pp, par, "1f1b", microbatches)
+    gpipe = run_ranks(_in_flight, pp, par, "gpipe", microbatches)
+    assert one_f_one_b == [pp - stage for stage in range(pp)]   # stage 0: P; the last stage: 1
+    assert gpipe == [microbatches] * pp
+
+
+def test_a_sent_output_is_freed_and_still_backpropagates():
+    x = torch.randn(8, 2, 4, requires_grad=True)
+    out = x * 3 + x                                   # a stage ends on a residual add: saves nothing
+    expected = torch.autograd.grad(out, x, torch.ones_like(out), retain_graph=True)[0]
+    deallocate_output_tensor(out)
+    assert out.untyped_storage().nbytes() == out.element_size() and out.shape == (8, 2, 4)
+    torch.autograd.backward(out, torch.ones(8, 2, 4))
+    assert torch.equal(x.grad, expected)
+
+
+TINY_CLI = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
+            "--seq_len", "16", "--num_hidden_layers", "4", "--optimizer_steps", "2"]
+
+BAD = [
+    (["validate", "--pp_size", "3", "--", "--num_hidden_layers", "4"],
+     "num_hidden_layers must be divisible by pp_size; got num_hidden_layers=4, pp_size=3"),
+    (["validate", "--pp_size", "2", "--", "--num_microbatches", "0"], "num_microbatches must be >= 1"),
+    (["validate", "--pp_size", "2", "--", "--pp_schedule", "zero_bubble"], "invalid choice: 'zero_bubble'"),
+    (["validate", "--pp_size", "0", "--"], "pp size must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[m.split(";")[0] for _, m in BAD])
+def test_bad_pipeline_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
+    launched = []
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not launched
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def run_cli(*argv, timeout=240):
+    return subprocess.run([sys.executable, "-m", "evaluation.parallel", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_validate_pp_end_to_end():
+    r = run_cli("validate", "--pp_size", "2", "--", *TINY_CLI, "--num_microbatches", "4", "--pp_schedule", "1f1b",
+                "--mode", "pp", "--tie_word_embeddings")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "validate: PASSED" in r.stdout and "pp=2 schedule=1f1b microbatches=4" in r.stdout
+    assert "grad model.layers.3.mlp.down_proj.weight" in r.stdout and "step 0 loss" in r.stdout
+
+
+def test_a_stage_that_raises_ends_the_job_with_its_error():
+    # Only stage 0 looks the name up; stage 1 would wait for its activation forever on its own.
+    r = run_cli("validate", "--pp_size", "2", "--", *TINY_CLI, "--mode", "pp", "--perturb", "no.such.parameter",
+                timeout=120)
+    assert r.returncode != 0
+    assert "KeyError" in r.stderr and "no.such.parameter" in r.stderr
