@@ -126,6 +126,65 @@ def test_1f1b_holds_at_most_p_microbatches_where_gpipe_holds_m(pp, microbatches)
     assert gpipe == [microbatches] * pp
 
 
+class SavedActivations:
+    """Measures the activation bytes autograd holds for backward (distinct floating-point storages;
+    parameters, buffers and the token ids excluded): live now and at the peak. Each saved tensor is wrapped in a handle owned only by
+    the autograd graph, so its bytes are released exactly when the graph lets it go."""
+
+    def __init__(self, model):
+        self.skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.refs: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.skip or not t.is_floating_point():
+            return t
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if self.refs.get(ptr, 0) == 0:
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+        self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        return _Saved(t, self, ptr, nbytes)
+
+    def unpack(self, saved):
+        return saved.t if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    def __init__(self, t, meter, ptr, nbytes):
+        self.t, self.meter, self.ptr, self.nbytes = t, meter, ptr, nbytes
+
+    def __del__(self):
+        self.meter.refs[self.ptr] -= 1
+        if self.meter.refs[self.ptr] == 0:
+            self.meter.now -= self.nbytes
+
+
+def _activation_peak(par, schedule, microbatches):
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
+    ids, labels = make_batch(0, 2 * microbatches, 16, config.vocab_size)
+    meter = SavedActivations(model)
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, labels,
+                            num_microbatches=microbatches, schedule=schedule)
+    return meter.peak, meter.now
+
+
+def test_measured_activation_peak_of_stage_0_is_p_microbatches_for_1f1b_and_m_for_gpipe():
+    pp, m, par = 4, 9, ParallelConfig(pp=4)
+    one = run_ranks(_activation_peak, pp, par, "1f1b", 1)[0]
+    one_f_one_b = run_ranks(_activation_peak, pp, par, "1f1b", m)[0]
+    gpipe = run_ranks(_activation_peak, pp, par, "gpipe", m)[0]
+    per_microbatch = one[0]
+    assert per_microbatch > 0 and one[1] == one_f_one_b[1] == gpipe[1] == 0   # all released after the step
+    assert one_f_one_b[0] == pp * per_microbatch
+    assert gpipe[0] == m * per_microbatch
+
+
 def test_a_sent_output_is_freed_and_still_backpropagates():
     x = torch.randn(8, 2, 4, requires_grad=True)
     out = x * 3 + x                                   # a stage ends on a residual add: saves nothing

@@ -1,2 +1,3 @@
 """Pipeline parallelism: point-to-point exchange between stages (p2p) and the schedules."""
-from .schedules import SCHEDULES, StepResult, deallocate_output_tensor, forward_backward, split_microbatches
+from .schedules import (SCHEDULES, StepResult, bubble_fraction, deallocate_output_tensor, forward_backward,
+                        split_microbatches)

@@ -22,7 +22,7 @@ from ..groups import ProcessGroups
 def _exchange(groups: ProcessGroups, like: dict, *, send_next=None, send_prev=None, recv_prev=False,
               recv_next=False):
     """Post the given sends/receives as one batch and wait on all of them.
-    like: {"shape", "dtype", "device"} of the boundary tensor. -> (from_prev, from_next)."""
+    like: torch.empty kwargs (size, dtype, device) of the boundary tensor. -> (from_prev, from_next)."""
     ops, from_prev, from_next = [], None, None
     if send_next is not None:
         ops.append(dist.P2POp(dist.isend, send_next.contiguous(), groups.next_rank, groups.pp))

@@ -31,8 +31,8 @@ class StepResult:
     loss: torch.Tensor | None                    # mean microbatch loss, detached (last stage only)
     logits: list = field(default_factory=list)   # per microbatch [b, S, V(/T)], when asked (last stage)
     max_in_flight: int = 0    # most microbatches forwarded and not yet backwarded (activations held)
-    busy_s: float = 0.0       # seconds in forward/backward compute (the rest of wall_s is p2p wait)
-    wall_s: float = 0.0
+    busy_s: float = 0.0       # seconds in forward/backward compute (the rest of wall_s is p2p wait;
+    wall_s: float = 0.0       # on CUDA only meaningful with the benchmark's synchronisation)
 
 
 def deallocate_output_tensor(out: torch.Tensor) -> None:
@@ -175,6 +175,12 @@ def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list
     else:
         one_f_one_b(stage)
     return stage.result(time.perf_counter() - start)
+
+
+def bubble_fraction(pp: int, num_microbatches: int) -> float:
+    """The idle share of every stage in GPipe and 1F1B with equal stage times: (P-1)/(M+P-1).
+    A measured counterpart per stage: 1 - StepResult.busy_s / StepResult.wall_s."""
+    return (pp - 1) / (num_microbatches + pp - 1)
 
 
 def split_microbatches(ids: torch.Tensor, labels: torch.Tensor, num_microbatches: int) -> list:
