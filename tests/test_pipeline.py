@@ -236,3 +236,19 @@ def test_a_stage_that_raises_ends_the_job_with_its_error():
                 timeout=120)
     assert r.returncode != 0
     assert "KeyError" in r.stderr and "no.such.parameter" in r.stderr
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_stages_shard_and_gather_by_global_names(tied):
+    from minimind_parallel.sharding import gather_state_dict, shard_state_dict
+    torch.manual_seed(0)
+    sd = MiniMindForCausalLM(MiniMindConfig(**TINY, tie_word_embeddings=tied)).state_dict()
+    par = ParallelConfig(tp=2, pp=2, vocab_parallel=True)
+    shards = [shard_state_dict(sd, par, t, p) for p in range(2) for t in range(2)]  # pipeline rank order
+    assert "model.embed_tokens.weight" in shards[0] and "lm_head.weight" not in shards[0]
+    assert {k.split(".")[2] for k in shards[3] if k.startswith("model.layers.")} == {"2", "3"}
+    assert "lm_head.weight" in shards[3] and "model.norm.weight" in shards[3]
+    back = gather_state_dict(shards, par)
+    assert sorted(back) == sorted(sd)
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
