@@ -14,6 +14,7 @@ import sys
 from .config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 
 TASKS = ("validate", "benchmark")
+BENCHMARK_KINDS = ("memory", "throughput", "profile")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -38,6 +39,8 @@ def launcher_parser() -> argparse.ArgumentParser:
     p.add_argument("--node_rank", type=int, default=0)
     p.add_argument("--master_addr", default="127.0.0.1")
     p.add_argument("--master_port", type=int, default=None)
+    p.add_argument("--kind", choices=BENCHMARK_KINDS, default=None,
+                   help="benchmark only: what to measure (also accepted among the task args)")
     return p
 
 
@@ -115,6 +118,8 @@ def parse(argv: list[str]):
     launch = launcher_parser().parse_args(head)
     if launch.task not in TASKS:
         raise ConfigError(f"unknown task {launch.task!r}; expected one of: {', '.join(TASKS)}")
+    if launch.kind is not None and launch.task != "benchmark":
+        raise ConfigError(f"--kind is a benchmark option; got task {launch.task!r}")
     if launch.cp_size > 1 and not launch.cp:
         raise ConfigError(f"--cp_size {launch.cp_size} needs --cp")
     if launch.cp and launch.cp_size > 1:
@@ -201,10 +206,15 @@ def launch_env(device: str, async_communication: bool) -> dict:
 
 
 def run_torchrun(launch, world_size: int, worker_argv: list[str], *, async_communication=False,
-                 timeout: float | None = None) -> int:
+                 timeout: float | None = None, log: str | None = None) -> int:
+    """Run the ranks to completion; `log`: a file that takes their stdout and stderr instead of the terminal."""
     device = resolve_device(launch)
     cmd = torchrun_command(launch, world_size, worker_argv)
-    return subprocess.run(cmd, env=launch_env(device, async_communication), timeout=timeout).returncode
+    env = launch_env(device, async_communication)
+    if log is None:
+        return subprocess.run(cmd, env=env, timeout=timeout).returncode
+    with open(log, "w") as out:
+        return subprocess.run(cmd, env=env, timeout=timeout, stdout=out, stderr=subprocess.STDOUT).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,18 @@ class _Done:
         return True
 
 
+class _Started:
+    """A collective started with async_op=True. Its wait() lives here, so every wait of a TP
+    collective runs inside this module (the memory tracker tells a backend's own buffers, e.g.
+    gloo's reduce-scatter copy, from ours by that)."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self):
+        return self._work.wait()
+
+
 def world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -34,7 +46,7 @@ def all_reduce(x: torch.Tensor, group, *, async_op: bool = False, op=dist.Reduce
     if group is None:
         return (x, _Done()) if async_op else x
     work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
-    return (x, work) if async_op else x
+    return (x, _Started(work)) if async_op else x
 
 
 def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
@@ -45,7 +57,7 @@ def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     x = x.contiguous()
     out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = _all_gather_single(out, x, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+    return (out, _Started(work)) if async_op else out
 
 
 def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
@@ -56,7 +68,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+    return (out, _Started(work)) if async_op else out
 
 
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:

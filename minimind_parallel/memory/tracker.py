@@ -1,0 +1,175 @@
+"""A live-storage tracker: exact bytes of every tensor storage alive, by category, and the peak.
+
+A TorchDispatchMode sees every aten op (forward, backward, optimizer, collectives); each storage
+an op reads or writes is tracked once (deduplicated by storage, so views cost nothing) and
+forgotten when it is freed (a weakref callback). It works the same on real and fake tensors,
+which is what makes `--estimate` the same measurement as a real CPU run.
+
+Categories (each storage has exactly one; the first that applies wins):
+    params       parameters and module buffers (model state)
+    grads        storages that are some parameter's .grad
+    optimizer    optimizer states
+    activations  storages saved for backward (seen by a saved-tensors pack hook)
+    temporaries  everything else: outputs, gradients of activations, collective buffers, DDP's
+                 gradient buckets, the optimizer's scratch tensors
+
+A storage first seen as the input of an op, never as an output, existed before the window (the
+batch, DDP's buckets); it was alive all along, so it is counted from the start, the peak included.
+Except inside a collective (torch.distributed or our comm.py on the stack): there such a storage is the backend's own buffer (gloo's
+reduce-scatter works on a copy it makes out of our sight), the kind NCCL keeps outside the CUDA
+allocator too; it is not counted.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+from ..tensor_parallel import comm
+
+# Python files whose frames mean "a collective is running" (comm.py holds every TP collective
+# and its wait()).
+_COLLECTIVE_FILES = (dist.distributed_c10d.__file__, comm.__file__)
+_RANK = {c: i for i, c in enumerate(CATEGORIES)}  # lower rank wins a reclassification
+
+
+@dataclass
+class MemoryReport:
+    """Peak bytes of live tensors and what they were at that moment."""
+
+    peak_bytes: int
+    breakdown: dict[str, int] = field(default_factory=dict)  # CATEGORIES -> bytes, sums to peak_bytes
+
+    def mib(self) -> float:
+        return self.peak_bytes / 2**20
+
+    def breakdown_mib(self) -> dict[str, float]:
+        return {k: v / 2**20 for k, v in self.breakdown.items()}
+
+
+def _inside_collective() -> bool:
+    """Is a torch.distributed call on this thread's Python stack?"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename in _COLLECTIVE_FILES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class StorageTracker(TorchDispatchMode):
+    """`with StorageTracker() as t: ...` then `t.report()`. Register known storages with `mark`."""
+
+    def __init__(self):
+        super().__init__()
+        self._entries: dict[int, list] = {}  # id(storage) -> [nbytes, category, weakref]
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.peak_bytes = 0
+        self.peak_breakdown = dict(self.live)
+        self._hooks = None
+        self._lock = threading.RLock()  # backward and collectives may run ops on other threads
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    @property
+    def live_bytes(self) -> int:
+        return sum(self.live.values())
+
+    def mark(self, t: torch.Tensor | None, category: str) -> None:
+        """Track t's storage as `category` (or move it there, if that category ranks higher)."""
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        with self._lock:
+            self._mark(t, category)
+
+    def _mark(self, t: torch.Tensor, category: str) -> None:
+        st = t.untyped_storage()
+        entry = self._entries.get(id(st))
+        if entry is None:
+            self._add(st, category)
+        elif _RANK[category] < _RANK[entry[1]]:
+            self.live[entry[1]] -= entry[0]
+            self.live[category] += entry[0]
+            entry[1] = category
+            if self.live_bytes == self.peak_bytes:  # still at the peak: refine its breakdown
+                self.peak_breakdown = dict(self.live)
+
+    def _add(self, st: torch.UntypedStorage, category: str) -> None:
+        key, nbytes = id(st), st.nbytes()
+        live, entries = self.live, self._entries
+
+        def freed(_ref, key=key, lock=self._lock):
+            with lock:
+                entry = entries.pop(key, None)
+                if entry is not None:
+                    live[entry[1]] -= entry[0]
+
+        entries[key] = [nbytes, category, weakref.ref(st, freed)]
+        live[category] += nbytes
+
+    def _see(self, t: torch.Tensor, *, is_input: bool, foreign: set) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        entry = self._entries.get(key)
+        if entry is None:
+            if key in foreign:
+                return
+            if is_input and _inside_collective():
+                foreign.add(key)  # the backend's own copy inside a collective (gloo)
+                return
+            self._add(st, "temporaries")
+            if is_input:  # an op's input we never saw made: alive since before the window
+                self._backdate(st.nbytes())
+        elif entry[0] != st.nbytes():  # resized in place
+            self.live[entry[1]] += st.nbytes() - entry[0]
+            entry[0] = st.nbytes()
+
+    def _backdate(self, nbytes: int) -> None:
+        """A storage that existed before the window (the batch, DDP's gradient buckets) but is
+        first seen now was alive at every earlier moment, the peak included."""
+        self.peak_bytes += nbytes
+        self.peak_breakdown["temporaries"] += nbytes
+
+    def _update_peak(self) -> None:
+        total = self.live_bytes
+        if total > self.peak_bytes:
+            self.peak_bytes, self.peak_breakdown = total, dict(self.live)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes, self.peak_breakdown = self.live_bytes, dict(self.live)
+
+    def report(self) -> MemoryReport:
+        return MemoryReport(peak_bytes=self.peak_bytes, breakdown=dict(self.peak_breakdown))
+
+    # -- the mode ------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        foreign = set()
+        with self._lock:
+            for is_input, tree in ((True, (args, kwargs)), (False, out)):
+                for t in tree_flatten(tree)[0]:
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        self._see(t, is_input=is_input, foreign=foreign)
+            self._update_peak()
+        return out
+
+    def _pack(self, t: torch.Tensor):
+        self.mark(t, "activations")  # saved for backward
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        self.reset_peak()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
+        return out

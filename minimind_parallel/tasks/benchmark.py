@@ -1,0 +1,328 @@
+"""`benchmark`: peak memory and step time over a sweep of (mode, swept value) cells (SPEC 6).
+
+The launcher checks every cell before anything starts, then runs each cell as its own torchrun
+job (`run_cell` on every rank; rank 0 writes the cell's result to a JSON file), prints a row per
+cell with the analytic prediction beside the measurement, and writes CSV/JSON after every cell
+and a plot at the end. A cell that fails or runs out of memory is recorded and the sweep goes on.
+With `--estimate` no process is launched: the memory API measures each cell under FakeTensorMode.
+
+    python -m evaluation.parallel benchmark --kind memory --tp_size 2 -- --modes ddp tp \\
+        --num_hidden_layers 8 16 --seq_len 2048 --dtype bfloat16 --sequence_parallel
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .. import cli
+from ..config import ConfigError, ParallelConfig, check_layout
+from ..groups import ProcessGroups
+from ..model import MiniMindForCausalLM
+from ..training import DTYPES, build_parallel_model, make_optimizer, train_step, wrap_data_parallel
+from . import benchmark_outputs as outputs
+
+SWEEPABLE = ("num_hidden_layers", "seq_len")
+TP_FLAGS = ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel")
+BATCH_POLICIES = ("fixed_per_rank", "fixed_global")
+
+
+def benchmark_parser() -> argparse.ArgumentParser:
+    p = cli.Parser(prog="benchmark", description="memory and step time over a sweep of modes x one dimension")
+    cli.add_model_args(p)
+    p.add_argument("--kind", choices=cli.BENCHMARK_KINDS, default=None, help="default memory")
+    p.add_argument("--modes", nargs="+", default=["tp"], help=f"presets: {', '.join(cli.MODES)}")
+    p.add_argument("--batch_policy", choices=BATCH_POLICIES, default=None,
+                   help="fixed_per_rank: every DP replica gets --micro_batch_size rows (memory default); "
+                        "fixed_global: the global batch is micro_batch_size x dp_size in every mode "
+                        "(throughput always)")
+    p.add_argument("--num_hidden_layers", type=int, nargs="+", default=[8])
+    p.add_argument("--seq_len", type=int, nargs="+", default=[2048])
+    p.add_argument("--warmup_iters", type=int, default=2)
+    p.add_argument("--benchmark_iters", type=int, default=5)
+    p.add_argument("--output_csv", default=None, help="default results/benchmark_<kind>_<time>.csv")
+    p.add_argument("--output_json", default=None, help="default: beside the CSV")
+    p.add_argument("--output_plot", default=None, help="default: beside the CSV (PNG)")
+    p.add_argument("--estimate", action="store_true", help="memory under FakeTensorMode, in-process, no kernels")
+    # Launcher -> worker plumbing and a test hook; not for users.
+    p.add_argument("--result_json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inject_oom", default=None, metavar="MODE:VALUE", help=argparse.SUPPRESS)
+    return p
+
+
+# ---------------------------------------------------------------- the sweep and its checks
+
+@dataclass(frozen=True)
+class Cell:
+    mode: str
+    num_hidden_layers: int
+    seq_len: int
+    swept: str  # which of SWEEPABLE varies
+
+    @property
+    def value(self) -> int:
+        return getattr(self, self.swept)
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}:{self.value}"
+
+
+def kind_of(launch, args) -> str:
+    if launch.kind and args.kind and launch.kind != args.kind:
+        raise ConfigError(f"--kind given twice with different values; got {launch.kind} and {args.kind}")
+    return args.kind or launch.kind or "memory"
+
+
+def batch_policy(kind: str, args) -> str:
+    return "fixed_global" if kind == "throughput" else (args.batch_policy or "fixed_per_rank")
+
+
+def plan(args) -> list[Cell]:
+    """The cells in run order: swept value outer, mode inner (so each mode follows the one it is compared with)."""
+    swept = [name for name in SWEEPABLE if len(getattr(args, name)) > 1]
+    if len(swept) > 1:
+        raise ConfigError(f"sweep one dimension at a time; got num_hidden_layers={args.num_hidden_layers} "
+                          f"and seq_len={args.seq_len}")
+    swept = swept[0] if swept else "num_hidden_layers"
+    fixed = {name: getattr(args, name)[0] for name in SWEEPABLE}
+    return [Cell(mode=mode, swept=swept, **{**fixed, swept: value})
+            for value in getattr(args, swept) for mode in args.modes]
+
+
+def cell_args(args, cell: Cell) -> argparse.Namespace:
+    """The task args of one cell: its sizes, its mode's preset flags; ddp drops the TP flags."""
+    a = argparse.Namespace(**vars(args))
+    a.num_hidden_layers, a.seq_len = cell.num_hidden_layers, cell.seq_len
+    if cell.mode == "ddp":
+        for flag in TP_FLAGS:
+            setattr(a, flag, False)
+    cli.apply_mode(a, cell.mode)
+    return a
+
+
+def cell_parallel(launch, a, mode: str) -> ParallelConfig:
+    """Every mode uses the same ranks: world = dp x pp x cp x tp; ddp spends them all on data parallelism."""
+    par = cli.parallel_config(launch, a)
+    return ParallelConfig(dp=par.world_size) if mode == "ddp" else par
+
+
+def rows_per_rank(kind: str, args, par: ParallelConfig, launch) -> int:
+    if batch_policy(kind, args) == "fixed_per_rank":
+        return args.micro_batch_size
+    return args.micro_batch_size * launch.dp_size // par.dp
+
+
+def check_cell(launch, args, kind: str, cell: Cell) -> None:
+    a = cell_args(args, cell)
+    par = cell_parallel(launch, a, cell.mode)
+    check_layout(cli.model_config(a), par, seq_len=a.seq_len)
+    global_batch = args.micro_batch_size * launch.dp_size
+    if batch_policy(kind, args) == "fixed_global" and global_batch % par.dp:
+        raise ConfigError(f"fixed_global: the global batch must split evenly over the data-parallel ranks of mode "
+                          f"{cell.mode}; got global batch={global_batch} (micro_batch_size x dp_size), dp={par.dp}")
+
+
+def check_benchmark(launch, args, kind: str) -> list[Cell]:
+    """Every constraint of every cell, before anything launches; -> the cells."""
+    if kind == "profile":  # hook: the profiling task lifts this check and fills in `profile`
+        raise ConfigError("--kind profile is not implemented yet; use --kind memory or --kind throughput")
+    if args.estimate and kind != "memory":
+        raise ConfigError(f"--estimate measures memory without running kernels; got --kind {kind}")
+    for name in ("micro_batch_size", "num_microbatches", "benchmark_iters"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"{name} must be >= 1; got {name}={getattr(args, name)}")
+    if args.warmup_iters < 0:
+        raise ConfigError(f"warmup_iters must be >= 0; got warmup_iters={args.warmup_iters}")
+    if args.dtype == "float16" and not args.estimate:
+        raise ConfigError("float16 parameters cannot take AdamW steps (eps=1e-8 underflows to 0 in float16); "
+                          "got --dtype float16: use bfloat16, or --estimate")
+    if args.num_microbatches != 1 and launch.pp_size == 1:
+        raise ConfigError(f"num_microbatches > 1 needs pipeline parallelism; got num_microbatches="
+                          f"{args.num_microbatches}, pp_size={launch.pp_size}")
+    for mode in args.modes:
+        if mode not in cli.MODES:
+            raise ConfigError(f"unknown mode {mode!r}; expected one of: {', '.join(cli.MODES)}")
+    cells = plan(args)
+    for cell in cells:
+        check_cell(launch, args, kind, cell)
+    world = cli.parallel_config(launch, args).world_size
+    if world % launch.nnodes:
+        raise ConfigError(f"world size must be divisible by nnodes; got world_size={world}, nnodes={launch.nnodes}")
+    if not args.estimate:
+        cli.check_device(cli.resolve_device(launch), args.dtype, world // launch.nnodes)
+    return cells
+
+
+# ---------------------------------------------------------------- launcher side
+
+def run_benchmark(launch, args, argv: list[str]) -> int:
+    """Check, then run every cell; returns 0 when every cell succeeded, 1 otherwise (2: bad input)."""
+    kind = kind_of(launch, args)
+    cells = check_benchmark(launch, args, kind)  # ConfigError -> one line, exit 2 (cli.main)
+    paths = outputs.default_paths(args, kind)
+    if kind == "throughput" and args.batch_policy == "fixed_per_rank":
+        print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
+    device = "cpu (estimate)" if args.estimate else cli.resolve_device(launch)
+    meta = dict(command=["python", "-m", "evaluation.parallel", *argv], kind=kind, device=device,
+                swept=cells[0].swept, batch_policy=batch_policy(kind, args))
+    print(f"benchmark: kind={kind} device={device} modes={' '.join(args.modes)} "
+          f"{cells[0].swept}={getattr(args, cells[0].swept)} batch_policy={meta['batch_policy']} "
+          f"dtype={args.dtype} world={cli.parallel_config(launch, args).world_size}", flush=True)
+    table = outputs.Table(cells[0].swept, kind)
+    rows: list[dict] = []
+    bar = tqdm(cells, desc="benchmark", unit="cell", file=sys.stderr, dynamic_ncols=True)
+    print(table.header(), flush=True)
+    for cell in bar:
+        bar.set_postfix_str(cell.name)
+        row = run_one(launch, args, argv, kind, cell, paths)
+        outputs.compare_with_previous(row, rows)
+        rows.append(row)
+        outputs.write_csv(paths.csv, rows)
+        outputs.write_json(paths.json, rows, meta)
+        bar.write(table.line(row))
+    bar.close()
+    outputs.write_plot(paths.plot, rows, cells[0].swept)
+    failed = [r for r in rows if r["status"] != "ok"]
+    print(f"benchmark: {len(rows) - len(failed)} of {len(rows)} cells ok; wrote {paths.csv}, {paths.json}, "
+          f"{paths.plot}")
+    return 1 if failed else 0
+
+
+def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
+    """One cell -> its row (status ok / oom / failed, with the reason)."""
+    a = cell_args(args, cell)
+    config, par = cli.model_config(a), cell_parallel(launch, a, cell.mode)
+    rows = rows_per_rank(kind, args, par, launch)
+    row = outputs.new_row(kind, cell, par, a, rows * par.dp, estimate=args.estimate)
+    sizes = dict(seq_len=a.seq_len, micro_batch_size=rows, dtype=DTYPES[args.dtype])
+    try:  # a missing prediction must not lose the measurement
+        from ..memory import predict_memory
+        row["predicted_mib"] = predict_memory(config, par, **sizes).peak_bytes / outputs.MIB
+    except Exception as e:
+        row["reason"] = "no prediction: " + outputs.one_line(e)
+    if args.estimate:
+        try:
+            from ..memory import estimate_step_memory
+            report = estimate_step_memory(config, par, iters=2, **sizes)
+            outputs.fill_memory(row, report.peak_bytes, report.breakdown)
+        except Exception as e:
+            outputs.fail(row, e)
+    else:
+        launch_cell(launch, argv, cell, par, a.async_communication, row, paths)
+    return row
+
+
+def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communication: bool, row: dict, paths) -> None:
+    """The cell's torchrun job: the same command line narrowed to this cell, plus where to put the result."""
+    log = os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        head, tail = cli.split_argv(argv)
+        worker_argv = [*head, "--", *tail, "--modes", cell.mode, "--num_hidden_layers", str(cell.num_hidden_layers),
+                       "--seq_len", str(cell.seq_len), "--result_json", result_path]
+        code = cli.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication, log=log)
+        result = None
+        if os.path.exists(result_path):
+            with open(result_path) as f:
+                result = json.load(f)
+    if code != 0 or result is None:
+        row["status"], row["reason"] = outputs.failure_from_log(log, code)
+        return
+    row["step_ms"], row["tokens_per_s"] = result["step_ms"], result["tokens_per_s"]
+    if result["peak_bytes"] is not None:
+        outputs.fill_memory(row, result["peak_bytes"], result["breakdown"])
+
+
+# ---------------------------------------------------------------- worker side (every rank)
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def shared_batch(config, groups, global_rows: int, seq_len: int, seed: int, device):
+    """Random token ids made on rank 0 and broadcast; -> this rank's DP rows (ids, labels)."""
+    ids = torch.empty(global_rows, seq_len, dtype=torch.long, device=device)
+    if dist.get_rank() == 0:
+        g = torch.Generator().manual_seed(seed)
+        ids.copy_(torch.randint(0, config.vocab_size, (global_rows, seq_len), generator=g))
+    dist.broadcast(ids, src=0)
+    mine = ids.chunk(groups.par.dp)[groups.dp_rank]
+    return mine, mine.clone()
+
+
+def run_cell(launch, args, device) -> int:
+    """One cell on this rank: build, warm up, measure; rank 0 writes the result JSON."""
+    kind = kind_of(launch, args)
+    cell = plan(args)[0]
+    a = cell_args(args, cell)
+    config, par = cli.model_config(a), cell_parallel(launch, a, cell.mode)
+    groups = ProcessGroups.build(par)
+    rows = rows_per_rank(kind, args, par, launch)
+    if args.inject_oom in (f"{cell.mode}:{cell.num_hidden_layers}", f"{cell.mode}:{cell.seq_len}"):  # test hook: a cell that dies the way a too-large one does
+        raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in cell {cell.name}")
+    torch.manual_seed(args.seed)
+    dense = MiniMindForCausalLM(config).state_dict()
+    model = build_parallel_model(config, par, groups, dense, dtype=DTYPES[args.dtype], device=device)
+    del dense
+    gc.collect()
+    model = wrap_data_parallel(model, groups)
+    optimizer = make_optimizer(model, args.learning_rate)
+    ids, labels = shared_batch(config, groups, rows * par.dp, a.seq_len, args.seed + 1, device)
+    result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
+    global_tokens = rows * par.dp * a.seq_len * args.num_microbatches
+    result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
+    if dist.get_rank() == 0 and args.result_json:
+        with open(args.result_json + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(args.result_json + ".tmp", args.result_json)
+    return 0
+
+
+def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
+    """Median step time over the measured iterations, max over ranks; with kind memory the
+    worst rank's peak (MemoryMeter around the measured iterations)."""
+    def timed_step() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        train_step(model, optimizer, groups, ids, labels)
+        sync(device)
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup_iters):
+        timed_step()
+    meter = None
+    if kind == "memory":
+        from ..memory import MemoryMeter
+        meter = MemoryMeter(device, model, optimizer)
+    with meter or nullcontext():
+        times = [timed_step() for _ in range(args.benchmark_iters)]
+    mine = {"step_s": statistics.median(times)}
+    if meter is not None:
+        report = meter.report()
+        mine.update(peak_bytes=int(report.peak_bytes), breakdown={k: int(v) for k, v in report.breakdown.items()})
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    worst = max(ranks, key=lambda r: r.get("peak_bytes", 0))
+    return {"step_ms": 1e3 * max(r["step_s"] for r in ranks),
+            "peak_bytes": worst.get("peak_bytes"), "breakdown": worst.get("breakdown"),
+            "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks]}
+
+
+def profile(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
+    """Hook for `--kind profile` (the profiling task): trace the measured steps, write the per-rank
+    trace and overlap report, return the same dict as `measure` (step_ms, peak_bytes, breakdown)."""
+    raise NotImplementedError("--kind profile is not implemented yet")

@@ -1,0 +1,201 @@
+"""The benchmark driver: the sweep it plans, the input it refuses before launching anything, the
+rows it writes per cell (a failing cell recorded, the sweep going on), one real run under
+torchrun, and an --estimate run that launches nothing."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minimind_parallel import cli
+from minimind_parallel.tasks import benchmark
+
+TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
+        "--seq_len", "16", "--warmup_iters", "1", "--benchmark_iters", "2"]
+
+SEED_COMMAND = ("benchmark --kind memory --tp_size 2 --pp_size 1 -- --modes ddp tp --batch_policy fixed_per_rank "
+                "--num_hidden_layers 8 16 32 64 --seq_len 2048 --hidden_size 768 --num_attention_heads 8 "
+                "--num_key_value_heads 4 --vocab_size 6400 --micro_batch_size 2 --num_microbatches 1 "
+                "--dtype bfloat16 --warmup_iters 2 --benchmark_iters 5 --sequence_parallel").split()
+
+
+def outputs(tmp_path):
+    return ["--output_csv", str(tmp_path / "b.csv"), "--output_json", str(tmp_path / "b.json"),
+            "--output_plot", str(tmp_path / "b.png")]
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+# ---------------------------------------------------------------- the sweep
+
+def test_the_seed_command_sweeps_layers_for_each_mode_value_by_value():
+    launch, args = cli.parse(SEED_COMMAND)
+    kind = benchmark.kind_of(launch, args)
+    cells = benchmark.check_benchmark(launch, args, kind)
+    assert kind == "memory"
+    assert [(c.mode, c.num_hidden_layers) for c in cells] == [
+        ("ddp", 8), ("tp", 8), ("ddp", 16), ("tp", 16), ("ddp", 32), ("tp", 32), ("ddp", 64), ("tp", 64)]
+    assert {c.seq_len for c in cells} == {2048} and {c.swept for c in cells} == {"num_hidden_layers"}
+
+
+def test_tp_flags_apply_to_the_tp_modes_and_ddp_uses_the_same_ranks_for_data_parallelism():
+    launch, args = cli.parse(SEED_COMMAND + ["--async_communication"])
+    ddp, tp = benchmark.plan(args)[:2]
+    ddp_args, tp_args = benchmark.cell_args(args, ddp), benchmark.cell_args(args, tp)
+    assert not ddp_args.sequence_parallel and not ddp_args.async_communication
+    assert tp_args.sequence_parallel and tp_args.async_communication
+    ddp_par, tp_par = benchmark.cell_parallel(launch, ddp_args, "ddp"), benchmark.cell_parallel(launch, tp_args, "tp")
+    assert (ddp_par.dp, ddp_par.tp) == (2, 1) and (tp_par.dp, tp_par.tp) == (1, 2)
+    assert ddp_par.world_size == tp_par.world_size == 2
+
+
+def test_a_preset_turns_its_flags_on():
+    _, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "tp_sp_async_vp"])
+    tp, full = (benchmark.cell_args(args, c) for c in benchmark.plan(args))
+    assert not (tp.sequence_parallel or tp.async_communication or tp.vocab_parallel)
+    assert full.sequence_parallel and full.async_communication and full.vocab_parallel
+
+
+def test_seq_len_can_be_the_swept_dimension():
+    _, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--seq_len", "512", "1024",
+                         "--num_hidden_layers", "4"])
+    cells = benchmark.plan(args)
+    assert [(c.seq_len, c.num_hidden_layers, c.swept) for c in cells] == [(512, 4, "seq_len"), (1024, 4, "seq_len")]
+
+
+def test_batch_policies():
+    launch, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "4"])
+    ddp, tp = (benchmark.cell_parallel(launch, benchmark.cell_args(args, c), c.mode) for c in benchmark.plan(args))
+    # fixed_per_rank: every replica gets micro_batch_size rows, so ddp's global batch is world x larger
+    assert [benchmark.rows_per_rank("memory", args, p, launch) for p in (ddp, tp)] == [4, 4]
+    # fixed_global (always for throughput): the same global batch in every mode
+    assert [benchmark.rows_per_rank("throughput", args, p, launch) for p in (ddp, tp)] == [2, 4]
+
+
+# ---------------------------------------------------------------- bad input: one line, nothing launched
+
+BAD = [
+    (["--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", "2", "--seq_len", "16", "32"],
+     "sweep one dimension at a time"),
+    (["--tp_size", "2", "--", "--modes", "tp", "tp_magic"], "unknown mode 'tp_magic'"),
+    (["--tp_size", "2", "--", "--modes", "ddp", "tp_sp", "--num_hidden_layers", "1", "--seq_len", "16", "15"],
+     "seq_len must be divisible by tp_size with --sequence_parallel; got seq_len=15, tp_size=2"),
+    (["--tp_size", "3", "--", "--modes", "ddp", "tp"], "num_attention_heads must be divisible by tp_size"),
+    (["--tp_size", "2", "--", "--modes", "tp_vp", "--vocab_size", "129"],
+     "vocab_size must be divisible by tp_size with --vocab_parallel"),
+    (["--kind", "throughput", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "1"],
+     "fixed_global"),
+    (["--kind", "throughput", "--tp_size", "2", "--", "--estimate"], "--estimate measures memory"),
+    (["--kind", "profile", "--tp_size", "2", "--"], "--kind profile is not implemented yet"),
+    (["--tp_size", "2", "--", "--num_microbatches", "2"], "num_microbatches > 1 needs pipeline parallelism"),
+    (["--tp_size", "2", "--", "--benchmark_iters", "0"], "benchmark_iters must be >= 1"),
+    (["--tp_size", "2", "--", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
+    (["--kind", "memory", "--tp_size", "2", "--", "--kind", "throughput"], "--kind given twice"),
+    (["--tp_size", "2", "--", "--batch_policy", "per_node"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys, tmp_path):
+    launched = []
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
+    code = cli.main(["benchmark", *argv, *outputs(tmp_path)] if "--" in argv else ["benchmark", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not launched
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "b.csv").exists()
+
+
+def test_kind_is_only_for_the_benchmark(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("launched"))
+    assert cli.main(["validate", "--kind", "memory", "--"]) == 2
+    assert "--kind is a benchmark option" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- rows per cell, failures recorded
+
+def fake_torchrun(oom_cell):
+    """Stands in for the ranks: writes the result file the worker would, or a log of a rank that ran out of memory."""
+    calls = []
+
+    def run(launch, world, worker_argv, *, async_communication=False, timeout=None, log=None):
+        _, args = cli.parse(worker_argv)
+        cell = benchmark.plan(args)[0]
+        calls.append((cell.name, world, async_communication))
+        if cell.name == oom_cell:
+            with open(log, "w") as f:
+                f.write("Traceback (most recent call last):\n[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n")
+            return 1
+        with open(args.result_json, "w") as f:
+            json.dump({"step_ms": 10.0 * cell.num_hidden_layers, "tokens_per_s": 1.0, "peak_bytes": 2**20 *
+                       (100 if cell.mode == "ddp" else 60) * cell.num_hidden_layers,
+                       "breakdown": {"params": 2**20, "activations": 2**21}}, f)
+        return 0
+    return run, calls
+
+
+def test_every_cell_gets_a_row_and_a_failed_cell_does_not_stop_the_sweep(monkeypatch, tmp_path, capsys):
+    run, calls = fake_torchrun(oom_cell="tp_sp_async:2")
+    monkeypatch.setattr(cli, "run_torchrun", run)
+    code = cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp_sp_async", "--num_hidden_layers",
+                     "1", "2", "3", *TINY, *outputs(tmp_path)])
+    assert code == 1  # not every cell succeeded
+    assert calls == [("ddp:1", 2, False), ("tp_sp_async:1", 2, True), ("ddp:2", 2, False),
+                     ("tp_sp_async:2", 2, True), ("ddp:3", 2, False), ("tp_sp_async:3", 2, True)]
+    rows = read_csv(tmp_path / "b.csv")
+    assert [(r["mode"], r["value"], r["status"]) for r in rows] == [
+        ("ddp", "1", "ok"), ("tp_sp_async", "1", "ok"), ("ddp", "2", "ok"), ("tp_sp_async", "2", "oom"),
+        ("ddp", "3", "ok"), ("tp_sp_async", "3", "ok")]
+    assert "OutOfMemoryError" in rows[3]["reason"] and rows[3]["peak_mib"] == ""
+    assert float(rows[5]["peak_mib"]) == 180 and float(rows[5]["delta_peak_mib"]) == -120
+    assert rows[5]["vs_mode"] == "ddp" and float(rows[5]["delta_peak_pct"]) == -40
+    data = json.load(open(tmp_path / "b.json"))
+    assert len(data["rows"]) == 6 and data["rows"][3]["status"] == "oom"
+    assert (tmp_path / "b.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "vs ddp: -120.00 MiB (-40.0%), time +0.0%" in out and "oom: torch.OutOfMemoryError" in out
+
+
+def test_rows_are_written_as_each_cell_finishes(monkeypatch, tmp_path):
+    run, _ = fake_torchrun(oom_cell=None)
+    seen = []
+
+    def run_and_look(*a, **k):
+        path = tmp_path / "b.csv"
+        seen.append(len(read_csv(path)) if path.exists() else 0)
+        return run(*a, **k)
+    monkeypatch.setattr(cli, "run_torchrun", run_and_look)
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", "2", "3",
+                     *TINY, *outputs(tmp_path)]) == 0
+    assert seen == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- real runs
+
+def test_estimate_runs_in_process_and_launches_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "tp_sp", "tp_sp_async",
+                     "--num_hidden_layers", "1", "2", *TINY, "--estimate", *outputs(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "b.csv")
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"} and {r["estimate"] for r in rows} == {"True"}
+    assert all(float(r["peak_mib"]) > 0 and float(r["predicted_mib"]) > 0 for r in rows)
+    assert {r["step_ms"] for r in rows} == {""}  # nothing ran, nothing timed
+
+
+def test_a_real_sweep_under_torchrun_records_an_out_of_memory_cell_and_goes_on(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "benchmark", "--tp_size", "2", "--",
+                        "--modes", "tp_sp_async", "ddp", "--num_hidden_layers", "1", *TINY, *outputs(tmp_path),
+                        "--inject_oom", "tp_sp_async:1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = read_csv(tmp_path / "b.csv")
+    assert [(x["mode"], x["status"]) for x in rows] == [("tp_sp_async", "oom"), ("ddp", "ok")]
+    assert "injected out-of-memory" in rows[0]["reason"]
+    ddp = rows[1]
+    assert float(ddp["step_ms"]) > 0 and float(ddp["tokens_per_s"]) > 0 and float(ddp["peak_mib"]) > 0
+    assert ddp["dp"] == "2" and ddp["global_batch"] == "4"  # fixed_per_rank: 2 rows on each of 2 replicas
+    assert float(ddp["tokens_per_s"]) == pytest.approx(4 * 16 / (float(ddp["step_ms"]) / 1e3))
+    assert "ddp" in r.stdout and "1 of 2 cells ok" in r.stdout
