@@ -12,9 +12,9 @@ import torch.distributed as dist
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups, cli
 from minimind_parallel.model import MiniMindForCausalLM
-from minimind_parallel.pipeline_parallel import deallocate_output_tensor
+from minimind_parallel.pipeline_parallel import deallocate_output_tensor, forward_backward, split_microbatches
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step_detailed
-from minimind_parallel.validation import compare_with_dense, failures, format_report, make_batch
+from minimind_parallel.validation import compare_with_dense, error, failures, format_report, make_batch
 
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
 
@@ -67,6 +67,29 @@ def combo_cases():
 @pytest.mark.parametrize("par,schedule", list(combo_cases()))
 def test_pipeline_with_tensor_and_data_parallel_gives_the_dense_numbers(par, schedule):
     assert_pipeline_matches_dense(par, schedule, 3, tied=True)
+
+
+def _uneven_targets(schedule):
+    par = ParallelConfig(pp=2)
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(config)
+    model = build_parallel_model(config, par, groups, dense.state_dict())
+    ids, labels = make_batch(3, 6, 16, config.vocab_size)
+    labels[:2, 2:12] = -100                      # microbatch 0 has far fewer targets than 1 and 2
+    ref = dense(ids, labels)
+    ref.loss.backward()
+    out = forward_backward(model, groups, split_microbatches(ids, labels, 3), schedule=schedule)
+    name = "model.layers.0.mlp.up_proj.weight" if groups.pp_rank == 0 else "lm_head.weight"
+    grad = error(dict(model.named_parameters())[name].grad, dict(dense.named_parameters())[name].grad)[1]
+    return grad, None if out.loss is None else error(out.loss, ref.loss)[1]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_microbatches_with_uneven_targets_give_the_dense_mean_over_tokens(schedule):
+    (first_grad, _), (last_grad, loss) = run_ranks(_uneven_targets, 2, schedule)
+    assert max(first_grad, last_grad, loss) < 2e-6
 
 
 def test_the_checker_catches_a_perturbed_last_stage_shard():

@@ -5,10 +5,11 @@
             the remaining backwards                   holds at most P - p (stage p)
 
 Each stage runs its schedule on its own; the p2p calls line the stages up. The loss of every
-microbatch is scaled by 1/M before its backward, so the accumulated grads are those of the mean
-over microbatches -- the dense model's mean over the global batch when every microbatch has the
-same number of target tokens (validation.make_batch sees to that). DP and tied-embedding grads
-are summed once, after the last microbatch, by `training.finalize_grads`.
+microbatch (a mean over its target tokens) is scaled by its share of this replica's target
+tokens before its backward -- 1/M when all microbatches have as many -- so the accumulated
+grads and the reported loss are those of the mean over all target tokens of the batch, exactly
+as the dense model averages. DP and tied-embedding grads are summed once, after the last
+microbatch, by `training.finalize_grads`.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ SCHEDULES = ("gpipe", "1f1b")
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor | None                    # mean microbatch loss, detached (last stage only)
+    loss: torch.Tensor | None                    # mean over the batch's target tokens, detached (last stage only)
     logits: list = field(default_factory=list)   # per microbatch [b, S, V(/T)], when asked (last stage)
     max_in_flight: int = 0    # most microbatches forwarded and not yet backwarded (activations held)
     busy_s: float = 0.0       # seconds in forward/backward compute (the rest of wall_s is p2p wait;
@@ -59,13 +60,15 @@ class _Stage:
         seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
         dtype = next(model.parameters()).dtype
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
+        counts = [int((labels[:, 1:] != -100).sum()) for _, labels in microbatches]  # targets per microbatch
+        self.loss_weights = [c / max(sum(counts), 1) for c in counts]
         self.held: list = []        # (input, output) of microbatches awaiting their backward, oldest first
         self.losses, self.logits = [], []
         self.max_in_flight, self.busy = 0, 0.0
 
     def forward(self, i: int, x):
         """Microbatch i through this stage; x: the received activation (None on the first stage).
-        -> the output activation, or on the last stage the loss scaled by 1/M."""
+        -> the output activation, or on the last stage the loss scaled by its share of the targets."""
         ids, labels = self.microbatches[i]
         if x is not None:
             x.requires_grad_()      # its grad is what this stage sends back
@@ -75,10 +78,11 @@ class _Stage:
         self.busy += time.perf_counter() - start
         if not self.groups.is_last_stage:
             return out
-        self.losses.append(out.loss.detach())
+        loss = out.loss * self.loss_weights[i]
+        self.losses.append(loss.detach())
         if self.collect_logits:
             self.logits.append(out.logits.detach())
-        return out.loss / len(self.microbatches)
+        return loss
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -111,7 +115,7 @@ class _Stage:
         return grad
 
     def result(self, wall_s: float) -> StepResult:
-        loss = torch.stack(self.losses).mean() if self.losses else None
+        loss = torch.stack(self.losses).sum() if self.losses else None
         return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s)
 
 
@@ -161,7 +165,7 @@ def forward_only(stage: _Stage) -> None:
 def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *, schedule: str = "1f1b",
                      forward_only_: bool = False, collect_logits: bool = False) -> StepResult:
     """Run every microbatch [(ids [b, S], labels [b, S]), ...] through this rank's stage,
-    accumulating the grads of the mean loss. With one stage both schedules are plain gradient
+    accumulating the grads of the mean loss over all their target tokens. With one stage both schedules are plain gradient
     accumulation (forward, backward per microbatch: 1F1B without warm-up); a DDP model then
     all-reduces once, in the last backward."""
     if schedule not in SCHEDULES:
