@@ -60,8 +60,9 @@ class _Stage:
         seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
         dtype = next(model.parameters()).dtype
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
-        counts = [int((labels[:, 1:] != -100).sum()) for _, labels in microbatches]  # targets per microbatch
-        self.loss_weights = [c / max(sum(counts), 1) for c in counts]
+        # targets per microbatch, kept on the device (no host sync; works on fake tensors too)
+        counts = torch.stack([(labels[:, 1:] != -100).sum() for _, labels in microbatches])
+        self.loss_weights = counts / counts.sum().clamp(min=1)                           # [M], sums to 1
         self.held: list = []        # (input, output) of microbatches awaiting their backward, oldest first
         self.losses, self.logits = [], []
         self.max_in_flight, self.busy = 0, 0.0
@@ -78,7 +79,7 @@ class _Stage:
         self.busy += time.perf_counter() - start
         if not self.groups.is_last_stage:
             return out
-        loss = out.loss * self.loss_weights[i]
+        loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
         if self.collect_logits:
             self.logits.append(out.logits.detach())
