@@ -42,7 +42,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
-    """After the last microbatch's backward, in this order (each one coalesced all-reduce):
+    """After the last microbatch's backward, in this order:
     1. TP: sum the grads of replicated parameters that saw only this rank's part of the data
        (norms on sequence shards, q_norm/k_norm on this rank's heads);
     2. PP with tied embeddings: sum the first stage's embedding grad and the last stage's
@@ -51,18 +51,20 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
     _all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], groups.tp)
     _all_reduce_grads([p for p in params if getattr(p, "shared_embedding", False)], groups.embed)
-    if not isinstance(model, DistributedDataParallel):
-        _all_reduce_grads(params, groups.dp, scale=1.0 / groups.par.dp)
+    if not isinstance(model, DistributedDataParallel) and groups.dp is not None:
+        for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak
+            comm.all_reduce(p.grad, groups.dp).div_(groups.par.dp)
 
 
-def _all_reduce_grads(params: list, group, scale: float = 1.0) -> None:
-    """Sum the grads of `params` over `group` in one flat buffer (then multiply by `scale`)."""
+def _all_reduce_grads(params: list, group) -> None:
+    """Sum the grads of `params` over `group` in one flat buffer (small tensors: one collective)."""
     if not params or group is None:
+        return
+    if len(params) == 1:  # e.g. one tied embedding copy: in place, no flat copy
+        comm.all_reduce(params[0].grad, group)
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     comm.all_reduce(flat, group)
-    if scale != 1.0:
-        flat.mul_(scale)
     offset = 0
     for p in params:
         n = p.grad.numel()
