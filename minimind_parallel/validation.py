@@ -105,7 +105,7 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
 
     def forward_backward(step: int, compare: bool):
         ref = dense(ids, labels)
-        out = run_schedule(model, groups, microbatches, schedule=pp_schedule, forward_only_=not backward,
+        out = run_schedule(model, groups, microbatches, schedule=pp_schedule, forward_only=not backward,
                            collect_logits=compare)
         if compare and out.loss is not None:  # the last stage
             loss = out.loss.clone()

@@ -157,24 +157,25 @@ def one_f_one_b(stage: _Stage) -> None:
         p2p.send_backward(stage.backward(grad), groups)
 
 
-def forward_only(stage: _Stage) -> None:
+def all_forwards(stage: _Stage) -> None:
+    """Forward-only (evaluation): every microbatch through, nothing kept for backward."""
     with torch.no_grad():
         for i in range(len(stage.microbatches)):
             stage.send_forward(stage.forward(i, p2p.recv_forward(stage.groups, stage.like)))
 
 
 def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *, schedule: str = "1f1b",
-                     forward_only_: bool = False, collect_logits: bool = False) -> StepResult:
+                     forward_only: bool = False, collect_logits: bool = False) -> StepResult:
     """Run every microbatch [(ids [b, S], labels [b, S]), ...] through this rank's stage,
-    accumulating the grads of the mean loss over all their target tokens. With one stage both schedules are plain gradient
-    accumulation (forward, backward per microbatch: 1F1B without warm-up); a DDP model then
-    all-reduces once, in the last backward."""
+    accumulating the grads of the mean loss over all their target tokens. With one stage both
+    schedules are plain gradient accumulation (forward, backward per microbatch: 1F1B without
+    warm-up); a DDP model then all-reduces once, in the last backward."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     stage = _Stage(model, groups, microbatches, collect_logits=collect_logits)
     start = time.perf_counter()
-    if forward_only_:
-        forward_only(stage)
+    if forward_only:
+        all_forwards(stage)
     elif schedule == "gpipe" and groups.par.pp > 1:
         gpipe(stage)
     else:

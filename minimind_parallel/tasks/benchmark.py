@@ -342,8 +342,8 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     return {"step_ms": 1e3 * max(r["step_s"] for r in ranks),
             "peak_bytes": worst.get("peak_bytes"), "breakdown": worst.get("breakdown"),
             "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks],
-            "per_rank": [{"pp_rank": r["pp_rank"], "peak_bytes": r.get("peak_bytes"), "max_in_flight": r["max_in_flight"],
-                          "idle": r["idle"]} for r in ranks]}
+            "per_rank": [{"pp_rank": r["pp_rank"], "peak_bytes": r.get("peak_bytes"),
+                          "max_in_flight": r["max_in_flight"], "idle": r["idle"]} for r in ranks]}
 
 
 def profile(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
