@@ -60,7 +60,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async_communication", action="store_true")
     p.add_argument("--shared_sp_gather", action="store_true")
     p.add_argument("--vocab_parallel", action="store_true")
-    p.add_argument("--pp_schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--pp_schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                   help="pipeline schedule over --num_microbatches (with one stage: gradient accumulation)")
     p.add_argument("--cp_comm_type", choices=("all_gather", "a2a"), default="all_gather")
     p.add_argument("--flash_attn", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=1234)
@@ -71,7 +72,7 @@ def validate_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--num_hidden_layers", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--mode", default=None, help="a mode preset (tp, tp_sp, tp_sp_async, tp_vp, ...)")
+    p.add_argument("--mode", default=None, help="a mode preset (tp, tp_sp, tp_sp_async, tp_vp, pp, tp_pp, ...)")
     p.add_argument("--optimizer_steps", type=int, default=3)
     p.add_argument("--log_interval", type=int, default=1)
     p.add_argument("--check_backward", action=argparse.BooleanOptionalAction, default=True)
@@ -92,6 +93,8 @@ MODES = {
     "tp_sp_async_shared": dict(sequence_parallel=True, async_communication=True, shared_sp_gather=True),
     "tp_vp": dict(vocab_parallel=True),
     "tp_sp_async_vp": dict(sequence_parallel=True, async_communication=True, vocab_parallel=True),
+    "pp": dict(),     # stages from --pp_size, schedule from --pp_schedule
+    "tp_pp": dict(),  # plain TP inside each stage (add --sequence_parallel etc. as wanted)
 }
 
 
@@ -123,8 +126,6 @@ def parse(argv: list[str]):
         raise ConfigError(f"--cp_size {launch.cp_size} needs --cp")
     if launch.cp and launch.cp_size > 1:
         raise ConfigError(f"context parallelism is not implemented yet; got --cp --cp_size {launch.cp_size}")
-    if launch.pp_size > 1:
-        raise ConfigError(f"pipeline parallelism is not implemented yet; got --pp_size {launch.pp_size}")
     args = task_parser(launch.task).parse_args(tail)
     return launch, args
 

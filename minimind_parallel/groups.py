@@ -36,6 +36,7 @@ class ProcessGroups:
     cp: object = None
     dp: object = None
     pp_ranks: list | None = None  # global ranks of this rank's pipeline, stage order
+    embed: object = None  # first + last stage of this pipeline (tied embeddings span them); None if pp = 1
 
     @property
     def tp_rank(self) -> int:
@@ -52,6 +53,23 @@ class ProcessGroups:
     @property
     def pp_rank(self) -> int:
         return self.coords["pp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.par.pp - 1
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage (same dp/cp/tp coordinates), None on the first."""
+        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
+
+    @property
+    def next_rank(self) -> int | None:
+        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
 
     @classmethod
     def single(cls, par: ParallelConfig | None = None) -> "ProcessGroups":
@@ -75,4 +93,8 @@ class ProcessGroups:
                     setattr(out, name, group)
                     if name == "pp":
                         out.pp_ranks = ranks
+        for ranks in groups_along(grid, AXES.index("pp")):  # embedding groups: first + last stage
+            group = dist.new_group([ranks[0], ranks[-1]]) if len(ranks) > 1 else None
+            if rank in (ranks[0], ranks[-1]):
+                out.embed = group
         return out

@@ -7,6 +7,9 @@ Parameter names are MiniMind's state-dict keys; each rank holds its shard of the
     block: h + o_proj(attn(qkv(norm(h)))) ; h + down(silu(gate) * up)(norm(h))
            q/k/v, gate/up: column-parallel [.., N/T];  o/down: row-parallel, partial -> sum
     final norm -> lm_head: replicated [S, B, V], or column-parallel [S, B, V/T] with --vocab_parallel
+
+Under pipeline parallelism (P stages) a rank builds only its stage: layers
+[p*L/P, (p+1)*L/P), the embedding on stage 0, the final norm and lm_head on stage P-1.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from torch import nn
 from .config import MiniMindConfig, ParallelConfig
 from .groups import ProcessGroups
 from .model import CausalLMOutput, RMSNorm, apply_rope, causal_attention, repeat_kv, rope_tables
+from .sharding import stage_layers
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel,
                               gather_from_sequence_parallel_region, mark_partial_grad,
                               scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
@@ -92,53 +96,78 @@ class ParallelBlock(nn.Module):
 
 
 class ParallelMiniMindModel(nn.Module):
-    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
+    """The layers `layers` (global indices) of the decoder; the embedding only on the first
+    pipeline stage, the final norm only on the last (both when there is no pipeline)."""
+
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, *, layers: range, first: bool, last: bool):
         super().__init__()
         self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
-        if par.vocab_parallel:
+        self.seq_shards = par.tp if par.sequence_parallel else 1
+        self.embed_tokens = None
+        if first and par.vocab_parallel:
             self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group,
                                                        sequence_parallel=par.sequence_parallel)
-        else:
+        elif first:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList([ParallelBlock(c, par, group) for _ in range(c.num_hidden_layers)])
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        if par.sequence_parallel:
+        # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group) for i in layers})
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps) if last else None
+        if self.norm is not None and par.sequence_parallel:
             mark_partial_grad(self.norm.weight)
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
 
-    def forward(self, input_ids):
-        ids = input_ids.t()                                          # [B, S] -> [S, B]
-        s = ids.shape[0]
-        h = self.embed_tokens(ids)                                   # [S, B, H]; VP+SP: [S/T, B, H]
-        if self.sp and not self.vp:
-            h = scatter_to_sequence_parallel_region(h, self.group)   # [S, B, H] -> [S/T, B, H]
+    def forward(self, input_ids=None, hidden_states=None):
+        """First stage: input_ids [B, S]; later stages: hidden_states [S/T, B, H] (SP) or [S, B, H]."""
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(input_ids.t())                     # [B, S] -> [S, B] -> [S, B, H]; VP+SP: [S/T, B, H]
+            if self.sp and not self.vp:
+                h = scatter_to_sequence_parallel_region(h, self.group)  # [S, B, H] -> [S/T, B, H]
+        else:
+            h = hidden_states
+        s = h.shape[0] * self.seq_shards
         cos, sin = self.freqs_cos[:s], self.freqs_sin[:s]
-        for layer in self.layers:
+        for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.norm(h)                                          # [S/T, B, H] (SP) or [S, B, H]
+        return self.norm(h) if self.norm is not None else h         # [S/T, B, H] (SP) or [S, B, H]
 
 
 class ParallelMiniMindForCausalLM(nn.Module):
-    """The TP/SP/VP model. forward(input_ids [B, S], labels [B, S]) -> CausalLMOutput with
-    logits [B, S, V] (or this rank's vocab slice [B, S, V/T] with --vocab_parallel)."""
+    """The TP/SP/VP model, or one pipeline stage of it (`groups.pp_rank` of `par.pp` stages).
+
+    forward(input_ids [B, S], labels [B, S]) -> CausalLMOutput with logits [B, S, V] (or this
+    rank's vocab slice [B, S, V/T] with --vocab_parallel). Under PP only the last stage returns
+    that; the others return the hidden states [S/T, B, H] (SP) or [S, B, H] for the next stage,
+    and every stage but the first takes `hidden_states` from the previous one instead of ids.
+
+    Tied embeddings: within one stage the two names share one Parameter. Across stages the first
+    stage's embedding and the last stage's lm_head are two copies with the same initial values;
+    their grads are summed over the embedding group (`training.finalize_grads`) so they stay equal.
+    """
 
     def __init__(self, config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups):
         super().__init__()
         self.config, self.par, self.group = config, par, groups.tp
-        self.model = ParallelMiniMindModel(config, par, groups.tp)
-        if par.vocab_parallel:
+        self.first, self.last = groups.pp_rank == 0, groups.pp_rank == par.pp - 1
+        layers = stage_layers(config.num_hidden_layers, par.pp, groups.pp_rank)
+        self.model = ParallelMiniMindModel(config, par, groups.tp, layers=layers, first=self.first, last=self.last)
+        self.lm_head = None
+        if self.last and par.vocab_parallel:
             self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, group=groups.tp,
                                                 sequence_parallel=par.sequence_parallel,
                                                 async_communication=par.async_communication)
-        else:
+        elif self.last:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings and self.first and self.last:
             self.model.embed_tokens.weight = self.lm_head.weight
+        elif config.tie_word_embeddings and (self.first or self.last):
+            mark_shared_embedding((self.model.embed_tokens if self.first else self.lm_head).weight)
 
-    def forward(self, input_ids, labels=None):
-        h = self.model(input_ids)
+    def forward(self, input_ids=None, labels=None, hidden_states=None):
+        h = self.model(input_ids, hidden_states)
+        if not self.last:
+            return h                                                 # to the next stage
         if self.par.vocab_parallel:
             logits = self.lm_head(h)                                 # enters the TP region: [S, B, V/T]
         else:
@@ -153,3 +182,10 @@ class ParallelMiniMindForCausalLM(nn.Module):
             else:
                 loss = F.cross_entropy(x.reshape(-1, x.shape[-1]), y.reshape(-1), ignore_index=-100)
         return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)
+
+
+def mark_shared_embedding(param: nn.Parameter) -> nn.Parameter:
+    """This copy of a tied embedding lives on the first or the last pipeline stage: its grad is
+    summed with the other copy's over the embedding group."""
+    param.shared_embedding = True
+    return param

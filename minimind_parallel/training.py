@@ -1,5 +1,6 @@
 """Building a parallel model from dense weights, and the per-step glue every task shares:
-gradient finalisation (TP sums of partial grads), DDP wrapping, the optimizer."""
+the microbatch schedule, gradient finalisation (TP sums of partial grads, tied embeddings
+across pipeline stages, DP under PP), DDP wrapping, the optimizer."""
 from __future__ import annotations
 
 import inspect
@@ -11,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .config import MiniMindConfig, ParallelConfig
 from .groups import ProcessGroups
 from .parallel_model import ParallelMiniMindForCausalLM
+from .pipeline_parallel import StepResult, forward_backward, split_microbatches
 from .profiling.ranges import span
 from .sharding import shard_state_dict
 from .tensor_parallel import comm
@@ -20,15 +22,19 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 def build_parallel_model(config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, dense_state: dict,
                          *, dtype=torch.float32, device="cpu") -> nn.Module:
-    """This rank's shard of the dense model (strict load: every key accounted for)."""
+    """This rank's shard of its pipeline stage of the dense model (strict load: every key accounted for)."""
     model = ParallelMiniMindForCausalLM(config, par, groups)
-    model.load_state_dict(shard_state_dict(dense_state, par, groups.tp_rank), strict=True)
+    model.load_state_dict(shard_state_dict(dense_state, par, groups.tp_rank, groups.pp_rank), strict=True)
     return model.to(device=device, dtype=dtype)
 
 
 def wrap_data_parallel(model: nn.Module, groups: ProcessGroups) -> nn.Module:
-    """DDP over the DP group (gradients averaged during backward); a no-op for dp = 1."""
-    if groups.dp is None:
+    """DDP over the DP group (gradients averaged during backward); a no-op for dp = 1.
+
+    Under PP the model stays unwrapped: DDP reduces in the backward that follows a synced forward,
+    but a pipeline interleaves forwards and backwards of different microbatches, so
+    `finalize_grads` all-reduces the DP grads itself, once, after the last microbatch."""
+    if groups.dp is None or groups.par.pp > 1:
         return model
     # RoPE tables are identical everywhere: no need to broadcast buffers each step.
     no_sync = ({"forward_sync_buffers": False}
@@ -42,15 +48,31 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
-    """Sum over TP the grads of replicated parameters that saw only this rank's part of the data
-    (norms on sequence shards, q_norm/k_norm on this rank's heads): one coalesced all-reduce."""
-    partial = [p for p in unwrap(model).parameters() if getattr(p, "tp_partial_grad", False) and p.grad is not None]
-    if not partial or groups.tp is None:
+    """After the last microbatch's backward, in this order:
+    1. TP: sum the grads of replicated parameters that saw only this rank's part of the data
+       (norms on sequence shards, q_norm/k_norm on this rank's heads);
+    2. PP with tied embeddings: sum the first stage's embedding grad and the last stage's
+       lm_head grad over the embedding group, so both copies take the same step;
+    3. DP when not done by DDP (pipelines): average every grad over the DP replicas."""
+    params = [p for p in unwrap(model).parameters() if p.grad is not None]
+    _all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], groups.tp)
+    _all_reduce_grads([p for p in params if getattr(p, "shared_embedding", False)], groups.embed)
+    if not isinstance(model, DistributedDataParallel) and groups.dp is not None:
+        for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak
+            comm.all_reduce(p.grad, groups.dp).div_(groups.par.dp)
+
+
+def _all_reduce_grads(params: list, group) -> None:
+    """Sum the grads of `params` over `group` in one flat buffer (small tensors: one collective)."""
+    if not params or group is None:
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in partial])
-    comm.all_reduce(flat, groups.tp)
+    if len(params) == 1:  # e.g. one tied embedding copy: in place, no flat copy
+        comm.all_reduce(params[0].grad, group)
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    comm.all_reduce(flat, group)
     offset = 0
-    for p in partial:
+    for p in params:
         n = p.grad.numel()
         p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
         offset += n
@@ -61,16 +83,24 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, labels):
-    """One optimizer step of the non-pipelined layouts: forward, backward, TP sums, AdamW, zero grads.
-    Returns the detached loss of this rank's batch."""
-    with span("forward"):
-        loss = model(input_ids, labels).loss
-    with span("backward"):
-        loss.backward()
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, labels,
+               *, num_microbatches: int = 1, schedule: str = "1f1b") -> torch.Tensor | None:
+    """One optimizer step of any layout: the batch [B, S] of this DP rank in M microbatches
+    through the schedule (PP) or gradient accumulation, grad finalisation, AdamW, zero grads.
+    Returns the detached mean loss; None on pipeline stages other than the last."""
+    step = train_step_detailed(model, optimizer, groups, input_ids, labels, num_microbatches=num_microbatches,
+                               schedule=schedule)
+    return step.loss
+
+
+def train_step_detailed(model, optimizer, groups, input_ids, labels, *, num_microbatches: int = 1,
+                        schedule: str = "1f1b") -> StepResult:
+    """train_step, returning the schedule's StepResult (in-flight microbatches, busy/wall time)."""
+    result = forward_backward(model, groups, split_microbatches(input_ids, labels, num_microbatches),
+                              schedule=schedule)
     with span("finalize_grads"):
         finalize_grads(model, groups)
     with span("optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return result

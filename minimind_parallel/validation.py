@@ -3,7 +3,12 @@
 Both models start from the same dense weights and see the same global batch. Compared: forward
 logits and loss, the gradient of every parameter (each shard against the matching slice of the
 dense gradient), and N AdamW steps (logits/loss every `log_interval` steps, every parameter at
-the end). Each rank compares its own shards; the report takes the worst rank.
+the end). Each rank compares its own shards; the report takes the worst rank per item.
+
+Under pipeline parallelism the dense model sees the whole global batch (M microbatches x
+micro_batch_size x dp) in one forward; the pipeline runs its schedule over the M microbatches.
+Each stage reports the gradients and parameters it holds; the loss and the logits exist only
+on the last stage and are compared there.
 """
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ import torch.distributed as dist
 from .config import MiniMindConfig, ParallelConfig
 from .groups import ProcessGroups
 from .model import MiniMindForCausalLM
-from .sharding import tp_split_dim
+from .pipeline_parallel import forward_backward as run_schedule
+from .pipeline_parallel import split_microbatches
+from .sharding import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer, unwrap, wrap_data_parallel
 
 DEFAULT_TOL = {  # (max-abs, relative-L2): an item fails only when it exceeds both
@@ -70,10 +77,10 @@ def logits_slice(dense_logits, par: ParallelConfig, tp_rank: int):
 
 
 def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, *, seq_len: int,
-                       micro_batch_size: int, dtype=torch.float32, lr: float = 1e-3, optimizer_steps: int = 3,
-                       log_interval: int = 1, check_backward: bool = True, seed: int = 1234, device="cpu",
-                       perturb: str | None = None, atol: float | None = None,
-                       rtol: float | None = None) -> list[Row]:
+                       micro_batch_size: int, num_microbatches: int = 1, pp_schedule: str = "1f1b",
+                       dtype=torch.float32, lr: float = 1e-3, optimizer_steps: int = 3, log_interval: int = 1,
+                       check_backward: bool = True, seed: int = 1234, device="cpu", perturb: str | None = None,
+                       atol: float | None = None, rtol: float | None = None) -> list[Row]:
     """Rows of (item, max-abs error, relative-L2 error, tolerances), worst over all ranks."""
     atol = DEFAULT_TOL[dtype][0] if atol is None else atol
     rtol = DEFAULT_TOL[dtype][1] if rtol is None else rtol
@@ -81,29 +88,36 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
     torch.manual_seed(seed)
     dense = MiniMindForCausalLM(config).to(device=device, dtype=dtype)
     model = build_parallel_model(config, par, groups, dense.state_dict(), dtype=dtype, device=device)
-    if perturb is not None and groups.tp_rank == 0:
+    if perturb is not None and groups.tp_rank == 0 and stage_of(perturb, config.num_hidden_layers,
+                                                                par.pp) == groups.pp_rank:
         with torch.no_grad():
             dict(model.named_parameters())[perturb].add_(1e-2)
     model = wrap_data_parallel(model, groups)
-    ids, labels = make_batch(seed + 1, micro_batch_size * par.dp, seq_len, config.vocab_size, device)
-    rows_ = slice(groups.dp_rank * micro_batch_size, (groups.dp_rank + 1) * micro_batch_size)
-    dense_params = dict(dense.named_parameters())
+    local = micro_batch_size * num_microbatches                     # rows of this DP rank
+    ids, labels = make_batch(seed + 1, local * par.dp, seq_len, config.vocab_size, device)
+    rows_ = slice(groups.dp_rank * local, (groups.dp_rank + 1) * local)
+    microbatches = split_microbatches(ids[rows_], labels[rows_], num_microbatches)
+    # Tied names both map to the one dense Parameter (a pipeline holds them on two stages).
+    dense_params = dict(dense.named_parameters(remove_duplicate=False))
     opt_dense, opt_par = make_optimizer(dense, lr), make_optimizer(model, lr)
+    backward = check_backward or optimizer_steps > 0
     rows: list[Row] = []
 
     def forward_backward(step: int, compare: bool):
-        ref, out = dense(ids, labels), model(ids[rows_], labels[rows_])
-        if compare:
-            loss = out.loss.detach().clone()
+        ref = dense(ids, labels)
+        out = run_schedule(model, groups, microbatches, schedule=pp_schedule, forward_only=not backward,
+                           collect_logits=compare)
+        if compare and out.loss is not None:  # the last stage
+            loss = out.loss.clone()
             if groups.dp is not None:  # the global-batch loss is the mean over DP replicas
                 dist.all_reduce(loss, group=groups.dp)
                 loss /= par.dp
             rows.append(Row(f"step {step} loss", *error(loss, ref.loss), atol, rtol))
-            rows.append(Row(f"step {step} logits", *error(out.logits, logits_slice(ref.logits[rows_], par,
-                                                                                      groups.tp_rank)), atol, rtol))
-        if check_backward or optimizer_steps > 0:
+            logits = torch.cat(out.logits)                          # [M*b, S, V(/T)]
+            rows.append(Row(f"step {step} logits", *error(logits, logits_slice(ref.logits[rows_], par,
+                                                                               groups.tp_rank)), atol, rtol))
+        if backward:
             ref.loss.backward()
-            out.loss.backward()
             finalize_grads(model, groups)
 
     forward_backward(0, compare=True)
@@ -124,13 +138,35 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
     return worst_over_ranks(rows, device)
 
 
-def worst_over_ranks(rows: list[Row], device) -> list[Row]:
-    """Every rank has the same items in the same order: keep the largest errors."""
+def worst_over_ranks(rows: list[Row], device=None) -> list[Row]:
+    """Merge every rank's rows by item, keeping the largest errors. Ranks may hold different items
+    (pipeline stages hold different parameters; only the last has the loss): items are ordered by
+    phase (step 0, grads, later steps, params), then as first seen in rank order (stage order)."""
     if not dist.is_initialized():
         return rows
-    t = torch.tensor([[r.max_abs, r.rel_l2] for r in rows], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [Row(r.item, *t[i].tolist(), r.atol, r.rtol) for i, r in enumerate(rows)]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [(r.item, r.max_abs, r.rel_l2, r.atol, r.rtol) for r in rows])
+    merged: dict[str, Row] = {}
+    for rank_rows in every:
+        for item, max_abs, rel_l2, a, r in rank_rows:
+            old = merged.get(item)
+            merged[item] = Row(item, _worst(max_abs, old.max_abs) if old else max_abs,
+                               _worst(rel_l2, old.rel_l2) if old else rel_l2, a, r)
+    return sorted(merged.values(), key=lambda row: _phase(row.item))
+
+
+def _worst(a: float, b: float) -> float:
+    """The larger error; NaN counts as the worst."""
+    return a if (a != a or a >= b) else b
+
+
+def _phase(item: str) -> float:
+    """step 0 -> 0, grads -> 1, step k -> k + 1, params last."""
+    kind, _, rest = item.partition(" ")
+    if kind == "step":
+        k = int(rest.split()[0])
+        return 0 if k == 0 else k + 1
+    return 1 if kind == "grad" else float("inf")
 
 
 def failures(rows: list[Row]) -> list[Row]:

@@ -25,8 +25,11 @@ def _child(rank, world, store_path, out_dir, fn, args):
             pickle.dump(result, f)
         dist.destroy_process_group()
     except BaseException:
-        with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
+        # Written whole then renamed: a rank killed mid-write (after another rank failed) leaves no
+        # empty .err behind to hide the real error.
+        with open(os.path.join(out_dir, f"{rank}.err.tmp"), "w") as f:
             f.write(traceback.format_exc())
+        os.replace(os.path.join(out_dir, f"{rank}.err.tmp"), os.path.join(out_dir, f"{rank}.err"))
         os._exit(1)
     os._exit(0)
 
@@ -51,7 +54,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
                 if p.is_alive():
                     p.kill()
                 p.join()
-        errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
+        # The first error written is the cause; later ones may only report a lost peer.
+        paths = sorted((os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".err")), key=os.path.getmtime)
+        errors = [open(path).read() for path in paths]
         if errors:
             raise AssertionError("a rank failed:\n" + errors[0])
         if any(p.exitcode != 0 for p in procs):

@@ -30,7 +30,8 @@ from .. import cli
 from ..config import ConfigError, ParallelConfig, check_layout
 from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
-from ..training import DTYPES, build_parallel_model, make_optimizer, train_step, wrap_data_parallel
+from ..pipeline_parallel import bubble_fraction
+from ..training import DTYPES, build_parallel_model, make_optimizer, train_step_detailed, wrap_data_parallel
 from . import benchmark_outputs as outputs
 
 SWEEPABLE = ("num_hidden_layers", "seq_len")
@@ -249,6 +250,20 @@ def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communicati
     row["step_ms"], row["tokens_per_s"] = result["step_ms"], result["tokens_per_s"]
     if result["peak_bytes"] is not None:
         outputs.fill_memory(row, result["peak_bytes"], result["breakdown"])
+    if par.pp > 1:
+        fill_pipeline(row, result, par)
+
+
+def fill_pipeline(row: dict, result: dict, par: ParallelConfig) -> None:
+    """Per stage (worst rank of each): peak MiB, microbatches of activations held, measured idle
+    share (wall time not spent in forward/backward compute: the bubble plus p2p), beside the
+    bubble (P-1)/(M+P-1) of equal stages."""
+    stages = [[r for r in result["per_rank"] if r["pp_rank"] == p] for p in range(par.pp)]
+    peaks = [max((r["peak_bytes"] or 0) for r in ranks) / outputs.MIB for ranks in stages]
+    row["peak_mib_per_stage"] = " ".join(f"{m:.2f}" for m in peaks) if result["peak_bytes"] is not None else None
+    row["in_flight_per_stage"] = " ".join(str(max(r["max_in_flight"] for r in ranks)) for ranks in stages)
+    row["idle_pct_per_stage"] = " ".join(f"{100 * max(r['idle'] for r in ranks):.1f}" for ranks in stages)
+    row["bubble_pct"] = 100 * bubble_fraction(par.pp, row["num_microbatches"])
 
 
 # ---------------------------------------------------------------- worker side (every rank)
@@ -287,7 +302,8 @@ def run_cell(launch, args, device) -> int:
     gc.collect()
     model = wrap_data_parallel(model, groups)
     optimizer = make_optimizer(model, args.learning_rate)
-    ids, labels = shared_batch(config, groups, rows * par.dp, a.seq_len, args.seed + 1, device)
+    # M microbatches of `rows` rows per DP replica (M = 1 without a pipeline)
+    ids, labels = shared_batch(config, groups, rows * args.num_microbatches * par.dp, a.seq_len, args.seed + 1, device)
     result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
     global_tokens = rows * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
@@ -301,22 +317,28 @@ def run_cell(launch, args, device) -> int:
 def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     """Median step time over the measured iterations, max over ranks; with kind memory the
     worst rank's peak (MemoryMeter around the measured iterations)."""
+    steps = []
+
     def timed_step() -> float:
         sync(device)
         t0 = time.perf_counter()
-        train_step(model, optimizer, groups, ids, labels)
+        steps.append(train_step_detailed(model, optimizer, groups, ids, labels,
+                                         num_microbatches=args.num_microbatches, schedule=args.pp_schedule))
         sync(device)
         return time.perf_counter() - t0
 
     for _ in range(args.warmup_iters):
         timed_step()
+    del steps[:]
     meter = None
     if kind == "memory":
         from ..memory import MemoryMeter
         meter = MemoryMeter(device, model, optimizer)
     with meter or nullcontext():
         times = [timed_step() for _ in range(args.benchmark_iters)]
-    mine = {"step_s": statistics.median(times)}
+    mine = {"step_s": statistics.median(times), "pp_rank": groups.pp_rank,
+            "max_in_flight": max(s.max_in_flight for s in steps),
+            "idle": statistics.median(1 - s.busy_s / s.wall_s for s in steps)}
     if meter is not None:
         report = meter.report()
         mine.update(peak_bytes=int(report.peak_bytes), breakdown={k: int(v) for k, v in report.breakdown.items()})
@@ -325,7 +347,9 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     worst = max(ranks, key=lambda r: r.get("peak_bytes", 0))
     return {"step_ms": 1e3 * max(r["step_s"] for r in ranks),
             "peak_bytes": worst.get("peak_bytes"), "breakdown": worst.get("breakdown"),
-            "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks]}
+            "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks],
+            "per_rank": [{"pp_rank": r["pp_rank"], "peak_bytes": r.get("peak_bytes"),
+                          "max_in_flight": r["max_in_flight"], "idle": r["idle"]} for r in ranks]}
 
 
 def profile(kind, model, optimizer, groups, ids, labels, args, device) -> dict:

@@ -15,7 +15,10 @@ BREAKDOWN = ("params", "grads", "optimizer", "activations", "temporaries")
 COLUMNS = ("kind", "mode", "swept", "value", "num_hidden_layers", "seq_len", "tp", "dp", "world", "dtype",
            "global_batch", "sequence_parallel", "async_communication", "vocab_parallel", "estimate", "status",
            "peak_mib", *(f"{k}_mib" for k in BREAKDOWN), "predicted_mib", "deviation_mib", "deviation_pct",
-           "step_ms", "tokens_per_s", "vs_mode", "delta_peak_mib", "delta_peak_pct", "delta_step_pct", "reason")
+           "step_ms", "tokens_per_s", "vs_mode", "delta_peak_mib", "delta_peak_pct", "delta_step_pct",
+           # pipeline cells: per stage (space-separated, stage 0 first), and the bubble (P-1)/(M+P-1)
+           "pp", "pp_schedule", "num_microbatches", "peak_mib_per_stage", "in_flight_per_stage",
+           "idle_pct_per_stage", "bubble_pct", "reason")
 
 
 @dataclass
@@ -43,7 +46,9 @@ def new_row(kind, cell, par, a, global_batch: int, *, estimate: bool) -> dict:
                seq_len=cell.seq_len, tp=par.tp, dp=par.dp, world=par.world_size, dtype=a.dtype,
                global_batch=global_batch, sequence_parallel=par.sequence_parallel,
                async_communication=par.async_communication, vocab_parallel=par.vocab_parallel, estimate=estimate,
-               status="ok", reason="")
+               pp=par.pp, status="ok", reason="")
+    if par.pp > 1:
+        row.update(pp_schedule=a.pp_schedule, num_microbatches=a.num_microbatches)
     return row
 
 
@@ -127,6 +132,10 @@ class Table:
         line = (f"{r['mode']:<15} {r['value']:>7} {r['status']:>6} {fmt(r['peak_mib'], '.2f'):>10} {parts:>31} "
                 f"{fmt(r['predicted_mib'], '.2f'):>10} {dev:>17} {fmt(r['step_ms'], '.2f'):>9} "
                 f"{fmt(r['tokens_per_s'], '.0f'):>10}  {vs}")
+        if r["idle_pct_per_stage"] is not None:
+            line += (f"\n    {r['pp_schedule']} pp={r['pp']} M={r['num_microbatches']}: per stage peak MiB "
+                     f"{r['peak_mib_per_stage']}, microbatches held {r['in_flight_per_stage']}, idle % "
+                     f"{r['idle_pct_per_stage']} (bubble (P-1)/(M+P-1) = {fmt(r['bubble_pct'])}%)")
         if r["status"] != "ok":
             line += f"\n    {r['status']}: {r['reason']}"
         return line.rstrip()

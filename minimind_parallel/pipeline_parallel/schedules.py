@@ -1,0 +1,202 @@
+"""Pipeline schedules over M microbatches: GPipe and 1F1B (one stage: gradient accumulation).
+
+    GPipe   F0 F1 .. F(M-1)  B0 B1 .. B(M-1)          holds M microbatches of activations
+    1F1B    warm-up: P-p-1 forwards; steady: one forward then one backward; cool-down:
+            the remaining backwards                   holds at most P - p (stage p)
+
+Each stage runs its schedule on its own; the p2p calls line the stages up. The loss of every
+microbatch (a mean over its target tokens) is scaled by its share of this replica's target
+tokens before its backward -- 1/M when all microbatches have as many -- so the accumulated
+grads and the reported loss are those of the mean over all target tokens of the batch, exactly
+as the dense model averages. DP and tied-embedding grads are summed once, after the last
+microbatch, by `training.finalize_grads`.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..groups import ProcessGroups
+from ..profiling.ranges import span
+from . import p2p
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor | None                    # mean over the batch's target tokens, detached (last stage only)
+    logits: list = field(default_factory=list)   # per microbatch [b, S, V(/T)], when asked (last stage)
+    max_in_flight: int = 0    # most microbatches forwarded and not yet backwarded (activations held)
+    busy_s: float = 0.0       # seconds in forward/backward compute (the rest of wall_s is p2p wait;
+    wall_s: float = 0.0       # on CUDA only meaningful with the benchmark's synchronisation)
+
+
+def deallocate_output_tensor(out: torch.Tensor) -> None:
+    """Free a sent output's storage but keep the tensor as the root of this stage's backward.
+
+    Once the next stage has the activation, only its autograd node and shape are needed here:
+    backward(out, grad) never reads out's values (a residual add ends every stage and saves
+    nothing). Without this each in-flight microbatch would keep one [S(/T), B, H] activation
+    twice -- here and on the next stage (Megatron's deallocate_output_tensor). The stand-in is
+    a 0-stride view of one element, so autograd still sees the right shape.
+    """
+    assert out._base is None, "a view keeps its base alive: deallocating it would free nothing"
+    out.data = torch.empty((), dtype=out.dtype, device=out.device).expand(out.shape)
+
+
+class _Stage:
+    """One rank's stage of the pipeline: the forward and backward steps the schedules call."""
+
+    def __init__(self, model: nn.Module, groups: ProcessGroups, microbatches: list, *, collect_logits: bool):
+        self.model, self.groups, self.microbatches = model, groups, microbatches
+        self.collect_logits = collect_logits
+        par, ids = groups.par, microbatches[0][0]
+        hidden = unwrapped(model).config.hidden_size
+        seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
+        dtype = next(model.parameters()).dtype
+        self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
+        # targets per microbatch, kept on the device (no host sync; works on fake tensors too)
+        counts = torch.stack([(labels[:, 1:] != -100).sum() for _, labels in microbatches])
+        self.loss_weights = counts / counts.sum().clamp(min=1)                           # [M], sums to 1
+        self.held: list = []        # (input, output) of microbatches awaiting their backward, oldest first
+        self.losses, self.logits = [], []
+        self.max_in_flight, self.busy = 0, 0.0
+
+    def forward(self, i: int, x):
+        """Microbatch i through this stage; x: the received activation (None on the first stage).
+        -> the output activation, or on the last stage the loss scaled by its share of the targets."""
+        ids, labels = self.microbatches[i]
+        if x is not None:
+            x.requires_grad_()      # its grad is what this stage sends back
+        start = time.perf_counter()
+        with self._grad_sync(i), span("forward"):
+            out = self.model(ids, labels, hidden_states=x)
+        self.busy += time.perf_counter() - start
+        if not self.groups.is_last_stage:
+            return out
+        loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
+        self.losses.append(loss.detach())
+        if self.collect_logits:
+            self.logits.append(out.logits.detach())
+        return loss
+
+    def _grad_sync(self, i: int):
+        """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
+        if isinstance(self.model, DistributedDataParallel) and i < len(self.microbatches) - 1:
+            return self.model.no_sync()
+        return nullcontext()
+
+    def hold(self, x, out) -> None:
+        self.held.append((x, out))
+        self.max_in_flight = max(self.max_in_flight, len(self.held))
+
+    def backward(self, grad):
+        """Backward of the oldest held microbatch; grad: of its output (None on the last stage,
+        whose output is the loss). -> the grad of its input activation (None on the first stage)."""
+        x, out = self.held.pop(0)
+        start = time.perf_counter()
+        with span("backward"):
+            torch.autograd.backward(out, grad_tensors=grad)
+        self.busy += time.perf_counter() - start
+        return None if x is None else x.grad
+
+    def send_forward(self, out) -> None:
+        p2p.send_forward(out, self.groups)
+        if not self.groups.is_last_stage:
+            deallocate_output_tensor(out)
+
+    def send_forward_recv_backward(self, out):
+        grad = p2p.send_forward_recv_backward(out, self.groups, self.like)
+        if not self.groups.is_last_stage:
+            deallocate_output_tensor(out)
+        return grad
+
+    def result(self, wall_s: float) -> StepResult:
+        loss = torch.stack(self.losses).sum() if self.losses else None
+        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s)
+
+
+def gpipe(stage: _Stage) -> None:
+    """All forwards, then all backwards (in the same order)."""
+    groups, like, m = stage.groups, stage.like, len(stage.microbatches)
+    for i in range(m):
+        x = p2p.recv_forward(groups, like)
+        out = stage.forward(i, x)
+        stage.send_forward(out)
+        stage.hold(x, out)
+    for _ in range(m):
+        grad = p2p.recv_backward(groups, like)
+        p2p.send_backward(stage.backward(grad), groups)
+
+
+def one_f_one_b(stage: _Stage) -> None:
+    """Warm-up of P-p-1 forwards, steady one-forward-one-backward, cool-down of the rest."""
+    groups, like, m = stage.groups, stage.like, len(stage.microbatches)
+    warmup = min(groups.par.pp - groups.pp_rank - 1, m)
+    for i in range(warmup):
+        x = p2p.recv_forward(groups, like)
+        out = stage.forward(i, x)
+        stage.send_forward(out)
+        stage.hold(x, out)
+    x = p2p.recv_forward(groups, like) if warmup < m else None
+    for i in range(warmup, m):
+        out = stage.forward(i, x)
+        stage.hold(x, out)
+        grad = stage.send_forward_recv_backward(out)
+        input_grad = stage.backward(grad)
+        if i == m - 1:
+            p2p.send_backward(input_grad, groups)
+        else:
+            x = p2p.send_backward_recv_forward(input_grad, groups, like)
+    for _ in range(warmup):
+        grad = p2p.recv_backward(groups, like)
+        p2p.send_backward(stage.backward(grad), groups)
+
+
+def all_forwards(stage: _Stage) -> None:
+    """Forward-only (evaluation): every microbatch through, nothing kept for backward."""
+    with torch.no_grad():
+        for i in range(len(stage.microbatches)):
+            stage.send_forward(stage.forward(i, p2p.recv_forward(stage.groups, stage.like)))
+
+
+def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *, schedule: str = "1f1b",
+                     forward_only: bool = False, collect_logits: bool = False) -> StepResult:
+    """Run every microbatch [(ids [b, S], labels [b, S]), ...] through this rank's stage,
+    accumulating the grads of the mean loss over all their target tokens. With one stage both
+    schedules are plain gradient accumulation (forward, backward per microbatch: 1F1B without
+    warm-up); a DDP model then all-reduces once, in the last backward."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    stage = _Stage(model, groups, microbatches, collect_logits=collect_logits)
+    start = time.perf_counter()
+    if forward_only:
+        all_forwards(stage)
+    elif schedule == "gpipe" and groups.par.pp > 1:
+        gpipe(stage)
+    else:
+        one_f_one_b(stage)
+    return stage.result(time.perf_counter() - start)
+
+
+def bubble_fraction(pp: int, num_microbatches: int) -> float:
+    """The idle share of every stage in GPipe and 1F1B with equal stage times: (P-1)/(M+P-1).
+    A measured counterpart per stage: 1 - StepResult.busy_s / StepResult.wall_s."""
+    return (pp - 1) / (num_microbatches + pp - 1)
+
+
+def split_microbatches(ids: torch.Tensor, labels: torch.Tensor, num_microbatches: int) -> list:
+    """[B, S] -> M pairs of [B/M, S] (B % M == 0)."""
+    if ids.shape[0] % num_microbatches:
+        raise ValueError(f"batch {ids.shape[0]} is not divisible by num_microbatches={num_microbatches}")
+    return list(zip(ids.chunk(num_microbatches), labels.chunk(num_microbatches)))
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
