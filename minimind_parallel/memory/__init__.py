@@ -1,14 +1,13 @@
-"""Memory: what is alive at the peak of a training step, measured and predicted (SPEC 6).
+"""Memory: what is alive at the peak of a training step, measured and predicted (SPEC 6, docs/memory.md).
 
     MemoryMeter           real run: live-storage tracker on CPU, allocator peak on CUDA
     estimate_step_memory  the same tracker on fake tensors and a fake process group (--estimate)
     predict_memory        the analytic model: bytes by category and by saved-tensor kind
 """
+from .analytic import MemoryPrediction, activations_by_kind, parameter_shapes, predict_memory
 from .estimate import estimate_step_memory
 from .meter import MemoryMeter
 from .tracker import CATEGORIES, MemoryReport, StorageTracker
 
-__all__ = ["CATEGORIES", "MemoryMeter", "MemoryReport", "StorageTracker", "estimate_step_memory"]
-from .analytic import MemoryPrediction, activations_by_kind, parameter_shapes, predict_memory  # noqa: E402
-
-__all__ += ["MemoryPrediction", "activations_by_kind", "parameter_shapes", "predict_memory"]
+__all__ = ["CATEGORIES", "MemoryMeter", "MemoryPrediction", "MemoryReport", "StorageTracker", "activations_by_kind",
+           "estimate_step_memory", "parameter_shapes", "predict_memory"]
