@@ -191,9 +191,6 @@ def test_estimate_runs_in_process_and_launches_nothing(monkeypatch, tmp_path):
 
 
 def test_every_row_carries_the_analytic_prediction_and_the_deviation(monkeypatch, tmp_path):
-    from minimind_parallel import memory
-    if not hasattr(memory, "predict_memory"):
-        pytest.skip("predict_memory is not in the memory API yet")
     run, _ = fake_torchrun(oom_cell=None)
     monkeypatch.setattr(cli, "run_torchrun", run)
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--num_hidden_layers", "1", *TINY,
