@@ -13,7 +13,6 @@ Under pipeline parallelism (P stages) a rank builds only its stage: layers
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

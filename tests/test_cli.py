@@ -70,6 +70,11 @@ def test_bad_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, 
     if "cuda" in argv:  # the check under test: a machine without CUDA asked for cuda
         import torch
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_refused_before_launch(argv, message, monkeypatch, capsys)
+
+
+def assert_refused_before_launch(argv, message, monkeypatch, capsys):
+    """The launcher answers bad input with exit 2 and one line containing `message`, launching nothing."""
     launched = []
     monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
     code = cli.main(argv)

@@ -2,7 +2,6 @@
 logits, loss, every gradient (norm weights included) and several AdamW steps."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups

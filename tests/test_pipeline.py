@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups, cli
+from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.pipeline_parallel import deallocate_output_tensor, forward_backward, split_microbatches
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step_detailed
@@ -235,12 +235,8 @@ BAD = [
 
 @pytest.mark.parametrize("argv,message", BAD, ids=[m.split(";")[0] for _, m in BAD])
 def test_bad_pipeline_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
-    launched = []
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
-    code = cli.main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and not launched
-    assert len(err.splitlines()) == 1 and message in err, err
+    from test_cli import assert_refused_before_launch
+    assert_refused_before_launch(argv, message, monkeypatch, capsys)
 
 
 def run_cli(*argv, timeout=240):

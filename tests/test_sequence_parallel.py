@@ -4,7 +4,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from distributed import run_ranks

@@ -16,7 +16,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index):
         # logits: [N, V/T] (half precision computed in fp32), target: [N] global ids -> loss per token [N]
-        t, r = comm.world(group), comm.rank_in(group)
+        r = comm.rank_in(group)
         per_rank = logits.shape[-1]
         start = r * per_rank
         # half precision is computed in fp32; fp32/fp64 as given. Always a copy: the caller's
