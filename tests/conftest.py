@@ -2,6 +2,9 @@ import os
 
 # One torch thread per process: the ranks of every test share two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite is the gloo/CPU suite: on a machine with GPUs the launcher would otherwise default
+# to CUDA (one GPU per rank) for the command lines the tests run.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # torch.optim imports torch._dynamo lazily on the first optimizer (seconds of imports). Importing it
 # once here, before run_ranks forks, spares every rank of every test that cost.

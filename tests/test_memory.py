@@ -1,12 +1,18 @@
 """Peak memory: the CPU tracker of a real run, the same tracker on fake tensors (--estimate) and
 the analytic model agree, and the seed's two derivations (chapter 4.2.1 and 4.4.2) come out of
 all three, as byte arithmetic in F = b*S*B*H, the bytes of one full-sequence [S, B, H] tensor."""
+from dataclasses import replace
+
 import pytest
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
-from minimind_parallel.memory import (MemoryMeter, StorageTracker, estimate_step_memory, predict_memory)
+from minimind_parallel.memory import (MemoryMeter, StorageTracker, estimate_step_memory, parameter_shapes,
+                                      predict_memory)
+from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from minimind_parallel.validation import make_batch
 
@@ -93,17 +99,19 @@ def test_estimate_equals_the_real_cpu_run(measured):
         assert sum(real[name].breakdown.values()) == real[name].peak_bytes
 
 
-def _check_model(pred, meas, name):
-    for key in ("params", "grads", "optimizer"):
-        assert pred.breakdown[key] == meas.breakdown[key], (name, key, pred.breakdown, meas.breakdown)
-    assert abs(pred.breakdown["activations"] - meas.breakdown["activations"]) <= 0.01 * meas.breakdown["activations"]
-    assert abs(pred.peak_bytes - meas.peak_bytes) <= 0.01 * meas.peak_bytes, (name, pred.peak_bytes, meas.peak_bytes)
+def _check_model(pred, meas, name, *, slack=0):
+    """The model's peak and every category of its breakdown against a measurement: the same bytes
+    (a real run: up to `slack` more)."""
+    for key, value in pred.breakdown.items():
+        assert 0 <= meas.breakdown[key] - value <= slack, (name, key, pred.peak_at, pred.breakdown, meas.breakdown)
+    assert 0 <= meas.peak_bytes - pred.peak_bytes <= slack, (name, pred.peak_at, pred.peak_bytes, meas.peak_bytes)
 
 
 def test_analytic_model_matches_the_measurement(measured):
-    real, _, model = measured
+    real, estimate, model = measured
     for name in MODES:
-        _check_model(model[name], real[name], name)
+        _check_model(model[name], estimate[name], name)
+        _check_model(model[name], real[name], name, slack=REAL_SLACK)
 
 
 @pytest.mark.parametrize("dtype,config", [
@@ -190,3 +198,92 @@ def test_seed_deltas_from_estimate_at_the_seed_configuration():
                                "rc": dict(sequence_parallel=True, async_communication=True)}.items()}
     assert est["tp"].peak_bytes - est["sp"].peak_bytes == seed_sp_delta(2, S=2048, B=4, H=768, T=2)
     assert est["sp"].peak_bytes - est["rc"].peak_bytes == 48 * 2 * MiB
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+PIPE = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      vocab_size=512, tie_word_embeddings=False, max_position_embeddings=256)
+
+
+def _stage_parameters(config, par, stage):
+    """(name, shape) of every parameter of a stage's model, in the optimizer's order."""
+    dist.init_process_group("fake", store=FakeStore(), rank=stage * par.tp, world_size=par.world_size)
+    try:
+        model = ParallelMiniMindForCausalLM(config, par, ProcessGroups.build(par))
+        return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(), ParallelConfig(pp=2, tp=2, vocab_parallel=True), ParallelConfig(pp=4)])
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_shapes_are_each_stages_model_in_optimizer_order(par, tied):
+    c = replace(PIPE, tie_word_embeddings=tied)
+    for stage in range(par.pp):
+        assert list(parameter_shapes(c, par, stage).items()) == _stage_parameters(c, par, stage)
+
+
+@pytest.mark.parametrize("par,schedule,m,dtype,tied", [
+    (ParallelConfig(pp=2), "gpipe", 1, torch.float32, False),
+    (ParallelConfig(pp=2), "gpipe", 2, torch.bfloat16, False),
+    (ParallelConfig(pp=2), "gpipe", 5, torch.float32, True),
+    (ParallelConfig(pp=2), "1f1b", 2, torch.float32, False),
+    (ParallelConfig(pp=2), "1f1b", 5, torch.bfloat16, True),
+    (ParallelConfig(pp=4), "gpipe", 4, torch.bfloat16, False),
+    (ParallelConfig(pp=4), "1f1b", 9, torch.float32, False),
+    (ParallelConfig(pp=2, tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True), "1f1b", 5,
+     torch.bfloat16, True),
+    (ParallelConfig(pp=2, tp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True), "1f1b", 3,
+     torch.float32, False),
+    (ParallelConfig(pp=2, tp=2, sequence_parallel=True), "gpipe", 3, torch.bfloat16, False),
+    (ParallelConfig(pp=2, dp=2), "1f1b", 3, torch.float32, True),
+    (ParallelConfig(tp=2, vocab_parallel=True), "1f1b", 3, torch.float32, True),   # gradient accumulation
+])
+def test_every_pipeline_stage_is_predicted_to_the_byte(par, schedule, m, dtype, tied):
+    """The model against the tracker on fake tensors, stage by stage: peak and every category."""
+    c = replace(PIPE, tie_word_embeddings=tied)
+    for stage in range(par.pp):
+        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=m, schedule=schedule)
+        pred = predict_memory(c, par, stage=stage, **kw)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, stage=stage, **kw), f"stage {stage}")
+
+
+def _measure_stages(par, m):
+    """A real gloo run of each schedule (a warm-up step, then the meter around one step)."""
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        groups = ProcessGroups.build(par)
+        torch.manual_seed(0)
+        dense = MiniMindForCausalLM(PIPE).state_dict()
+        model = build_parallel_model(PIPE, par, groups, dense, dtype=torch.bfloat16)
+        optimizer = make_optimizer(model, 1e-3)
+        ids, labels = make_batch(0, B * m, S, PIPE.vocab_size)
+        kw = dict(num_microbatches=m, schedule=schedule)
+        train_step(model, optimizer, groups, ids, labels, **kw)
+        meter = MemoryMeter("cpu", model, optimizer)
+        with meter:
+            train_step(model, optimizer, groups, ids, labels, **kw)
+        out[schedule] = meter.report()
+    return out
+
+
+def test_measured_stage_peaks_are_the_models_and_1f1b_holds_p_microbatches_where_gpipe_holds_m():
+    """Issue 5's claim, measured on real ranks and predicted: stage 0 of 1F1B holds P microbatches
+    of activations, GPipe's all M, so its peak is (M - P) microbatches' worth higher."""
+    par, m = ParallelConfig(pp=2), 5
+    real = run_ranks(_measure_stages, par.pp, par, m)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16, num_microbatches=m)
+    pred = {s: [predict_memory(PIPE, par, schedule=s, stage=p, **kw) for p in range(par.pp)] for s in ("gpipe", "1f1b")}
+    for schedule, stages in pred.items():
+        for stage, p in enumerate(stages):
+            _check_model(p, real[stage][schedule], f"{schedule} stage {stage}", slack=REAL_SLACK)
+    assert [p.held_at_peak for p in pred["gpipe"]] == [m, m]
+    assert [p.held_at_peak for p in pred["1f1b"]] == [par.pp, 1]
+    held = pred["gpipe"][0].held_per_microbatch
+    # GPipe's stage 0 holds M - P more microbatches at its peak; 1F1B's holds every grad there
+    # (its peak comes after its first backward), GPipe's only those of the first backward so far
+    diff = (m - par.pp) * held - (pred["1f1b"][0].breakdown["grads"] - pred["gpipe"][0].breakdown["grads"])
+    assert pred["gpipe"][0].peak_bytes - pred["1f1b"][0].peak_bytes == diff
+    measured = real[0]["gpipe"].peak_bytes - real[0]["1f1b"].peak_bytes
+    assert abs(measured - diff) <= REAL_SLACK

@@ -23,17 +23,34 @@ Model level
     embedding        the ids: 8 N  (VP: local ids 8 N + out-of-range mask N)
     final_norm       2 f Nn H + f Nn
     head_input       lm_head's input: b N H  (VP + SP + async: b N/T H)
-    logits_loss      replicated head: log-softmax b M V + target copy 8 M + total weight b
+    logits_loss      replicated head: log-softmax b M V + target copy 8 M (B > 1) + total weight b
                      VP: fp32 softmax f M V_t + local target 8 M + two masks 2 M + count 8
 
-The peak is the largest of a few moments of the step (each a sum of what is alive then):
-    head_backward     all activations + the loss gradients of the logits
-    final_norm_backward  after lm_head's backward: its grads, the activations but the head's, and the
-                      final RMSNorm's backward fp32 temporaries (5 f Nn H)
-    mlp_backward      the last block's silu*up backward: down's grad is in, the product freed,
-                      three [N, I/T] gradients and the residual gradient live
-    forward_end       all activations + the logits and log-softmax before backward frees them
-    optimizer         params + grads + states + AdamW's two scratch tensors of the largest parameter
+Alive all step: params and RoPE buffers, AdamW states, the batch (ids and labels [M B, S] int64
+and the fp32 loss weights [M]), DDP's flat gradient buckets (pp = 1, dp > 1).
+
+The peak is the largest of a few moments of the step, each a sum of what is alive then. A stage
+runs its forwards F and backwards B in its schedule's order (`schedule_order`); at each B, the
+microbatches still held keep what their forward saved (per microbatch: the stage's blocks, plus
+the received input in bf16 on later stages, the deallocated output's one element on earlier ones,
+the final norm, head input and loss on the last), and the first B finds no grads while every
+later one accumulates into all of them. Within one microbatch's backward:
+    head_backward       the loss gradients of the logits [M, V(/T)]
+    head_mm_backward    lm_head's backward: grad of the logits padded to [N, V(/T)], the grads of
+                        its weight and input (VP + SP + async: the re-gathered input too)
+    final_norm_backward its grads in, the final RMSNorm's fp32 temporaries (5 f Nn H)
+    down_backward       the last block's down_proj: grad of its output (gathered under SP), of its
+                        input [N, I/T] and of its weight
+    mlp_backward        silu*up's backward: down's grad in, the product freed, three [N, I/T] live
+Around them: the last stage's loss per finished forward and the backward's seed; 1F1B's steady
+loop keeps the input grad it sent last; a weight tied within one stage waits in autograd's
+buffer for the embedding's contribution. Also the forward's end on the last stage (replicated
+head: logits and log-softmax both alive), and the optimizer step (all grads, AdamW's two scratch
+tensors of the largest parameter).
+
+So 1F1B's first stage holds min(P, M) microbatches at its peak and GPipe's holds M: the
+prediction of every stage, checked to the byte against the tracker on fake tensors and real runs
+(tests/test_memory.py, tests/test_pipeline.py).
 """
 from __future__ import annotations
 
@@ -42,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MiniMindConfig, ParallelConfig, check_layout
+from ..sharding import stage_layers
 from .tracker import CATEGORIES
 
 BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp")
@@ -56,6 +74,9 @@ class MemoryPrediction:
     num_layers: int
     peak_at: str = ""                         # which moment of the step is the peak
     candidates: dict[str, int] = field(default_factory=dict)
+    per_stage: list[int] = field(default_factory=list)   # peak bytes of each pipeline stage
+    held_per_microbatch: int = 0   # what one microbatch keeps on this stage from its forward to its backward
+    held_at_peak: int = 0          # microbatches whose activations are held at the peak
 
     def mib(self) -> float:
         return self.peak_bytes / 2**20
@@ -66,23 +87,27 @@ class MemoryPrediction:
         return sum(v * (self.num_layers if k.startswith("block.") else 1) for k, v in self.activations_by_kind.items())
 
 
-def parameter_shapes(c: MiniMindConfig, par: ParallelConfig) -> dict[str, tuple[int, ...]]:
-    """This rank's parameters (tied lm_head counted once), as the sharding plan cuts them."""
+def parameter_shapes(c: MiniMindConfig, par: ParallelConfig, stage: int = 0) -> dict[str, tuple[int, ...]]:
+    """This rank's parameters (tied lm_head counted once), as the sharding plan cuts them, on
+    pipeline stage `stage` (the embedding on the first, final norm and lm_head on the last), in
+    the model's order (the optimizer's)."""
     t, h, d = par.tp, c.hidden_size, c.head_dim
     q, kv, inter = c.num_attention_heads * d // t, c.num_key_value_heads * d // t, c.intermediate_size // t
     vocab = c.vocab_size // t if par.vocab_parallel else c.vocab_size
-    shapes = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(c.num_hidden_layers):
+    first, last = stage == 0, stage == par.pp - 1
+    shapes = {"model.embed_tokens.weight": (vocab, h)} if first else {}
+    for i in stage_layers(c.num_hidden_layers, par.pp, stage):
         p = f"model.layers.{i}."
         shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                        p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter),
-                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-    shapes["model.norm.weight"] = (h,)
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab, h)
+                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter),
+                       p + "mlp.up_proj.weight": (inter, h)})
+    if last:
+        shapes["model.norm.weight"] = (h,)
+        if not (c.tie_word_embeddings and first):
+            shapes["lm_head.weight"] = (vocab, h)
     return shapes
 
 
@@ -96,6 +121,12 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def target_copy(micro_batch_size: int, targets: int) -> int:
+    """The replicated head's int64 targets labels.t()[1:].reshape(-1): a copy, except with one
+    sequence, where that is a view of the labels."""
+    return 8 * targets if micro_batch_size > 1 else 0
 
 
 def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
@@ -132,72 +163,199 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         embedding = 8 * n + n
     else:
         head_input = b * n * hid
-        loss = b * m * c.vocab_size + 8 * m + b
+        loss = b * m * c.vocab_size + target_copy(micro_batch_size, m) + b
         embedding = 8 * n
     model = {"embedding": embedding, "final_norm": 2 * f * nn_ * hid + f * nn_,
              "head_input": head_input, "logits_loss": loss}
     return {**{f"block.{k}": v for k, v in block.items()}, **{f"model.{k}": v for k, v in model.items()}}
 
 
+def schedule_order(pp: int, stage: int, num_microbatches: int, schedule: str) -> list[tuple[str, int]]:
+    """This stage's forwards ("F", i) and backwards ("B", i) in the order it runs them (see
+    pipeline_parallel.schedules): GPipe all F then all B; 1F1B a warm-up of P-p-1 forwards, then
+    one F one B, then the remaining B. One stage is plain gradient accumulation: F B F B .."""
+    m = num_microbatches
+    if schedule == "gpipe" and pp > 1:
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(pp - stage - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(warmup, m):
+        order += [("F", i), ("B", i - warmup)]
+    return order + [("B", i) for i in range(m - warmup, m)]
+
+
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
-                   dtype=torch.bfloat16, device: str = "cpu") -> MemoryPrediction:
-    """Predicted peak of a training step on the worst rank, with the breakdown of CATEGORIES.
-    device="cuda" leaves out AdamW's step counters (they live on the CPU there)."""
+                   dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1, schedule: str = "1f1b",
+                   stage: int | None = None) -> MemoryPrediction:
+    """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
+    sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
+    breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
+    there). The prediction of every stage is in `per_stage`."""
     c = model_config
-    if par.pp > 1 or par.cp > 1:
-        raise NotImplementedError("predict_memory: pipeline / context parallelism not modelled yet")
+    if par.cp > 1:
+        raise NotImplementedError("predict_memory: context parallelism not modelled yet")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
+    stages = [_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                             num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device)
+              for p in range(par.pp)]
+    pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
+    pick.per_stage = [s.peak_bytes for s in stages]
+    return pick
+
+
+def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
+                   num_microbatches: int, schedule: str, dtype, device: str) -> MemoryPrediction:
+    """One pipeline stage (or the whole model when pp = 1) over a step: every moment of the
+    schedule that can hold the peak, each a sum of what is alive then."""
     dtype = as_dtype(dtype)
     b = torch.empty((), dtype=dtype).element_size()
     f = max(b, 4)
     t, sp, vp = par.tp, par.sequence_parallel, par.vocab_parallel
-    n, hid, bsz = seq_len * micro_batch_size, c.hidden_size, micro_batch_size
+    n, hid, bsz, mb = seq_len * micro_batch_size, c.hidden_size, micro_batch_size, num_microbatches
     nn_, m = (n // t if sp else n), n - bsz
     vocab = c.vocab_size // t if vp else c.vocab_size
+    first, last = stage == 0, stage == par.pp - 1
+    gpipe = schedule == "gpipe" and par.pp > 1
 
-    shapes = parameter_shapes(c, par)
+    shapes = parameter_shapes(c, par, stage)
     param_bytes = b * sum(_numel(s) for s in shapes.values())
     buffers = 2 * b * c.max_position_embeddings * c.head_dim          # RoPE cos/sin, cast to dtype
     params = param_bytes + buffers
     states = 2 * param_bytes + (4 * len(shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
-    ddp_buckets = param_bytes if par.dp > 1 else 0                    # DDP's flat gradient buckets
+    ddp_buckets = param_bytes if par.dp > 1 and par.pp == 1 else 0    # DDP's flat gradient buckets
     kinds = activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=bsz, dtype=dtype)
-    acts = sum(v * (c.num_hidden_layers if k.startswith("block.") else 1) for k, v in kinds.items())
-    batch = 8 * n if vp else 0   # the ids are a temporary under VP (else the embedding saves them)
-    labels = 8 * n               # the labels are never saved
+    layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
+    layers = len(layers_at)
+    block = sum(v for k, v in kinds.items() if k.startswith("block."))
+    # Alive all step, on every stage: the ids and labels [M*B, S] (split into microbatches there)
+    # and the microbatches' loss weights (fp32 [M])
+    batch = 16 * n * mb + 4 * mb
+    loss_scalar = 4 if vp else b            # the last stage keeps one loss per forward (the report)
+    weight = loss_scalar if loss_scalar != 4 else 0  # its loss weight cast to the loss dtype, saved
 
-    # Each moment: (grads, activations, temporaries)
-    moments = {}
-    if vp:
-        # softmax.clone() in fp32 and its cast to the model dtype; count released
-        moments["head_backward"] = (0, acts - 8, (f + b) * m * vocab + batch + labels + 12)
-    else:
-        # grad of log-softmax, grad of logits [M, V]; target copy and total weight released
-        moments["head_backward"] = (0, acts - 8 * m - b, 2 * b * m * vocab + labels + 2 * b)
-        pre_loss = acts - kinds["model.logits_loss"]
-        moments["forward_end"] = (0, pre_loss, b * n * vocab + b * m * vocab + 8 * m + labels)
-    # lm_head's weight grad and the final norm's; a tied weight's grad waits in autograd's buffer
-    # (a temporary) for the embedding's contribution
-    head_w_grad = b * vocab * hid
-    head_grads = b * hid + (0 if c.tie_word_embeddings else head_w_grad)
-    held = head_w_grad if c.tie_word_embeddings else 0
-    after_head = acts - kinds["model.logits_loss"] - kinds["model.head_input"] - (f * nn_ * hid + f * nn_)
-    scalars = 2 * 4 if vp else 2 * b  # the loss and its gradient seed
-    moments["final_norm_backward"] = (head_grads, after_head, 5 * f * nn_ * hid + batch + labels + scalars + held)
-    # the last block's MLP backward, at silu*up's backward: down's weight grad is in, the saved
-    # product and everything after the block is freed; grad of down's input and two products live
-    mlp_grads = head_grads + b * hid * (c.intermediate_size // t)
-    mlp_acts = after_head - f * nn_ * hid - kinds["block.mlp"] // 4
-    moments["mlp_backward"] = (mlp_grads, mlp_acts,
-                               3 * (kinds["block.mlp"] // 4) + b * nn_ * hid + batch + labels + scalars + held)
-    largest = b * max(_numel(s) for s in shapes.values())
-    moments["optimizer"] = (param_bytes, 8 * n if not vp else 0, 2 * largest + batch + labels + scalars)
+    # What one microbatch keeps from the end of its forward to its backward
+    held = layers * block
+    if first and vp:
+        held += 9 * n                       # local ids and out-of-range mask (the ids are in `batch`)
+    if last:
+        held += kinds["model.final_norm"] + kinds["model.head_input"] + kinds["model.logits_loss"] + weight
+    # not saved for backward, so temporaries to the tracker: the received input (the first norm saves
+    # its fp32 copy instead) and the sent output, deallocated to one element
+    held_temps = (b * nn_ * hid if not first and b != f else 0) + (0 if last else b)
+    held += held_temps
 
-    totals = {k: params + states + ddp_buckets + sum(v) for k, v in moments.items()}
+    # One microbatch's backward at its largest moments: (grads it adds, its activations, temporaries)
+    tied_here = c.tie_word_embeddings and first and last
+    mlp_out, mlp_w_grad = kinds["block.mlp"] // 4, b * hid * (c.intermediate_size // t)  # [N, I/T]; down's W
+    inner, head_grads, waiting, acts = {}, 0, 0, held
+    if last:
+        head_w_grad = b * vocab * hid
+        # a tied weight's grad waits in autograd's buffer for the embedding's contribution
+        head_grads, waiting = b * hid + (0 if tied_here else head_w_grad), (head_w_grad if tied_here else 0)
+        if vp:   # the fp32 softmax clone and its cast to the model dtype; the count released
+            inner["head_backward"] = (0, held - 8 - weight, f * m * vocab + (b * m * vocab if b != f else 0) + 4)
+        else:    # grads of log-softmax and logits [M, V]; target copy and weight released
+            inner["head_backward"] = (0, held - target_copy(bsz, m) - b - weight, 2 * b * m * vocab)
+        # lm_head's backward: the grad of the logits padded back to [S, B, V(/T)], then the grads
+        # of its weight (a .grad once accumulated) and of its input
+        # (VP + SP + async: the input re-gathered from the saved shard, the input grad's
+        # reduce-scatter issued before the weight grad)
+        regather = b * n * hid + b * nn_ * hid if (vp and sp and par.async_communication) else 0
+        inner["head_mm_backward"] = (0, held - weight - kinds["model.logits_loss"],
+                                     b * n * vocab + head_w_grad + b * n * hid + regather)
+        acts = held - weight - kinds["model.logits_loss"] - kinds["model.head_input"] - (f * nn_ * hid + f * nn_)
+        inner["final_norm_backward"] = (head_grads, acts, 5 * f * nn_ * hid + waiting)
+        acts -= f * nn_ * hid
+    # the last block's down_proj backward: the grad of its output (gathered to the full sequence
+    # under SP), the grads of its input and weight (the latter a .grad only after both mms)
+    inner["down_backward"] = (head_grads, acts, (b * n * hid if sp else 0) + b * nn_ * hid + mlp_out + mlp_w_grad
+                              + waiting)
+    # at silu*up's backward: down's grad is in, the saved product freed, three [N, I/T] live
+    inner["mlp_backward"] = (head_grads + mlp_w_grad, acts - mlp_out, 3 * mlp_out + b * nn_ * hid + waiting)
+    # the post-attention RMSNorm's backward (the peak where I/T is small against H): the MLP's
+    # grads in, its activations and its share of the column inputs freed, the norm's fp32
+    # temporaries and the residual grad live
+    basic_sp = sp and not par.shared_sp_gather and not par.async_communication   # one gather per linear
+    gate_up_input = kinds["block.column_input"] * 2 // 5 if basic_sp else kinds["block.column_input"] // 2
+    inner["post_norm_backward"] = (head_grads + 3 * mlp_w_grad + b * hid,
+                                   acts - 4 * mlp_out - gate_up_input - (f * nn_ * hid + f * nn_),
+                                   5 * f * nn_ * hid + b * nn_ * hid + waiting)
+    # The same moments in the stage's first block: every block above has added its grads and freed
+    # its activations. The top block holds the peak unless a block's parameters outweigh one
+    # microbatch's activations of it (a few tokens per microbatch, or later backwards: never).
+    block_params = b * sum(_numel(s) for k, s in shapes.items() if k.startswith(f"model.layers.{layers_at[0]}."))
+    if len(layers_at) > 1:
+        deeper = len(layers_at) - 1
+        for name in ("down_backward", "mlp_backward", "post_norm_backward"):
+            g, a, temp = inner[name]
+            inner[f"{name}(first block)"] = (g + deeper * block_params, a - deeper * block, temp)
+    if first:
+        # the embedding's backward: its dense weight grad [V(/T), H] (a .grad once accumulated), the
+        # grad of its output [N, H] (gathered from the sequence shards under SP), the received grad;
+        # a weight tied within the stage then adds the waiting head grad to it (three [V, H])
+        emb_w_grad = b * vocab * hid
+        acts = (9 * n if vp else 0) + (0 if last else b)
+        inner["embedding_backward"] = (param_bytes - emb_w_grad, acts, emb_w_grad + b * n * hid + waiting
+                                       + (0 if last else b * nn_ * hid))
+        if tied_here:
+            inner["tied_grad_sum"] = (param_bytes - emb_w_grad, 0, 3 * emb_w_grad)  # the VP masks freed
+    # the end of the last stage's forward (replicated head): logits and log-softmax both alive
+    # the end of the last stage's forward, logits alive:
+    #   replicated head: the loss's scaling by its weight -- everything saved, the loss and its
+    #   scaled copy live (the weight cast to the loss dtype too);
+    #   VP: inside the loss, its fp32 copy of the logits (the later softmax) and nine [M] vectors
+    #   (max, masks, local target, target logit, sum of exp, its log, their difference), and the
+    #   final norm's local output under basic/shared SP, still bound in the model's forward
+    fwd_end = None
+    if last and vp:
+        local_h = b * nn_ * hid if sp and not par.async_communication else 0
+        fwd_end = (held - weight - kinds["model.logits_loss"],
+                   b * n * vocab + f * m * vocab + 30 * m + target_copy(bsz, m) + local_h)
+    elif last:
+        fwd_end = (held - weight, b * n * vocab + 2 * b + weight)
+
+    # The tracker files a storage under activations from the first time autograd saves it: the
+    # ids once the embedding saves them, the fp32 loss weights once a loss scaling saves them
+    ids_saved = 8 * n * mb if first and not vp else 0
+    moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
+    for kind, i in schedule_order(par.pp, stage, mb, schedule):
+        grads = param_bytes if n_bwd else 0      # after the first backward every grad exists
+        saved = ids_saved + (4 * mb if last and weight == 0 and n_fwd else 0)
+        # the last stage's losses so far (and a backward's seed, d loss / d loss); 1F1B keeps the
+        # input grad it sent last until the next backward replaces it
+        extra = batch - saved + ddp_buckets + (n_fwd * loss_scalar if last else 0)
+        extra += loss_scalar if kind == "B" and last else 0
+        extra += b * nn_ * hid if (n_bwd and not first and not gpipe) else 0
+        if kind == "F":
+            if fwd_end is not None:
+                # 1F1B's loop still binds the previous loss: its graph keeps that microbatch's input
+                # (saved for backward, so an activation, when the first norm's upcast is itself)
+                previous = b * nn_ * hid if (n_bwd and not first and not gpipe) else 0
+                previous_acts = previous if b == f else 0
+                moved = (n_held + 1) * held_temps
+                moments[f"forward_end[{i}]"] = (grads, saved + n_held * held + fwd_end[0] - moved + previous_acts,
+                                                extra + fwd_end[1] + previous - previous_acts + moved)
+                in_flight[f"forward_end[{i}]"] = n_held + 1
+            n_held, n_fwd = n_held + 1, n_fwd + 1
+            continue
+        moved = n_held * held_temps
+        for name, (new_grads, a, temp) in inner.items():
+            moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * held + a - moved, extra + temp + moved)
+            in_flight[f"{name}[{i}]"] = n_held
+        n_held, n_bwd = n_held - 1, n_bwd + 1
+    # AdamW (one tensor at a time): sqrt(exp_avg_sq) and denom of one parameter while the previous
+    # parameter's denom is still bound; the schedule's loss weights are gone, its reported loss not
+    sizes = [0] + [b * _numel(s) for s in shapes.values()]
+    scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
+    moments["optimizer"] = (param_bytes, ids_saved, scratch + batch - 4 * mb - ids_saved + ddp_buckets
+                            + (loss_scalar if last else 0))
+
+    totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]
-    breakdown = dict(zip(CATEGORIES, (params, grads, states, act, temp + ddp_buckets)))
+    breakdown = dict(zip(CATEGORIES, (params, grads, states, act, temp)))
     return MemoryPrediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, activations_by_kind=kinds,
-                            num_layers=c.num_hidden_layers, peak_at=peak_at, candidates=totals)
+                            num_layers=layers, peak_at=peak_at, candidates=totals, held_per_microbatch=held,
+                            held_at_peak=in_flight.get(peak_at, 0))

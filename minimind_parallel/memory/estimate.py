@@ -61,32 +61,39 @@ def _create_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer)
 
 def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
                          micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: bool = True,
-                         rank: int = 0) -> MemoryReport:
-    """Peak memory of `iters` training steps of global rank `rank`, without kernels. warmup: the
-    optimizer states exist before the window, as after the warm-up steps of a real run.
-    Every TP/DP rank holds the same shapes, so rank 0 stands in for the worst one."""
-    if par.pp > 1 or par.cp > 1:
-        raise NotImplementedError("estimate_step_memory: pipeline / context parallelism not supported yet")
+                         num_microbatches: int = 1, schedule: str = "1f1b", stage: int = 0) -> MemoryReport:
+    """Peak memory of `iters` training steps, each of `num_microbatches` microbatches of
+    `micro_batch_size` sequences, on one rank of pipeline stage `stage`, without kernels.
+    warmup: the optimizer states exist before the window, as after the warm-up steps of a real run.
+    Every TP/DP rank of a stage holds the same shapes, so the stage's first rank stands in for the
+    worst one. Under PP the fake backend answers every receive at once (an empty buffer of the
+    boundary's shape), so a stage runs its schedule alone, in the order of a real run."""
+    if par.cp > 1:
+        raise NotImplementedError("estimate_step_memory: context parallelism not supported yet")
+    if not 0 <= stage < par.pp:
+        raise ValueError(f"stage must be in [0, pp); got stage={stage}, pp={par.pp}")
     check_layout(model_config, par, seq_len=seq_len)
     dtype = as_dtype(dtype)
     if dist.is_initialized():
         raise RuntimeError("estimate_step_memory needs its own (fake) process group; "
                            "call it from a process without torch.distributed initialised")
+    rank = stage * par.cp * par.tp  # the grid is (dp, pp, cp, tp): dp, cp and tp rank 0 of this stage
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.world_size)
     try:
         groups = ProcessGroups.build(par)  # real (fake-backend) groups, built outside the fake mode
         with FakeTensorMode():
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
             optimizer = make_optimizer(model, lr=1e-3)
-            buckets = ddp_gradient_buckets(model) if par.dp > 1 else []
-            ids = torch.randint(0, model_config.vocab_size, (micro_batch_size, seq_len))
+            buckets = ddp_gradient_buckets(model) if par.dp > 1 and par.pp == 1 else []  # no DDP under PP
+            ids = torch.randint(0, model_config.vocab_size, (micro_batch_size * num_microbatches, seq_len))
             labels = ids.clone()
             if warmup:
                 _create_optimizer_states(model, optimizer)
             meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets))
             with meter:
                 for _ in range(iters):
-                    train_step(model, optimizer, groups, ids, labels)
+                    train_step(model, optimizer, groups, ids, labels, num_microbatches=num_microbatches,
+                               schedule=schedule)
         return meter.report()
     finally:
         dist.destroy_process_group()

@@ -209,18 +209,23 @@ def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
     config, par = cli.model_config(a), cell_parallel(launch, a, cell.mode)
     rows = rows_per_rank(kind, args, par, launch)
     row = outputs.new_row(kind, cell, par, a, rows * par.dp, estimate=args.estimate)
-    sizes = dict(seq_len=a.seq_len, micro_batch_size=rows, dtype=DTYPES[args.dtype])
+    sizes = dict(seq_len=a.seq_len, micro_batch_size=rows, dtype=DTYPES[args.dtype],
+                 num_microbatches=args.num_microbatches, schedule=args.pp_schedule)
     try:  # a missing prediction must not lose the measurement
         from ..memory import predict_memory
         device = "cpu" if args.estimate else cli.resolve_device(launch)
-        row["predicted_mib"] = predict_memory(config, par, device=device, **sizes).peak_bytes / outputs.MIB
+        pred = predict_memory(config, par, device=device, **sizes)
+        row["predicted_mib"] = pred.peak_bytes / outputs.MIB
+        row["predicted_mib_per_stage"] = " ".join(f"{b / outputs.MIB:.2f}" for b in pred.per_stage)
     except Exception as e:
         row["reason"] = "no prediction: " + outputs.one_line(e)
     if args.estimate:
-        try:
+        try:  # every stage; the worst is the cell's peak
             from ..memory import estimate_step_memory
-            report = estimate_step_memory(config, par, iters=2, **sizes)
-            outputs.fill_memory(row, report.peak_bytes, report.breakdown)
+            reports = [estimate_step_memory(config, par, iters=2, stage=p, **sizes) for p in range(par.pp)]
+            worst = max(reports, key=lambda r: r.peak_bytes)
+            outputs.fill_memory(row, worst.peak_bytes, worst.breakdown)
+            row["peak_mib_per_stage"] = " ".join(f"{r.peak_bytes / outputs.MIB:.2f}" for r in reports)
         except Exception as e:
             outputs.fail(row, e)
     else:

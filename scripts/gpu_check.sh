@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU path on one CUDA device: NCCL init, validate against the dense model on the GPU, and
+# the CUDA memory meter (torch.cuda.max_memory_allocated) beside the analytic model and the
+# fake-tensor estimate, at the seed's 4.1 model size. One GPU means world size 1 (NCCL refuses
+# two ranks on one device), so TP/SP/PP on NCCL need a multi-GPU machine.
+#   bash scripts/gpu_check.sh [OUT_DIR]
+set -u
+out=${1:-results/gpu_check}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+py=${PYTHON:-python3}
+tiny="--hidden_size 64 --num_attention_heads 8 --num_key_value_heads 4 --vocab_size 128 --seq_len 32 --num_hidden_layers 2"
+seed="--hidden_size 768 --num_attention_heads 8 --num_key_value_heads 4 --vocab_size 6400 --seq_len 2048 --micro_batch_size 2"
+$py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+echo "== validate: float32 and bfloat16, NCCL world 1, 3 AdamW steps"
+$py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype float32 --optimizer_steps 3
+$py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype bfloat16 --optimizer_steps 3
+echo "== memory on CUDA (allocator peak) beside the analytic model"
+$py -m evaluation.parallel benchmark --kind memory --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- --modes ddp \
+  --num_hidden_layers 1 2 4 8 $seed --dtype bfloat16 --warmup_iters 1 --benchmark_iters 3 \
+  --output_csv "$out/cuda_memory.csv" --output_json "$out/cuda_memory.json" --output_plot "$out/cuda_memory.png"
+echo "== the same cells under --estimate (fake tensors, CPU tracker)"
+$py -m evaluation.parallel benchmark --kind memory --tp_size 1 --pp_size 1 -- --estimate --modes ddp \
+  --num_hidden_layers 1 2 4 8 $seed --dtype bfloat16 \
+  --output_csv "$out/estimate_memory.csv" --output_json "$out/estimate_memory.json" --output_plot "$out/estimate_memory.png"
