@@ -1,6 +1,9 @@
 """Peak memory: the CPU tracker of a real run, the same tracker on fake tensors (--estimate) and
 the analytic model agree, and the seed's two derivations (chapter 4.2.1 and 4.4.2) come out of
 all three, as byte arithmetic in F = b*S*B*H, the bytes of one full-sequence [S, B, H] tensor."""
+import os
+import random
+import sys
 from dataclasses import replace
 
 import pytest
@@ -13,6 +16,9 @@ from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfi
 from minimind_parallel.memory import (MemoryMeter, StorageTracker, estimate_step_memory, parameter_shapes,
                                       predict_memory)
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+import memory_model_sweep as sweep  # noqa: E402
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from minimind_parallel.validation import make_batch
 
@@ -287,3 +293,15 @@ def test_measured_stage_peaks_are_the_models_and_1f1b_holds_p_microbatches_where
     assert pred["gpipe"][0].peak_bytes - pred["1f1b"][0].peak_bytes == diff
     measured = real[0]["gpipe"].peak_bytes - real[0]["1f1b"].peak_bytes
     assert abs(measured - diff) <= REAL_SLACK
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_layouts_are_predicted_to_the_byte(seed):
+    """A few draws of scripts/memory_model_sweep.py (which runs hundreds): a random model, layout,
+    schedule and stage, in the model's domain (at least 2H tokens per microbatch)."""
+    rng = random.Random(seed)
+    case = None
+    while case is None:
+        case = sweep.draw(rng, 2)
+    c, par, sizes = case
+    _check_model(predict_memory(c, par, **sizes), estimate_step_memory(c, par, iters=1, **sizes), f"{par} {sizes}")

@@ -30,27 +30,33 @@ Alive all step: params and RoPE buffers, AdamW states, the batch (ids and labels
 and the fp32 loss weights [M]), DDP's flat gradient buckets (pp = 1, dp > 1).
 
 The peak is the largest of a few moments of the step, each a sum of what is alive then. A stage
-runs its forwards F and backwards B in its schedule's order (`schedule_order`); at each B, the
+runs its forwards F and backwards B in its schedule's order (`schedule_order`). At each one, the
 microbatches still held keep what their forward saved (per microbatch: the stage's blocks, plus
-the received input in bf16 on later stages, the deallocated output's one element on earlier ones,
-the final norm, head input and loss on the last), and the first B finds no grads while every
-later one accumulates into all of them. Within one microbatch's backward:
-    head_backward       the loss gradients of the logits [M, V(/T)]
-    head_mm_backward    lm_head's backward: grad of the logits padded to [N, V(/T)], the grads of
-                        its weight and input (VP + SP + async: the re-gathered input too)
-    final_norm_backward its grads in, the final RMSNorm's fp32 temporaries (5 f Nn H)
-    down_backward       the last block's down_proj: grad of its output (gathered under SP), of its
-                        input [N, I/T] and of its weight
-    mlp_backward        silu*up's backward: down's grad in, the product freed, three [N, I/T] live
-Around them: the last stage's loss per finished forward and the backward's seed; 1F1B's steady
-loop keeps the input grad it sent last; a weight tied within one stage waits in autograd's
-buffer for the embedding's contribution. Also the forward's end on the last stage (replicated
-head: logits and log-softmax both alive), and the optimizer step (all grads, AdamW's two scratch
-tensors of the largest parameter).
+on later stages the received input, on earlier ones the sent output deallocated to one element,
+on the last the final norm, head input and loss). The first B finds no grads; every later one
+accumulates into all of them. Within one microbatch's backward:
+    head_backward        the loss gradients of the logits [M, V(/T)]
+    head_mm_backward     lm_head's backward: grad of the logits padded to [N, V(/T)], the grads of
+                         its weight and input (VP + SP + async: the re-gathered input too)
+    final_norm_backward  the final RMSNorm's fp32 temporaries (5 f Nn H)
+    down_backward        the last block's down_proj: grad of its output (gathered under SP), of its
+                         input [N, I/T] and of its weight
+    mlp_backward         silu*up's backward: down's grad in, the product freed, three [N, I/T] live
+    post_norm_backward   the block's post-attention RMSNorm (the peak where I/T is small against H)
+    ...(first block)     the last three in the stage's first block, the grads of all blocks above in
+                         (a few tokens per microbatch: a block's weights outweigh its activations)
+    embedding_backward   the dense [V(/T), H] weight grad (+ tied_grad_sum: a weight tied within
+                         the stage adds the head's grad that waited in autograd's buffer)
+and at the end of a forward: the last stage's loss (replicated head: its scaling; VP: inside the
+loss, with the fp32 copy of the logits), an earlier stage's last residual add. Around them: the
+last stage's loss per finished forward and the backward's seed; 1F1B's loop keeps the grads it
+received and sent last and the previous loss (whose graph keeps that microbatch's input). Last,
+the optimizer step: all grads, and AdamW's sqrt and denom of the largest parameter while the
+previous parameter's denom is still bound.
 
-So 1F1B's first stage holds min(P, M) microbatches at its peak and GPipe's holds M: the
-prediction of every stage, checked to the byte against the tracker on fake tensors and real runs
-(tests/test_memory.py, tests/test_pipeline.py).
+So 1F1B's first stage holds min(P, M) microbatches at its peak and GPipe's holds M. The moments
+are those the tracker found on every configuration tried; tests/test_memory.py checks the model
+against it to the byte, peak and breakdown, stage by stage.
 """
 from __future__ import annotations
 
@@ -316,9 +322,17 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     elif last:
         fwd_end = (held - weight, b * n * vocab + 2 * b + weight)
 
+    # the end of an earlier stage's forward, at its last residual add: everything saved, plus
+    # down_proj's output, the sum, and in half precision the block's input and middle residual
+    # stream (their fp32 copies are what the norms save; a received input is counted as held)
+    residual = 2 + (0 if b == f else 2 - (1 if not first and layers == 1 else 0))
+    stage_end = None if last else (held - held_temps, residual * b * nn_ * hid)
+
     # The tracker files a storage under activations from the first time autograd saves it: the
     # ids once the embedding saves them, the fp32 loss weights once a loss scaling saves them
     ids_saved = 8 * n * mb if first and not vp else 0
+    # (and the labels, when the replicated head's loss saves a view of them: one sequence)
+    ids_saved += 8 * n * mb if last and not vp and bsz == 1 else 0
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
     for kind, i in schedule_order(par.pp, stage, mb, schedule):
         grads = param_bytes if n_bwd else 0      # after the first backward every grad exists
@@ -329,6 +343,13 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         extra += loss_scalar if kind == "B" and last else 0
         extra += b * nn_ * hid if (n_bwd and not first and not gpipe) else 0
         if kind == "F":
+            if stage_end is not None:
+                # 1F1B's loop still binds the grad it received last
+                previous_grad = b * nn_ * hid if (n_bwd and not gpipe) else 0
+                # (this microbatch's output is not sent yet: no one-element stand-in for it)
+                moments[f"forward_end[{i}]"] = (grads, saved + (n_held + 1) * stage_end[0],
+                                                extra + (n_held + 1) * held_temps - b + stage_end[1] + previous_grad)
+                in_flight[f"forward_end[{i}]"] = n_held + 1
             if fwd_end is not None:
                 # 1F1B's loop still binds the previous loss: its graph keeps that microbatch's input
                 # (saved for backward, so an activation, when the first norm's upcast is itself)

@@ -20,6 +20,8 @@ from .tracker import CATEGORIES, MemoryReport, StorageTracker
 
 
 class MemoryMeter:
+    tracker_type = StorageTracker   # a subclass may watch more (scripts/cuda_memory_gap.py)
+
     def __init__(self, device, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  also_alive: tuple[torch.Tensor, ...] = (), detail: bool = False):
         """also_alive: tensors alive through the window that no op touches (counted as
@@ -27,7 +29,7 @@ class MemoryMeter:
         self.device = torch.device(device)
         self.model, self.optimizer = model, optimizer
         self.also_alive, self.detail = also_alive, detail
-        self.tracker = StorageTracker(detail=detail)
+        self.tracker = self.tracker_type(detail=detail)
         self._handles = []
         self._cuda_peak = None
 
@@ -52,7 +54,7 @@ class MemoryMeter:
                 self.tracker.mark(v, "optimizer")
 
     def __enter__(self):
-        self.tracker = StorageTracker(detail=self.detail)
+        self.tracker = self.tracker_type(detail=self.detail)
         self._register_state()
         for t in self.also_alive:
             self.tracker.mark(t, "temporaries")

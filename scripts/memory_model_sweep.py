@@ -1,0 +1,75 @@
+"""The analytic memory model against --estimate on random layouts: every byte, every stage.
+
+Each case draws a small model and a layout (TP 1/2/4, PP 1/2/4, DP 1/2, SP, async, shared gather,
+VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe or 1F1B, one stage) from a seeded
+generator, measures one step on fake tensors and compares the model's peak with it. One line per
+case; exit 1 if any differs.
+
+    python scripts/memory_model_sweep.py [--seed 0] [--cases 100] [--min_tokens_per_hidden 2]
+
+--min_tokens_per_hidden keeps at least that many tokens per microbatch per unit of hidden size
+(S*B >= k*H): the model's domain. 0 also draws the few-token layouts where a block's weights
+outweigh its activations and the peak can fall in a moment the model does not list.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from minimind_parallel import MiniMindConfig, ParallelConfig
+from minimind_parallel.memory import estimate_step_memory, predict_memory
+
+
+def draw(rng: random.Random, min_tokens_per_hidden: float):
+    """One random case -> (config, par, sizes) or None when the draw is not a valid layout."""
+    tp, pp, dp = rng.choice([1, 2, 2, 4]), rng.choice([1, 2, 2, 4]), rng.choice([1, 1, 2])
+    sp = tp > 1 and rng.random() < 0.6
+    async_ = sp and rng.random() < 0.5
+    shared = sp and not async_ and rng.random() < 0.5
+    vp = tp > 1 and rng.random() < 0.4
+    heads, kv = rng.choice([(8, 4), (8, 8), (4, 2), (8, 2)])
+    if kv % tp:
+        return None
+    c = MiniMindConfig(hidden_size=rng.choice([32, 64, 128]), num_hidden_layers=pp * rng.choice([1, 2]),
+                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=rng.choice([128, 512, 2048, 8192]),
+                       tie_word_embeddings=rng.random() < 0.4, max_position_embeddings=256)
+    par = ParallelConfig(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, async_communication=async_,
+                         shared_sp_gather=shared, vocab_parallel=vp)
+    bsz = rng.choice([1, 2])
+    seqs = [s for s in (8, 16, 32, 64, 128) if s * bsz >= min_tokens_per_hidden * c.hidden_size] or [256]
+    sizes = dict(seq_len=rng.choice(seqs), micro_batch_size=bsz, num_microbatches=rng.choice([1, 2, 3, 5]),
+                 schedule=rng.choice(["gpipe", "1f1b"]), dtype=rng.choice([torch.float32, torch.bfloat16]),
+                 stage=rng.randrange(pp))
+    return c, par, sizes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cases", type=int, default=100)
+    ap.add_argument("--min_tokens_per_hidden", type=float, default=2)
+    args = ap.parse_args()
+    rng, done, bad = random.Random(args.seed), 0, 0
+    while done < args.cases:
+        case = draw(rng, args.min_tokens_per_hidden)
+        if case is None:
+            continue
+        c, par, sizes = case
+        done += 1
+        estimate = estimate_step_memory(c, par, iters=1, **sizes)
+        pred = predict_memory(c, par, **sizes)
+        diff = pred.peak_bytes - estimate.peak_bytes
+        bad += diff != 0
+        print(f"{'ok ' if diff == 0 else 'BAD'} {diff:+9d} B  {pred.peak_at:28} H{c.hidden_size} L{c.num_hidden_layers} "
+              f"heads {c.num_attention_heads}/{c.num_key_value_heads} V{c.vocab_size} tied {c.tie_word_embeddings:d} "
+              f"S{sizes['seq_len']} B{sizes['micro_batch_size']} M{sizes['num_microbatches']} {sizes['schedule']} "
+              f"{str(sizes['dtype'])[6:]} stage {sizes['stage']}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
+              f"async{par.async_communication:d} shared{par.shared_sp_gather:d} vp{par.vocab_parallel:d}", flush=True)
+    print(f"{done - bad} of {done} cases equal to the byte")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
