@@ -77,7 +77,7 @@ class MemoryPrediction:
     peak_bytes: int
     breakdown: dict[str, int]                 # CATEGORIES -> bytes at the predicted peak
     activations_by_kind: dict[str, int]       # "block.<kind>" (one block) and "model.<kind>"
-    num_layers: int
+    num_layers: int                           # layers on this stage
     peak_at: str = ""                         # which moment of the step is the peak
     candidates: dict[str, int] = field(default_factory=dict)
     per_stage: list[int] = field(default_factory=list)   # peak bytes of each pipeline stage
@@ -86,11 +86,6 @@ class MemoryPrediction:
 
     def mib(self) -> float:
         return self.peak_bytes / 2**20
-
-    @property
-    def activation_bytes(self) -> int:
-        """All activations saved by the end of the forward."""
-        return sum(v * (self.num_layers if k.startswith("block.") else 1) for k, v in self.activations_by_kind.items())
 
 
 def parameter_shapes(c: MiniMindConfig, par: ParallelConfig, stage: int = 0) -> dict[str, tuple[int, ...]]:
@@ -307,7 +302,6 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                                        + (0 if last else b * nn_ * hid))
         if tied_here:
             inner["tied_grad_sum"] = (param_bytes - emb_w_grad, 0, 3 * emb_w_grad)  # the VP masks freed
-    # the end of the last stage's forward (replicated head): logits and log-softmax both alive
     # the end of the last stage's forward, logits alive:
     #   replicated head: the loss's scaling by its weight -- everything saved, the loss and its
     #   scaled copy live (the weight cast to the loss dtype too);
@@ -330,13 +324,13 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
 
     # The tracker files a storage under activations from the first time autograd saves it: the
     # ids once the embedding saves them, the fp32 loss weights once a loss scaling saves them
-    ids_saved = 8 * n * mb if first and not vp else 0
+    batch_saved = 8 * n * mb if first and not vp else 0
     # (and the labels, when the replicated head's loss saves a view of them: one sequence)
-    ids_saved += 8 * n * mb if last and not vp and bsz == 1 else 0
+    batch_saved += 8 * n * mb if last and not vp and bsz == 1 else 0
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
     for kind, i in schedule_order(par.pp, stage, mb, schedule):
         grads = param_bytes if n_bwd else 0      # after the first backward every grad exists
-        saved = ids_saved + (4 * mb if last and weight == 0 and n_fwd else 0)
+        saved = batch_saved + (4 * mb if last and weight == 0 and n_fwd else 0)
         # the last stage's losses so far (and a backward's seed, d loss / d loss); 1F1B keeps the
         # input grad it sent last until the next backward replaces it
         extra = batch - saved + ddp_buckets + (n_fwd * loss_scalar if last else 0)
@@ -370,7 +364,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     # parameter's denom is still bound; the schedule's loss weights are gone, its reported loss not
     sizes = [0] + [b * _numel(s) for s in shapes.values()]
     scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
-    moments["optimizer"] = (param_bytes, ids_saved, scratch + batch - 4 * mb - ids_saved + ddp_buckets
+    moments["optimizer"] = (param_bytes, batch_saved, scratch + batch - 4 * mb - batch_saved + ddp_buckets
                             + (loss_scalar if last else 0))
 
     totals = {k: params + states + sum(v) for k, v in moments.items()}
