@@ -7,7 +7,9 @@ process starts, then launches the ranks with torchrun (`torch.distributed.run`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 
@@ -211,16 +213,30 @@ def launch_env(device: str, async_communication: bool) -> dict:
     return env
 
 
+TIMED_OUT = 124  # run_torchrun's exit code when it killed the ranks at the timeout (as timeout(1))
+
+
 def run_torchrun(launch, world_size: int, worker_argv: list[str], *, async_communication=False,
                  timeout: float | None = None, log: str | None = None) -> int:
-    """Run the ranks to completion; `log`: a file that takes their stdout and stderr instead of the terminal."""
+    """Run the ranks to completion; `log`: a file that takes their stdout and stderr instead of the terminal.
+    After `timeout` seconds the launcher and every rank it started are killed: -> TIMED_OUT."""
     device = resolve_device(launch)
     cmd = torchrun_command(launch, world_size, worker_argv)
     env = launch_env(device, async_communication)
-    if log is None:
-        return subprocess.run(cmd, env=env, timeout=timeout).returncode
-    with open(log, "w") as out:
-        return subprocess.run(cmd, env=env, timeout=timeout, stdout=out, stderr=subprocess.STDOUT).returncode
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(log, "w")) if log is not None else None
+        # its own session: on a timeout the whole group goes, ranks included
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT if out is not None else None)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return TIMED_OUT
+        except BaseException:  # Ctrl-C: take the ranks down too
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:

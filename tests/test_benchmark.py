@@ -3,8 +3,10 @@ rows it writes per cell (a failing cell recorded, the sweep going on), one real 
 torchrun, and an --estimate run that launches nothing."""
 import csv
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,6 +99,7 @@ BAD = [
     (["--tp_size", "2", "--", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
     (["--kind", "memory", "--tp_size", "2", "--", "--kind", "throughput"], "--kind given twice"),
     (["--tp_size", "2", "--", "--batch_policy", "per_node"], "invalid choice"),
+    (["--tp_size", "2", "--", "--cell_timeout", "0"], "cell_timeout must be > 0 seconds; got cell_timeout=0"),
 ]
 
 
@@ -119,14 +122,17 @@ def test_kind_is_only_for_the_benchmark(monkeypatch, capsys):
 
 # ---------------------------------------------------------------- rows per cell, failures recorded
 
-def fake_torchrun(oom_cell):
-    """Stands in for the ranks: writes the result file the worker would, or a log of a rank that ran out of memory."""
+def fake_torchrun(oom_cell, hung_cell=None):
+    """Stands in for the ranks: writes the result file the worker would, or a log of a rank that ran
+    out of memory, or returns what run_torchrun returns after killing hung ranks."""
     calls = []
 
     def run(launch, world, worker_argv, *, async_communication=False, timeout=None, log=None):
         _, args = cli.parse(worker_argv)
         cell = benchmark.plan(args)[0]
-        calls.append((cell.name, world, async_communication))
+        calls.append((cell.name, world, async_communication, timeout))
+        if cell.name == hung_cell:
+            return cli.TIMED_OUT
         if cell.name == oom_cell:
             with open(log, "w") as f:
                 f.write("Traceback (most recent call last):\n[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n")
@@ -139,14 +145,43 @@ def fake_torchrun(oom_cell):
     return run, calls
 
 
+def test_a_hung_cell_is_recorded_as_timed_out_and_the_sweep_goes_on(monkeypatch, tmp_path):
+    run, calls = fake_torchrun(oom_cell=None, hung_cell="tp:1")
+    monkeypatch.setattr(cli, "run_torchrun", run)
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "ddp", "--num_hidden_layers", "1", *TINY,
+                     "--cell_timeout", "30", *outputs(tmp_path)]) == 1
+    rows = read_csv(tmp_path / "b.csv")
+    assert [(r["mode"], r["status"]) for r in rows] == [("tp", "timeout"), ("ddp", "ok")]
+    assert "--cell_timeout 30 s" in rows[0]["reason"] and {c[3] for c in calls} == {30.0}
+
+
+def test_run_torchrun_kills_every_rank_at_the_timeout(monkeypatch, tmp_path):
+    """The launcher and the processes it started (the ranks) all go; nothing is left running."""
+    pid_file = tmp_path / "grandchild.pid"
+    child = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    monkeypatch.setattr(cli, "torchrun_command", lambda *a: [sys.executable, "-c", child])
+    launch, _ = cli.parse(["benchmark", "--device", "cpu", "--"])
+    assert cli.run_torchrun(launch, 1, [], timeout=3, log=str(tmp_path / "log")) == cli.TIMED_OUT
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init once killed
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"rank process {grandchild} survived the timeout")
+
+
 def test_every_cell_gets_a_row_and_a_failed_cell_does_not_stop_the_sweep(monkeypatch, tmp_path, capsys):
     run, calls = fake_torchrun(oom_cell="tp_sp_async:2")
     monkeypatch.setattr(cli, "run_torchrun", run)
     code = cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp_sp_async", "--num_hidden_layers",
                      "1", "2", "3", *TINY, *outputs(tmp_path)])
     assert code == 1  # not every cell succeeded
-    assert calls == [("ddp:1", 2, False), ("tp_sp_async:1", 2, True), ("ddp:2", 2, False),
-                     ("tp_sp_async:2", 2, True), ("ddp:3", 2, False), ("tp_sp_async:3", 2, True)]
+    assert [c[:3] for c in calls] == [("ddp:1", 2, False), ("tp_sp_async:1", 2, True), ("ddp:2", 2, False),
+                                      ("tp_sp_async:2", 2, True), ("ddp:3", 2, False), ("tp_sp_async:3", 2, True)]
     rows = read_csv(tmp_path / "b.csv")
     assert [(r["mode"], r["value"], r["status"]) for r in rows] == [
         ("ddp", "1", "ok"), ("tp_sp_async", "1", "ok"), ("ddp", "2", "ok"), ("tp_sp_async", "2", "oom"),
@@ -188,6 +223,17 @@ def test_estimate_runs_in_process_and_launches_nothing(monkeypatch, tmp_path):
     assert {r["status"] for r in rows} == {"ok"} and {r["estimate"] for r in rows} == {"True"}
     assert all(float(r["peak_mib"]) > 0 for r in rows)
     assert {r["step_ms"] for r in rows} == {""}  # nothing ran, nothing timed
+
+
+def test_an_estimated_pipeline_cell_has_every_stage_measured_and_predicted(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
+    assert cli.main(["benchmark", "--pp_size", "2", "--", "--modes", "pp", "--pp_schedule", "gpipe",
+                     "--num_microbatches", "3", "--num_hidden_layers", "2", *TINY, "--estimate", *outputs(tmp_path)]) == 0
+    row = read_csv(tmp_path / "b.csv")[0]
+    stages = row["peak_mib_per_stage"].split()
+    assert len(stages) == 2 and stages == row["predicted_mib_per_stage"].split()
+    assert float(row["peak_mib"]) == float(row["predicted_mib"]) == pytest.approx(max(map(float, stages)), abs=0.005)
+    assert "(predicted " in capsys.readouterr().out
 
 
 def test_every_row_carries_the_analytic_prediction_and_the_deviation(monkeypatch, tmp_path):

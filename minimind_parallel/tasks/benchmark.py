@@ -57,6 +57,8 @@ def benchmark_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_plot", default=None, help="default: beside the CSV (PNG)")
     p.add_argument("--estimate", action="store_true", help="memory under FakeTensorMode, in-process, no kernels")
     # Launcher -> worker plumbing and a test hook; not for users.
+    p.add_argument("--cell_timeout", type=float, default=None, metavar="SECONDS",
+                   help="kill a cell's ranks after this long and record it as timed out (default: no limit)")
     p.add_argument("--result_json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject_oom", default=None, metavar="MODE:VALUE", help=argparse.SUPPRESS)
@@ -145,6 +147,8 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
             raise ConfigError(f"{name} must be >= 1; got {name}={getattr(args, name)}")
     if args.warmup_iters < 0:
         raise ConfigError(f"warmup_iters must be >= 0; got warmup_iters={args.warmup_iters}")
+    if args.cell_timeout is not None and args.cell_timeout <= 0:
+        raise ConfigError(f"cell_timeout must be > 0 seconds; got cell_timeout={args.cell_timeout:g}")
     if args.dtype == "float16" and not args.estimate:
         raise ConfigError("float16 parameters cannot take AdamW steps (eps=1e-8 underflows to 0 in float16); "
                           "got --dtype float16: use bfloat16, or --estimate")
@@ -229,12 +233,14 @@ def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
         except Exception as e:
             outputs.fail(row, e)
     else:
-        launch_cell(launch, argv, cell, par, a.async_communication, row, paths)
+        launch_cell(launch, argv, cell, par, a.async_communication, row, paths, timeout=args.cell_timeout)
     return row
 
 
-def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communication: bool, row: dict, paths) -> None:
-    """The cell's torchrun job: the same command line narrowed to this cell, plus where to put the result."""
+def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communication: bool, row: dict, paths, *,
+                timeout: float | None = None) -> None:
+    """The cell's torchrun job: the same command line narrowed to this cell, plus where to put the result;
+    killed after `timeout` seconds (recorded as timed out)."""
     log = os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
@@ -244,11 +250,15 @@ def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communicati
         if row["kind"] == "profile":
             from ..profiling.sweep import cell_dir
             worker_argv += ["--profile_dir", cell_dir(paths.csv, cell)]
-        code = cli.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication, log=log)
+        code = cli.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication, log=log,
+                                timeout=timeout)
         result = None
         if os.path.exists(result_path):
             with open(result_path) as f:
                 result = json.load(f)
+    if code == cli.TIMED_OUT:
+        row["status"], row["reason"] = "timeout", f"ranks killed after --cell_timeout {timeout:g} s (log: {log})"
+        return
     if code != 0 or result is None:
         row["status"], row["reason"] = outputs.failure_from_log(log, code)
         return
