@@ -1,7 +1,13 @@
-"""Run a function on N gloo ranks (forked processes, one torch thread each) and collect results.
+"""Run a function on N gloo ranks (processes, one torch thread each) and collect results.
 
 A rank that raises ends the run at once: the others are killed and its traceback is re-raised
 here, so a failing test never hangs in a collective.
+
+Ranks are forked from a fork server started clean (torch preloaded), not from the test process:
+once a test has run autograd in the test process, a CUDA build of torch has autograd threads
+there, and a rank forked from it could not run backward ("Unable to handle autograd's threading
+in combination with fork-based multiprocessing"). So `fn` and `args` must pickle: `fn` a
+module-level function of a test module.
 """
 from __future__ import annotations
 
@@ -34,9 +40,13 @@ def _child(rank, world, store_path, out_dir, fn, args):
     os._exit(0)
 
 
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "minimind_parallel", "distributed"])
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     """fn(*args) on `world` ranks; returns [result of rank 0, rank 1, ...]."""
-    ctx = mp.get_context("fork")
+    ctx = _CTX
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_child, args=(r, world, store, tmp, fn, args)) for r in range(world)]

@@ -112,11 +112,13 @@ def test_vocab_parallel_embedding_matches_nn_embedding(world, sp):
     assert all(run_ranks(_embedding, world, sp))
 
 
+def _split_is_a_copy():
+    group = dist.new_group([0, 1])
+    x = torch.randn(8, 2, 3)
+    y = split_dim(x, 0, group)
+    return y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() and \
+        y.untyped_storage().nbytes() == y.numel() * y.element_size()
+
+
 def test_split_never_pins_the_full_tensor():
-    def check():
-        group = dist.new_group([0, 1])
-        x = torch.randn(8, 2, 3)
-        y = split_dim(x, 0, group)
-        return y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() and \
-            y.untyped_storage().nbytes() == y.numel() * y.element_size()
-    assert all(run_ranks(check, 2))
+    assert all(run_ranks(_split_is_a_copy, 2))
