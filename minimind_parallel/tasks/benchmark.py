@@ -56,9 +56,9 @@ def benchmark_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_json", default=None, help="default: beside the CSV")
     p.add_argument("--output_plot", default=None, help="default: beside the CSV (PNG)")
     p.add_argument("--estimate", action="store_true", help="memory under FakeTensorMode, in-process, no kernels")
-    # Launcher -> worker plumbing and a test hook; not for users.
     p.add_argument("--cell_timeout", type=float, default=None, metavar="SECONDS",
                    help="kill a cell's ranks after this long and record it as timed out (default: no limit)")
+    # Launcher -> worker plumbing and a test hook; not for users.
     p.add_argument("--result_json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject_oom", default=None, metavar="MODE:VALUE", help=argparse.SUPPRESS)
