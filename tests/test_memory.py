@@ -148,29 +148,28 @@ def seed_recompute_delta(L, *, S, B, H, T, b=2):
     return L * (5 * F - 2 * F // T)
 
 
-def test_basic_sp_saves_8F_minus_3F_per_block_and_the_final_norm(measured):
-    want = seed_sp_delta(TINY.num_hidden_layers, S=S, B=B, H=TINY.hidden_size, T=T)
+def assert_saves(measured, more: str, less: str, want: int) -> None:
+    """Mode `more` minus mode `less`: exactly `want` bytes in the estimate and the model, within
+    REAL_SLACK on the real run."""
     real, *exact = measured
     for reports in exact:
-        assert reports["tp"].peak_bytes - reports["tp_sp"].peak_bytes == want
-    assert abs(real["tp"].peak_bytes - real["tp_sp"].peak_bytes - (want)) <= REAL_SLACK
+        assert reports[more].peak_bytes - reports[less].peak_bytes == want
+    assert abs(real[more].peak_bytes - real[less].peak_bytes - want) <= REAL_SLACK
+
+
+def test_basic_sp_saves_8F_minus_3F_per_block_and_the_final_norm(measured):
+    assert_saves(measured, "tp", "tp_sp", seed_sp_delta(TINY.num_hidden_layers, S=S, B=B, H=TINY.hidden_size, T=T))
 
 
 def test_sp_recompute_saves_5F_minus_2F_over_T_per_block(measured):
-    want = seed_recompute_delta(TINY.num_hidden_layers, S=S, B=B, H=TINY.hidden_size, T=T)
-    real, *exact = measured
-    for reports in exact:
-        assert reports["tp_sp"].peak_bytes - reports["tp_sp_async"].peak_bytes == want
-    assert abs(real["tp_sp"].peak_bytes - real["tp_sp_async"].peak_bytes - (want)) <= REAL_SLACK
+    assert_saves(measured, "tp_sp", "tp_sp_async",
+                 seed_recompute_delta(TINY.num_hidden_layers, S=S, B=B, H=TINY.hidden_size, T=T))
 
 
 def test_shared_sp_gather_saves_3F_per_block(measured):
     """--shared_sp_gather: q/k/v and gate/up save one gathered input each, as plain TP does."""
     F = 2 * S * B * TINY.hidden_size
-    real, *exact = measured
-    for reports in exact:
-        assert reports["tp_sp"].peak_bytes - reports["tp_sp_shared"].peak_bytes == TINY.num_hidden_layers * 3 * F
-    assert abs(real["tp_sp"].peak_bytes - real["tp_sp_shared"].peak_bytes - (TINY.num_hidden_layers * 3 * F)) <= REAL_SLACK
+    assert_saves(measured, "tp_sp", "tp_sp_shared", TINY.num_hidden_layers * 3 * F)
 
 
 SEED = dict(hidden_size=768, num_attention_heads=8, num_key_value_heads=4, vocab_size=6400, tie_word_embeddings=False)

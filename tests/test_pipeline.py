@@ -131,12 +131,17 @@ def test_tied_embeddings_stay_identical_across_first_and_last_stage(par):
         assert not torch.equal(emb, initial), "the embedding never trained"
 
 
-def _in_flight(par, schedule, microbatches):
+def _stage_and_batch(par, microbatches):
+    """This rank's stage of the TINY model and a batch of `microbatches` microbatches of 2 rows."""
     groups = ProcessGroups.build(par)
     config = MiniMindConfig(**TINY, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
-    ids, labels = make_batch(0, 2 * microbatches, 16, config.vocab_size)
+    return groups, model, make_batch(0, 2 * microbatches, 16, config.vocab_size)
+
+
+def _in_flight(par, schedule, microbatches):
+    groups, model, (ids, labels) = _stage_and_batch(par, microbatches)
     step = train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, labels,
                                num_microbatches=microbatches, schedule=schedule)
     return step.max_in_flight
@@ -188,11 +193,7 @@ class _Saved:
 
 
 def _activation_peak(par, schedule, microbatches):
-    groups = ProcessGroups.build(par)
-    config = MiniMindConfig(**TINY, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
-    ids, labels = make_batch(0, 2 * microbatches, 16, config.vocab_size)
+    groups, model, (ids, labels) = _stage_and_batch(par, microbatches)
     meter = SavedActivations(model)
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, labels,
