@@ -31,12 +31,12 @@ class ProcessGroups:
     par: ParallelConfig
     rank: int
     coords: dict          # {"dp": d, "pp": p, "cp": c, "tp": t} of this rank
-    tp: object = None     # dist.ProcessGroup (None when the axis has size 1 -- no communication)
-    pp: object = None
-    cp: object = None
-    dp: object = None
-    pp_ranks: list | None = None  # global ranks of this rank's pipeline, stage order
-    embed: object = None  # first + last stage of this pipeline (tied embeddings span them); None if pp = 1
+    tp: dist.ProcessGroup | None = None  # None when the axis has size 1 -- no communication
+    pp: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+    pp_ranks: list[int] | None = None    # global ranks of this rank's pipeline, stage order
+    embed: dist.ProcessGroup | None = None  # first + last stage (tied embeddings span them); None if pp = 1
 
     @property
     def tp_rank(self) -> int:

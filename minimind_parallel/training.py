@@ -10,12 +10,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import MiniMindConfig, ParallelConfig
+from .distributed import comm
+from .distributed.ranges import span
 from .groups import ProcessGroups
 from .parallel_model import ParallelMiniMindForCausalLM
 from .pipeline_parallel import StepResult, forward_backward, split_microbatches
-from .profiling.ranges import span
 from .sharding import shard_state_dict
-from .tensor_parallel import comm
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from distributed import run_ranks
 from minimind_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from minimind_parallel.tensor_parallel.comm import split_dim
+from minimind_parallel.distributed.comm import split_dim
 
 S, B, H, N = 8, 2, 12, 16
 TOL = dict(atol=1e-12, rtol=1e-12)

@@ -8,7 +8,7 @@ import torch
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.model import MiniMindForCausalLM
-from minimind_parallel.profiling.ranges import span
+from minimind_parallel.distributed.ranges import span
 from minimind_parallel.profiling.trace import profile_steps
 from minimind_parallel.training import build_parallel_model, make_optimizer
 from minimind_parallel.validation import make_batch

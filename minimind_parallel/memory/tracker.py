@@ -15,28 +15,23 @@ Categories (each storage has exactly one; the first that applies wins):
 
 A storage first seen as the input of an op, never as an output, existed before the window (the
 batch, DDP's buckets); it was alive all along, so it is counted from the start, the peak included.
-Except inside a collective (torch.distributed or our comm.py on the Python stack): there such a
+Except inside a collective: every collective of the library runs inside the explicit marker
+`distributed.comm.collective`, which enters this tracker's `collective_region()`. There such a
 storage is the backend's own buffer (gloo's reduce-scatter works on a copy it makes out of our
 sight), the kind NCCL keeps outside the CUDA allocator too; it is not counted.
 """
 from __future__ import annotations
 
-import sys
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..tensor_parallel import comm
-
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
-# Python files whose frames mean "a collective is running" (comm.py holds every TP collective
-# and its wait()).
-_COLLECTIVE_FILES = (dist.distributed_c10d.__file__, comm.__file__)
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}  # lower rank wins a reclassification
 
 
@@ -62,16 +57,6 @@ class MemoryReport:
         return max(reports, key=lambda r: r.peak_bytes)
 
 
-def _inside_collective() -> bool:
-    """Is a collective (torch.distributed, or our comm.py incl. its wait()) on this thread's stack?"""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename in _COLLECTIVE_FILES:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _describe(func, out) -> str:
     shapes = [f"{tuple(t.shape)}:{str(t.dtype)[6:]}" for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     return f"{func.__name__} -> {' '.join(shapes)}"
@@ -91,6 +76,7 @@ class StorageTracker(TorchDispatchMode):
         self.peak_breakdown = dict(self.live)
         self._hooks = None
         self._lock = threading.RLock()  # backward and collectives may run ops on other threads
+        self._collectives = 0           # collectives running now (see collective_region)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -136,7 +122,7 @@ class StorageTracker(TorchDispatchMode):
         if entry is None:
             if key in foreign:
                 return
-            if is_input and _inside_collective():
+            if is_input and self._collectives:
                 foreign.add(key)  # the backend's own copy inside a collective (gloo)
                 return
             self._add(st, "temporaries")
@@ -182,6 +168,17 @@ class StorageTracker(TorchDispatchMode):
                         self._see(t, is_input=is_input, foreign=foreign)
             self._update_peak()
         return out
+
+    @contextlib.contextmanager
+    def collective_region(self):
+        """Entered by `distributed.comm.collective` while a collective (or its wait) runs."""
+        with self._lock:
+            self._collectives += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._collectives -= 1
 
     def _pack(self, t: torch.Tensor):
         self.mark(t, "activations")  # saved for backward

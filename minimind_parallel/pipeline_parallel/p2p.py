@@ -3,7 +3,7 @@
 Forward sends activations downstream (stage p -> p+1), backward sends their grads upstream.
 Both have the shape of the stage boundary: [S/T, B, H] under SP, else [S, B, H].
 
-Every exchange is ONE `dist.batch_isend_irecv` of all the sends and receives this stage makes
+Every exchange is ONE `comm.send_recv` (a `dist.batch_isend_irecv`) of all the sends and receives this stage makes
 at that point of the schedule, and then a wait on every work it returns (gloo gives one work
 per op). Posting the send and the receive together is what keeps 1F1B's steady state
 deadlock-free: stage p sends an activation forward while stage p+1 sends a grad backward, and
@@ -14,31 +14,27 @@ The first and last stage have no neighbour on one side: those calls are no-ops r
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..distributed import comm
 from ..groups import ProcessGroups
-from ..profiling.ranges import span
 
 
 def _exchange(groups: ProcessGroups, like: dict, *, send_next=None, send_prev=None, recv_prev=False,
               recv_next=False):
     """Post the given sends/receives as one batch and wait on all of them.
     like: torch.empty kwargs (size, dtype, device) of the boundary tensor. -> (from_prev, from_next)."""
-    ops, from_prev, from_next = [], None, None
+    sends, recvs, from_prev, from_next = [], [], None, None
     if send_next is not None:
-        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), groups.next_rank, groups.pp))
+        sends.append((send_next, groups.next_rank))
     if send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), groups.prev_rank, groups.pp))
+        sends.append((send_prev, groups.prev_rank))
     if recv_prev:
         from_prev = torch.empty(**like)
-        ops.append(dist.P2POp(dist.irecv, from_prev, groups.prev_rank, groups.pp))
+        recvs.append((from_prev, groups.prev_rank))
     if recv_next:
         from_next = torch.empty(**like)
-        ops.append(dist.P2POp(dist.irecv, from_next, groups.next_rank, groups.pp))
-    if ops:
-        with span("comm:send_recv"):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        recvs.append((from_next, groups.next_rank))
+    comm.send_recv(groups.pp, sends=sends, recvs=recvs)
     return from_prev, from_next
 
 

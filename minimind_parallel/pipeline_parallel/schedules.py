@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..groups import ProcessGroups
-from ..profiling.ranges import span
+from ..distributed.ranges import span
 from . import p2p
 
 SCHEDULES = ("gpipe", "1f1b")

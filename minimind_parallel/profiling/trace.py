@@ -2,9 +2,10 @@
 
 Named ranges in the trace (open it in https://ui.perfetto.dev or chrome://tracing):
     step <k>                                  one train step (after a barrier)
-    forward / backward / finalize_grads / optimizer      training.train_step
+    forward / backward                        the pipeline schedule (pipeline_parallel/schedules.py)
+    finalize_grads / optimizer                training.train_step_detailed
     block <i> forward / block <i> backward    hooks installed here, for the profiled steps only
-    comm:<kind>, wait:<kind>                  every TP collective (tensor_parallel/comm.py)
+    comm:<kind>, wait:<kind>                  every collective (distributed/comm.py)
     async_linear.dgrad / async_linear.wgrad   the GEMMs of LinearWithAsyncCommunication.backward
     gloo:<op> on pt_gloo_runloop threads      when a gloo collective really runs (recorded by torch)
 """

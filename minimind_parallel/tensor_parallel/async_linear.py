@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..profiling.ranges import span
-from . import comm
+from ..distributed import comm
+from ..distributed.ranges import span
 
 
 def _wgrad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

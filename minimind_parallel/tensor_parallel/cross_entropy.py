@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
+from ..distributed import comm
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from ..distributed import comm
 from .async_linear import linear_with_async_communication
 from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
@@ -34,7 +34,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, *, group=None, bias=False, sequence_parallel=False,
                  async_communication=False, gather_output=False, dtype=None):
         super().__init__()
-        t = comm.world(group)
+        t = comm.group_size(group)
         assert out_features % t == 0, f"out_features {out_features} not divisible by TP size {t}"
         self.group, self.sequence_parallel, self.async_communication = group, sequence_parallel, async_communication
         self.gather_output = gather_output
@@ -53,7 +53,7 @@ def column_parallel(linears: list[ColumnParallelLinear], x: torch.Tensor) -> tup
     """
     first = linears[0]
     group, sp = first.group, first.sequence_parallel
-    if first.async_communication and comm.world(group) > 1:
+    if first.async_communication and comm.group_size(group) > 1:
         return linear_with_async_communication(x, [l.weight for l in linears], [l.bias for l in linears], group, sp)
     if sp:
         x = gather_from_sequence_parallel_region(x, group)  # [S/T, B, H] -> [S, B, H]; bwd reduce-scatter
@@ -71,7 +71,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, *, group=None, bias=False, sequence_parallel=False,
                  input_is_parallel=True, dtype=None):
         super().__init__()
-        t = comm.world(group)
+        t = comm.group_size(group)
         assert in_features % t == 0, f"in_features {in_features} not divisible by TP size {t}"
         self.group, self.sequence_parallel, self.input_is_parallel = group, sequence_parallel, input_is_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype))
@@ -99,7 +99,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings, embedding_dim, *, group=None, sequence_parallel=False, dtype=None):
         super().__init__()
-        t, r = comm.world(group), comm.rank_in(group)
+        t, r = comm.group_size(group), comm.rank_in(group)
         assert num_embeddings % t == 0, f"vocab {num_embeddings} not divisible by TP size {t}"
         self.group, self.sequence_parallel = group, sequence_parallel
         self.per_rank = num_embeddings // t
@@ -108,7 +108,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids):
         """ids: [S, B] -> [S, B, H] (or [S/T, B, H] under SP)."""
-        if comm.world(self.group) == 1:
+        if comm.group_size(self.group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.start + self.per_rank)
         local = (ids - self.start).masked_fill(outside, 0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from ..distributed import comm
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -98,31 +98,31 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
 
 
 def copy_to_tensor_parallel_region(x, group):
-    return _CopyToTensorParallel.apply(x, group) if comm.world(group) > 1 else x
+    return _CopyToTensorParallel.apply(x, group) if comm.group_size(group) > 1 else x
 
 
 def reduce_from_tensor_parallel_region(x, group):
-    return _ReduceFromTensorParallel.apply(x, group) if comm.world(group) > 1 else x
+    return _ReduceFromTensorParallel.apply(x, group) if comm.group_size(group) > 1 else x
 
 
 def scatter_to_tensor_parallel_region(x, group):
-    return _ScatterToTensorParallel.apply(x, group) if comm.world(group) > 1 else x
+    return _ScatterToTensorParallel.apply(x, group) if comm.group_size(group) > 1 else x
 
 
 def gather_from_tensor_parallel_region(x, group):
-    return _GatherFromTensorParallel.apply(x, group) if comm.world(group) > 1 else x
+    return _GatherFromTensorParallel.apply(x, group) if comm.group_size(group) > 1 else x
 
 
 def scatter_to_sequence_parallel_region(x, group):
-    return _ScatterToSequenceParallel.apply(x, group) if comm.world(group) > 1 else x
+    return _ScatterToSequenceParallel.apply(x, group) if comm.group_size(group) > 1 else x
 
 
 def gather_from_sequence_parallel_region(x, group, grad_is_partial: bool = True):
     """`grad_is_partial=True` when the consumers are TP-sharded (column-parallel linears):
     backward reduce-scatters. False when they are replicated (e.g. a replicated lm_head):
     backward just keeps this rank's slice."""
-    return _GatherFromSequenceParallel.apply(x, group, grad_is_partial) if comm.world(group) > 1 else x
+    return _GatherFromSequenceParallel.apply(x, group, grad_is_partial) if comm.group_size(group) > 1 else x
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group):
-    return _ReduceScatterToSequenceParallel.apply(x, group) if comm.world(group) > 1 else x
+    return _ReduceScatterToSequenceParallel.apply(x, group) if comm.group_size(group) > 1 else x

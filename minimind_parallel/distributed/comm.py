@@ -1,0 +1,138 @@
+"""The raw collectives of every process group (TP, DP, the embedding group, pipeline p2p).
+Every collective in the library goes through this module: the autograd mappings, the async
+linear, gradient finalisation and the pipeline's p2p call it; layers never call
+`torch.distributed` themselves. `group=None` means a one-rank group: nothing to communicate.
+
+Each collective runs inside `collective(kind)`, the one explicit marker of "a collective is
+running", from its issue to its return and again around `wait()`:
+    - a profiler sees a `comm:<kind>` range (`wait:<kind>` is opened by the caller that waits);
+    - an observer among the active dispatch modes (the memory tracker) is told through its
+      `collective_region()` context manager, so it can tell a backend's own buffers (e.g. gloo's
+      reduce-scatter works on a copy made out of our sight) from ours. A new collective is
+      counted correctly by wrapping it in `collective(...)`; the tracker needs no change.
+
+Sequence collectives act on dim 0 because activations are sequence-first [S, B, H].
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from .ranges import span
+
+# torch >= 2.13 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@contextlib.contextmanager
+def _observed():
+    """Every active dispatch mode that observes collectives (has `collective_region()`) is
+    inside one until this returns."""
+    observers = [m for m in _get_current_dispatch_mode_stack() if hasattr(m, "collective_region")]
+    with contextlib.ExitStack() as stack:
+        for mode in observers:
+            stack.enter_context(mode.collective_region())
+        yield
+
+
+@contextlib.contextmanager
+def collective(kind: str):
+    """Mark a running collective: its observers, and a `comm:<kind>` profiler range."""
+    with _observed(), span(f"comm:{kind}"):
+        yield
+
+
+class _Done:
+    """Handle of a collective that had nothing to do (one-rank group)."""
+
+    def wait(self):
+        return True
+
+
+class _Started:
+    """A collective started with async_op=True; its wait() runs inside the collective marker
+    (a backend may copy its own buffer into the output there)."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self):
+        with _observed():
+            return self._work.wait()
+
+
+def group_size(group) -> int:
+    """Ranks in `group` (1 for None, the one-rank group)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank_in(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(x: torch.Tensor, group, *, async_op: bool = False, op=dist.ReduceOp.SUM):
+    """In place on `x` (callers pass a tensor they own, e.g. a fresh GEMM output)."""
+    if group is None:
+        return (x, _Done()) if async_op else x
+    with collective("all_reduce"):
+        work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    return (x, _Started(work)) if async_op else x
+
+
+def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
+    """[S/T, ...] -> [S, ...], rank order along dim 0."""
+    t = group_size(group)
+    if t == 1:
+        return (x, _Done()) if async_op else x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    with collective("all_gather"):
+        work = _all_gather_single(out, x, group=group, async_op=async_op)
+    return (out, _Started(work)) if async_op else out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
+    """[S, ...] -> [S/T, ...]: sum over ranks, keep this rank's chunk of dim 0."""
+    t = group_size(group)
+    if t == 1:
+        return (x, _Done()) if async_op else x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    with collective("reduce_scatter"):
+        work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    return (out, _Started(work)) if async_op else out
+
+
+def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """[..., N/T] -> [..., N], rank order along the last dim."""
+    t = group_size(group)
+    if t == 1:
+        return x
+    stacked = all_gather_dim0(x.unsqueeze(0), group)           # [T, ..., N/T]
+    return torch.cat(stacked.unbind(0), dim=-1).contiguous()  # [..., N]
+
+
+def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's chunk of `dim`, as a fresh tensor: a view would pin the whole input alive."""
+    t = group_size(group)
+    if t == 1:
+        return x
+    return x.chunk(t, dim=dim)[rank_in(group)].clone(memory_format=torch.contiguous_format)
+
+
+def send_recv(group, *, sends=(), recvs=()) -> None:
+    """One batch of point-to-point transfers within `group`: sends [(tensor, global peer rank)],
+    recvs [(preallocated tensor, global peer rank)], all posted together, then every work
+    waited on (posting both directions at once is what keeps exchanges deadlock-free)."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    if not ops:
+        return
+    with collective("send_recv"):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
