@@ -14,15 +14,13 @@ import math
 
 from .config import ConfigError
 
-FLOOR = 0.1  # the cosine ends at FLOOR * lr
-
 
 def cosine_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> float:
-    """The learning rate at `step` (0-based) of a run of `total_steps` steps."""
+    """The learning rate at `step` of a run of `total_steps` steps (MiniMind counts 1..total_steps)."""
     if not 0 <= warmup_steps < total_steps:
         raise ConfigError(f"learning-rate schedule needs 0 <= warmup_steps < total_steps; "
                           f"got warmup_steps={warmup_steps}, total_steps={total_steps}")
     if step < warmup_steps:
         return lr * step / warmup_steps
     t = min(step, total_steps) - warmup_steps
-    return lr * (FLOOR + (1 - FLOOR) / 2 * (1 + math.cos(math.pi * t / (total_steps - warmup_steps))))
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t / (total_steps - warmup_steps))))

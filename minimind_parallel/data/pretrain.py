@@ -17,6 +17,7 @@ every epoch), so every rank runs the same number of full batches.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -161,9 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--batches", type=int, default=200)
     args = parser.parse_args(argv)
-    tok = load_tokenizer(args.tokenizer)
     start = time.perf_counter()
-    cache = build_token_cache(args.data, tok)
+    try:
+        tok = load_tokenizer(args.tokenizer)
+        cache = build_token_cache(args.data, tok)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"{'tokenised' if cache.built else 'reused'} {cache.tokens_path}: {len(cache)} documents, "
           f"{int(cache.offsets[-1])} tokens in {time.perf_counter() - start:.2f} s")
     speed = measure_loading(PretrainDataset.from_tokenizer(cache, tok, max_seq_len=args.max_seq_len),

@@ -54,7 +54,8 @@ def check_vocab_fits(vocab_size: int) -> None:
     """The cache stores ids as uint16."""
     limit = np.iinfo(TOKEN_DTYPE).max + 1
     if vocab_size > limit:
-        raise ConfigError(f"tokenizer vocab_size must be <= {limit} to store ids as uint16; got vocab_size={vocab_size}")
+        raise ConfigError(f"tokenizer vocab_size must be <= {limit} to store ids as uint16; "
+                          f"got vocab_size={vocab_size}")
 
 
 def cache_key(data_path: str, tokenizer_path: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -103,7 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab_size", type=int, default=6400)
     parser.add_argument("--model_max_length", type=int, default=32768)
     args = parser.parse_args(argv)
-    loaded = train_tokenizer(args.data, args.out, vocab_size=args.vocab_size, model_max_length=args.model_max_length)
+    try:
+        loaded = train_tokenizer(args.data, args.out, vocab_size=args.vocab_size,
+                                 model_max_length=args.model_max_length)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {loaded.path}: vocab {loaded.vocab_size}, pad {loaded.pad_id}, bos {loaded.bos_id}, "
           f"eos {loaded.eos_id}")
 
