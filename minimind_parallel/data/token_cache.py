@@ -10,7 +10,9 @@ and an unchanged pair is reused by every later run and every rank:
 Documents are stored whole (without bos/eos); truncation to a sequence length happens when a row
 is read, so one cache serves every `max_seq_len`. Each file is written under a unique temporary
 name and renamed; the index is renamed last and marks a complete cache, so a killed tokenisation
-leaves nothing that a later run would read.
+leaves nothing that a later run would read. Build it once before the ranks start; ranks that
+build at the same time are safe (each writes the same bytes under its own temporary names) but
+tokenise in vain.
 """
 from __future__ import annotations
 
