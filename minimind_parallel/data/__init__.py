@@ -1,0 +1,14 @@
+"""Pretraining data for MiniMind-3, one module per step of the pipeline:
+
+- `corpus`: a corpus that needs no download (the documentation strings of Python's standard
+  library) written as MiniMind-style jsonl, one `{"text": ...}` per line.
+- `tokenizer`: a ByteLevel BPE tokenizer trained with Hugging Face `tokenizers` in MiniMind's
+  format (`<|endoftext|>`=0 pad, `<|im_start|>`=1 bos, `<|im_end|>`=2 eos), and its loader.
+- `token_cache`: a jsonl tokenised once into a memory-mapped uint16 token file plus an index of
+  document offsets, cached next to the data and reused while data and tokenizer are unchanged.
+- `jsonl`: reading MiniMind-style jsonl, bad input refused with one line (its line number).
+- `files`: atomic file writing (unique temporary name, then rename).
+- `pretrain`: MiniMind's pretraining rows (bos + text + eos, padded; labels -100 at padding) on the
+  cache, the deterministic data-parallel sampler whose position is saved with a checkpoint, and a
+  loading-throughput measurement.
+"""
