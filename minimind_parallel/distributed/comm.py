@@ -125,14 +125,45 @@ def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(t, dim=dim)[rank_in(group)].clone(memory_format=torch.contiguous_format)
 
 
-def send_recv(group, *, sends=(), recvs=()) -> None:
+def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """[C*n, ...] -> [C*n, ...]: part c of dim 0 goes to rank c; part c of the result came from
+    rank c (C = ranks in `group`)."""
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    with collective("all_to_all"):
+        dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _Batch:
+    """The works of one batch of point-to-point transfers; wait() waits for all of them."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self):
+        with _observed():
+            for work in self._works:
+                work.wait()
+        return True
+
+
+def send_recv(group, *, sends=(), recvs=(), tag: int = 0, async_op: bool = False):
     """One batch of point-to-point transfers within `group`: sends [(tensor, global peer rank)],
     recvs [(preallocated tensor, global peer rank)], all posted together, then every work
-    waited on (posting both directions at once is what keeps exchanges deadlock-free)."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    waited on (posting both directions at once is what keeps exchanges deadlock-free).
+    async_op: return a handle instead of waiting (its wait() waits for the whole batch).
+    `tag` keeps two batches in flight between the same peers apart."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs]
     if not ops:
-        return
+        return _Done() if async_op else None
     with collective("send_recv"):
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        works = dist.batch_isend_irecv(ops)
+        if not async_op:             # a blocking exchange: its wait is part of its range
+            for work in works:
+                work.wait()
+            return None
+    return _Batch(works)
