@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import profile, record_function
 
-from ..training import train_step
-from .overlap import analyze_file, format_report, mean_over_ranks
+from ..device_sync import synchronize
+from ..training import train_step_detailed
+from .overlap import analyze_file, mean_over_ranks
 
 
 def name_blocks(model: nn.Module) -> list:
@@ -40,34 +41,30 @@ def name_blocks(model: nn.Module) -> list:
     return handles
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: int = 3, warmup: int = 1,
-                  out_dir: str, rank: int | None = None, device="cpu", title: str = "") -> dict:
-    """Run `warmup` plain steps, then `steps` profiled ones; on every rank write
-    `trace_rank<r>.json` and `report_rank<r>.json` to out_dir. Collective over the world: returns
-    {"rank": this rank's report, "ranks": every rank's, "summary": their mean}; rank 0 also writes
-    report.json and timeline.png."""
+                  num_microbatches: int = 1, schedule: str = "1f1b", out_dir: str, rank: int | None = None,
+                  device="cpu", title: str = "") -> dict:
+    """Run `warmup` plain steps, then `steps` profiled ones (each `num_microbatches` through
+    `schedule`, as training.train_step); on every rank write `trace_rank<r>.json` and
+    `report_rank<r>.json` to out_dir. Collective over the world: returns {"rank": this rank's
+    report, "ranks": every rank's, "summary": their mean, "steps": this rank's StepResult of each
+    profiled step}; rank 0 also writes report.json and timeline.png."""
     rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
     os.makedirs(out_dir, exist_ok=True)
+    batches = dict(num_microbatches=num_microbatches, schedule=schedule)
     for _ in range(warmup):
-        train_step(model, optimizer, groups, ids, labels)
+        train_step_detailed(model, optimizer, groups, ids, labels, **batches)
     # The autograd profiler with kineto writes the same trace as torch.profiler.profile, without
     # the latter's first-use import of torch._inductor (~10 s per process on a small CPU).
     cuda = torch.device(device).type == "cuda"
-    handles = name_blocks(model)
+    handles, steps_run = name_blocks(model), []
     try:
         with profile(use_kineto=True, use_device="cuda" if cuda else None) as prof:
             for k in range(steps):
-                _sync(device)
-                if dist.is_initialized():
-                    dist.barrier()  # ranks start each step together; outside the step window
+                synchronize(device)  # ranks start each step together; outside the step window
                 with record_function(f"step {k}"):
-                    train_step(model, optimizer, groups, ids, labels)
-                    _sync(device)
+                    steps_run.append(train_step_detailed(model, optimizer, groups, ids, labels, **batches))
+                    synchronize(device, barrier=False)
     finally:
         for h in handles:
             h.remove()
@@ -79,7 +76,7 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: in
     reports = [None] * dist.get_world_size() if dist.is_initialized() else [report]
     if dist.is_initialized():
         dist.all_gather_object(reports, report)
-    result = dict(rank=report, ranks=reports, summary=mean_over_ranks(reports))
+    result = dict(rank=report, ranks=reports, summary=mean_over_ranks(reports), steps=steps_run)
     if rank == 0:
         write_outputs(result, out_dir, title)
     return result
@@ -92,7 +89,3 @@ def write_outputs(result: dict, out_dir: str, title: str = "") -> None:
         json.dump(dict(title=title, summary=result["summary"], ranks=result["ranks"]), f, indent=1)
     plot_timelines({title or "profile": [r["timeline"] for r in result["ranks"]]},
                    os.path.join(out_dir, "timeline.png"))
-
-
-def print_report(result: dict, title: str = "") -> None:
-    print(format_report(result["summary"], f"{title}: " if title else ""))
