@@ -30,15 +30,43 @@ def name_blocks(model: nn.Module) -> list:
     handles = []
     for name, module in model.named_modules():
         m = re.search(r"layers\.(\d+)$", name)
-        if m is None:
-            continue
-        for phase, pre, post in (("forward", module.register_forward_pre_hook, module.register_forward_hook),
-                                 ("backward", module.register_full_backward_pre_hook,
-                                  module.register_full_backward_hook)):
-            label, open_ranges = f"block {m.group(1)} {phase}", []
-            handles.append(pre(lambda *_, label=label, o=open_ranges: o.append(record_function(label).__enter__())))
-            handles.append(post(lambda *_, o=open_ranges: o.pop().__exit__(None, None, None)))
+        if m is not None:
+            handles += name_block(module, m.group(1))
     return handles
+
+
+def name_block(block: nn.Module, index: str) -> list:
+    """Forward: a range from the block's pre-hook to its hook. Backward: from autograd reaching
+    the block's output node to the grad of its input being complete, hooked on the graph itself;
+    a module full-backward hook would turn the block's output into a view (and a pipeline
+    stage could then no longer free its output once sent)."""
+    opened = []
+
+    def enter(module, inputs):
+        opened.append(record_function(f"block {index} forward").__enter__())
+
+    def leave(module, inputs, out):
+        opened.pop().__exit__(None, None, None)
+        x = inputs[0]
+        if torch.is_grad_enabled() and x.requires_grad and out.grad_fn is not None:
+            name_backward(f"block {index} backward", x, out)
+
+    return [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+
+
+def name_backward(label: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    """A `label` range from autograd reaching `out`'s node to `x`'s grad being complete."""
+    opened = []
+
+    def enter(grad_outputs):
+        opened.append(record_function(label).__enter__())
+
+    def leave(grad):
+        if opened:
+            opened.pop().__exit__(None, None, None)
+
+    out.grad_fn.register_prehook(enter)
+    x.register_hook(leave)
 
 
 def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: int = 3, warmup: int = 1,
