@@ -154,7 +154,8 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
                           f"{args.num_microbatches}, pp_size={launch.pp_size}")
     check_modes(args.modes)
     cells = plan(args)
-    runs = [(a, cell_parallel(launch, a, cell.mode)) for a, cell in ((cell_args(args, c), c) for c in cells)]
+    each_args = [cell_args(args, cell) for cell in cells]
+    runs = [(a, cell_parallel(launch, a, cell.mode)) for a, cell in zip(each_args, cells)]
     check_common(launch, args, runs, steps=None if args.estimate else ": use bfloat16, or --estimate",
                  kernels=not args.estimate)
     for cell, (_, par) in zip(cells, runs):
