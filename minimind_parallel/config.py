@@ -59,8 +59,7 @@ class ParallelConfig:
         return self.dp * self.pp * self.cp * self.tp
 
 
-def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | None = None,
-                 world_size: int | None = None) -> None:
+def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | None = None) -> None:
     """Raise ConfigError naming the first broken constraint and its values."""
     for name in ("tp", "pp", "cp", "dp"):
         if getattr(par, name) < 1:
@@ -110,6 +109,3 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         if par.sequence_parallel and seq_len % t:
             raise ConfigError(f"seq_len must be divisible by tp_size with --sequence_parallel; "
                               f"got seq_len={seq_len}, tp_size={t}")
-    if world_size is not None and world_size != par.world_size:
-        raise ConfigError(f"world size must equal dp*pp*cp*tp; got world_size={world_size}, "
-                          f"dp={par.dp} pp={par.pp} cp={par.cp} tp={par.tp} (= {par.world_size})")

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .cli import parse, resolve_device
+from . import tasks
+from .cli import parse
+from .options import resolve_device
 
 
 def init_distributed(device: str) -> torch.device:
@@ -29,14 +31,7 @@ def main(argv: list[str]) -> int:
     launch, args = parse(argv)
     device = init_distributed(resolve_device(launch))
     try:
-        if launch.task == "validate":
-            from .tasks.validate import run_validate
-            code = run_validate(launch, args, device)
-        elif launch.task == "benchmark":
-            from .tasks.benchmark import run_cell
-            code = run_cell(launch, args, device)
-        else:
-            raise SystemExit(f"unknown task {launch.task}")
+        code = tasks.get(launch.task).run_rank(launch, args, device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from minimind_parallel import cli
+from minimind_parallel import cli, launcher
 from minimind_parallel.tasks import benchmark
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
@@ -73,9 +73,9 @@ def test_batch_policies():
     launch, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "4"])
     ddp, tp = (benchmark.cell_parallel(launch, benchmark.cell_args(args, c), c.mode) for c in benchmark.plan(args))
     # fixed_per_rank: every replica gets micro_batch_size rows, so ddp's global batch is world x larger
-    assert [benchmark.rows_per_rank("memory", args, p, launch) for p in (ddp, tp)] == [4, 4]
+    assert [benchmark.rows_per_replica("memory", args, p, launch) for p in (ddp, tp)] == [4, 4]
     # fixed_global (always for throughput): the same global batch in every mode
-    assert [benchmark.rows_per_rank("throughput", args, p, launch) for p in (ddp, tp)] == [2, 4]
+    assert [benchmark.rows_per_replica("throughput", args, p, launch) for p in (ddp, tp)] == [2, 4]
 
 
 # ---------------------------------------------------------------- bad input: one line, nothing launched
@@ -106,7 +106,7 @@ BAD = [
 @pytest.mark.parametrize("argv,message", BAD, ids=[m for _, m in BAD])
 def test_bad_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys, tmp_path):
     launched = []
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
     code = cli.main(["benchmark", *argv, *outputs(tmp_path)] if "--" in argv else ["benchmark", *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2 and not launched
@@ -115,7 +115,7 @@ def test_bad_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, 
 
 
 def test_kind_is_only_for_the_benchmark(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: pytest.fail("launched"))
     assert cli.main(["validate", "--kind", "memory", "--"]) == 2
     assert "--kind is a benchmark option" in capsys.readouterr().err
 
@@ -132,7 +132,7 @@ def fake_torchrun(oom_cell, hung_cell=None):
         cell = benchmark.plan(args)[0]
         calls.append((cell.name, world, async_communication, timeout))
         if cell.name == hung_cell:
-            return cli.TIMED_OUT
+            return launcher.TIMED_OUT
         if cell.name == oom_cell:
             with open(log, "w") as f:
                 f.write("Traceback (most recent call last):\n[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n")
@@ -147,7 +147,7 @@ def fake_torchrun(oom_cell, hung_cell=None):
 
 def test_a_hung_cell_is_recorded_as_timed_out_and_the_sweep_goes_on(monkeypatch, tmp_path):
     run, calls = fake_torchrun(oom_cell=None, hung_cell="tp:1")
-    monkeypatch.setattr(cli, "run_torchrun", run)
+    monkeypatch.setattr(launcher, "run_torchrun", run)
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "ddp", "--num_hidden_layers", "1", *TINY,
                      "--cell_timeout", "30", *outputs(tmp_path)]) == 1
     rows = read_csv(tmp_path / "b.csv")
@@ -160,9 +160,9 @@ def test_run_torchrun_kills_every_rank_at_the_timeout(monkeypatch, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     child = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)")
-    monkeypatch.setattr(cli, "torchrun_command", lambda *a: [sys.executable, "-c", child])
+    monkeypatch.setattr(launcher, "torchrun_command", lambda *a: [sys.executable, "-c", child])
     launch, _ = cli.parse(["benchmark", "--device", "cpu", "--"])
-    assert cli.run_torchrun(launch, 1, [], timeout=3, log=str(tmp_path / "log")) == cli.TIMED_OUT
+    assert launcher.run_torchrun(launch, 1, [], timeout=3, log=str(tmp_path / "log")) == launcher.TIMED_OUT
     grandchild = int(pid_file.read_text())
     for _ in range(50):  # reaped by init once killed
         try:
@@ -176,7 +176,7 @@ def test_run_torchrun_kills_every_rank_at_the_timeout(monkeypatch, tmp_path):
 
 def test_every_cell_gets_a_row_and_a_failed_cell_does_not_stop_the_sweep(monkeypatch, tmp_path, capsys):
     run, calls = fake_torchrun(oom_cell="tp_sp_async:2")
-    monkeypatch.setattr(cli, "run_torchrun", run)
+    monkeypatch.setattr(launcher, "run_torchrun", run)
     code = cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp_sp_async", "--num_hidden_layers",
                      "1", "2", "3", *TINY, *outputs(tmp_path)])
     assert code == 1  # not every cell succeeded
@@ -204,7 +204,7 @@ def test_rows_are_written_as_each_cell_finishes(monkeypatch, tmp_path):
         path = tmp_path / "b.csv"
         seen.append(len(read_csv(path)) if path.exists() else 0)
         return run(*a, **k)
-    monkeypatch.setattr(cli, "run_torchrun", run_and_look)
+    monkeypatch.setattr(launcher, "run_torchrun", run_and_look)
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", "2", "3",
                      *TINY, *outputs(tmp_path)]) == 0
     assert seen == [0, 1, 2]
@@ -213,7 +213,7 @@ def test_rows_are_written_as_each_cell_finishes(monkeypatch, tmp_path):
 # ---------------------------------------------------------------- real runs
 
 def test_estimate_runs_in_process_and_launches_nothing(monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp_sp_async", "--num_hidden_layers", "1",
                      *TINY, "--seq_len", "16", "32", "--estimate", *outputs(tmp_path)]) == 0
     rows = read_csv(tmp_path / "b.csv")
@@ -226,7 +226,7 @@ def test_estimate_runs_in_process_and_launches_nothing(monkeypatch, tmp_path):
 
 
 def test_an_estimated_pipeline_cell_has_every_stage_measured_and_predicted(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
     assert cli.main(["benchmark", "--pp_size", "2", "--", "--modes", "pp", "--pp_schedule", "gpipe",
                      "--num_microbatches", "3", "--num_hidden_layers", "2", *TINY, "--estimate", *outputs(tmp_path)]) == 0
     row = read_csv(tmp_path / "b.csv")[0]
@@ -238,7 +238,7 @@ def test_an_estimated_pipeline_cell_has_every_stage_measured_and_predicted(monke
 
 def test_every_row_carries_the_analytic_prediction_and_the_deviation(monkeypatch, tmp_path):
     run, _ = fake_torchrun(oom_cell=None)
-    monkeypatch.setattr(cli, "run_torchrun", run)
+    monkeypatch.setattr(launcher, "run_torchrun", run)
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--num_hidden_layers", "1", *TINY,
                      *outputs(tmp_path)]) == 0
     for r in read_csv(tmp_path / "b.csv"):

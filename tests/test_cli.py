@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from minimind_parallel import cli
+from minimind_parallel import cli, launcher
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
         "--seq_len", "16", "--num_hidden_layers", "2", "--optimizer_steps", "2"]
@@ -76,7 +76,7 @@ def test_bad_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, 
 def assert_refused_before_launch(argv, message, monkeypatch, capsys):
     """The launcher answers bad input with exit 2 and one line containing `message`, launching nothing."""
     launched = []
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
     code = cli.main(argv)
     err = capsys.readouterr().err.strip()
     assert code == 2 and not launched
@@ -90,16 +90,17 @@ def test_bad_input_from_the_shell_is_one_line():
         "error: seq_len must be divisible by tp_size with --sequence_parallel; got seq_len=15, tp_size=2"]
 
 
-def test_launcher_sets_one_cuda_connection_for_async_only():
-    assert cli.launch_env("cuda", True)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in cli.launch_env("cpu", True) or \
-        cli.launch_env("cpu", True)["CUDA_DEVICE_MAX_CONNECTIONS"] == __import__("os").environ.get(
-            "CUDA_DEVICE_MAX_CONNECTIONS")
+def test_launcher_sets_one_cuda_connection_for_async_only(monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)  # only what the launcher sets
+    assert launcher.launch_env("cuda", True)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    for device, async_communication in (("cuda", False), ("cpu", True), ("cpu", False)):
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in launcher.launch_env(device, async_communication), \
+            (device, async_communication)
 
 
 def test_torchrun_launches_world_size_ranks_of_the_worker():
     class L:
         nnodes, node_rank, master_addr, master_port = 1, 0, "127.0.0.1", None
-    cmd = cli.torchrun_command(L, 4, ["validate", "--tp_size", "4"])
+    cmd = launcher.torchrun_command(L, 4, ["validate", "--tp_size", "4"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=4" in cmd
     assert cmd[-4:] == ["minimind_parallel.worker", "validate", "--tp_size", "4"]

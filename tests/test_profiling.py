@@ -100,3 +100,28 @@ def test_benchmark_kind_profile_writes_traces_reports_and_the_comparison(tmp_pat
     compared = json.loads((tmp_path / "p_profile.json").read_text())
     assert compared["tp_sp_async:1"]["collectives"]["all_gather"]["count"] == 12 * 1 + 2  # see expected_counts
     assert (tmp_path / "p_timeline.png").exists() and "tp_sp_async:1" in r.stdout
+
+
+def test_benchmark_kind_profile_of_a_pipeline_traces_every_stage_with_its_microbatches(tmp_path):
+    import csv as csv_module
+    import subprocess
+    import sys
+    csv = tmp_path / "p.csv"
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "benchmark", "--kind", "profile", "--pp_size", "2",
+                        "--", "--modes", "pp", "--num_hidden_layers", "2", "--seq_len", "16", "--hidden_size", "64",
+                        "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
+                        "--num_microbatches", "3", "--pp_schedule", "1f1b", "--warmup_iters", "1",
+                        "--benchmark_iters", "1", "--output_csv", str(csv)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = tmp_path / "p_profiles" / "pp_num_hidden_layers2"
+    for stage in range(2):  # stage p holds block p; every microbatch goes through it forward and backward
+        with open(d / f"trace_rank{stage}.json") as f:
+            names = [e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        assert names.count("forward") == names.count("backward") == 3, stage
+        assert names.count(f"block {stage} forward") == names.count(f"block {stage} backward") == 3, stage
+        assert f"block {1 - stage} forward" not in names and "comm:send_recv" in names
+    assert len(json.loads((d / "report.json").read_text())["ranks"]) == 2
+    with open(csv) as f:
+        row = next(csv_module.DictReader(f))
+    assert row["status"] == "ok" and row["in_flight_per_stage"] == "2 1"  # 1F1B: min(P - p, M)
+    assert len(row["idle_pct_per_stage"].split()) == 2

@@ -26,24 +26,29 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import cli
-from ..config import ConfigError, ParallelConfig, check_layout
+from .. import launcher
+from ..config import ConfigError, ParallelConfig
+from ..device_sync import synchronize
 from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
 from ..pipeline_parallel import bubble_fraction
+from ..options import (MODES, Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes,
+                       model_config, parallel_config, resolve_device, split_argv)
 from ..training import DTYPES, build_parallel_model, make_optimizer, train_step_detailed, wrap_data_parallel
 from . import benchmark_outputs as outputs
+from .task import Task
 
 SWEEPABLE = ("num_hidden_layers", "seq_len")
 TP_FLAGS = ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel")
 BATCH_POLICIES = ("fixed_per_rank", "fixed_global")
+KINDS = ("memory", "throughput", "profile")
 
 
-def benchmark_parser() -> argparse.ArgumentParser:
-    p = cli.Parser(prog="benchmark", description="memory and step time over a sweep of modes x one dimension")
-    cli.add_model_args(p)
-    p.add_argument("--kind", choices=cli.BENCHMARK_KINDS, default=None, help="default memory")
-    p.add_argument("--modes", nargs="+", default=["tp"], help=f"presets: {', '.join(cli.MODES)}")
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="benchmark", description="memory and step time over a sweep of modes x one dimension")
+    add_model_args(p)
+    p.add_argument("--kind", choices=KINDS, default=None, help="default memory (also a launcher option)")
+    p.add_argument("--modes", nargs="+", default=["tp"], help=f"presets: {', '.join(MODES)}")
     p.add_argument("--batch_policy", choices=BATCH_POLICIES, default=None,
                    help="fixed_per_rank: every DP replica gets --micro_batch_size rows (memory default); "
                         "fixed_global: the global batch is micro_batch_size x dp_size in every mode "
@@ -112,26 +117,24 @@ def cell_args(args, cell: Cell) -> argparse.Namespace:
     if cell.mode == "ddp":
         for flag in TP_FLAGS:
             setattr(a, flag, False)
-    cli.apply_mode(a, cell.mode)
+    apply_mode(a, cell.mode)
     return a
 
 
 def cell_parallel(launch, a, mode: str) -> ParallelConfig:
     """Every mode uses the same ranks: world = dp x pp x cp x tp; ddp spends them all on data parallelism."""
-    par = cli.parallel_config(launch, a)
+    par = parallel_config(launch, a)
     return ParallelConfig(dp=par.world_size) if mode == "ddp" else par
 
 
-def rows_per_rank(kind: str, args, par: ParallelConfig, launch) -> int:
+def rows_per_replica(kind: str, args, par: ParallelConfig, launch) -> int:
+    """Rows of one microbatch on each DP replica of the cell's layout `par`."""
     if batch_policy(kind, args) == "fixed_per_rank":
         return args.micro_batch_size
     return args.micro_batch_size * launch.dp_size // par.dp
 
 
-def check_cell(launch, args, kind: str, cell: Cell) -> None:
-    a = cell_args(args, cell)
-    par = cell_parallel(launch, a, cell.mode)
-    check_layout(cli.model_config(a), par, seq_len=a.seq_len)
+def check_batch_split(launch, args, kind: str, cell: Cell, par: ParallelConfig) -> None:
     global_batch = args.micro_batch_size * launch.dp_size
     if batch_policy(kind, args) == "fixed_global" and global_batch % par.dp:
         raise ConfigError(f"fixed_global: the global batch must split evenly over the data-parallel ranks of mode "
@@ -142,67 +145,62 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
     """Every constraint of every cell, before anything launches; -> the cells."""
     if args.estimate and kind != "memory":
         raise ConfigError(f"--estimate measures memory without running kernels; got --kind {kind}")
-    for name in ("micro_batch_size", "num_microbatches", "benchmark_iters"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"{name} must be >= 1; got {name}={getattr(args, name)}")
-    if args.warmup_iters < 0:
-        raise ConfigError(f"warmup_iters must be >= 0; got warmup_iters={args.warmup_iters}")
+    check_at_least(args, 1, ("benchmark_iters",))
+    check_at_least(args, 0, ("warmup_iters",))
     if args.cell_timeout is not None and args.cell_timeout <= 0:
         raise ConfigError(f"cell_timeout must be > 0 seconds; got cell_timeout={args.cell_timeout:g}")
-    if args.dtype == "float16" and not args.estimate:
-        raise ConfigError("float16 parameters cannot take AdamW steps (eps=1e-8 underflows to 0 in float16); "
-                          "got --dtype float16: use bfloat16, or --estimate")
-    if args.num_microbatches != 1 and launch.pp_size == 1:
+    if args.num_microbatches > 1 and launch.pp_size == 1:
         raise ConfigError(f"num_microbatches > 1 needs pipeline parallelism; got num_microbatches="
                           f"{args.num_microbatches}, pp_size={launch.pp_size}")
-    for mode in args.modes:
-        if mode not in cli.MODES:
-            raise ConfigError(f"unknown mode {mode!r}; expected one of: {', '.join(cli.MODES)}")
+    check_modes(args.modes)
     cells = plan(args)
-    for cell in cells:
-        check_cell(launch, args, kind, cell)
-    world = cli.parallel_config(launch, args).world_size
-    if world % launch.nnodes:
-        raise ConfigError(f"world size must be divisible by nnodes; got world_size={world}, nnodes={launch.nnodes}")
-    if not args.estimate:
-        cli.check_device(cli.resolve_device(launch), args.dtype, world // launch.nnodes)
+    each_args = [cell_args(args, cell) for cell in cells]
+    runs = [(a, cell_parallel(launch, a, cell.mode)) for a, cell in zip(each_args, cells)]
+    check_common(launch, args, runs, steps=None if args.estimate else ": use bfloat16, or --estimate",
+                 kernels=not args.estimate)
+    for cell, (_, par) in zip(cells, runs):
+        check_batch_split(launch, args, kind, cell, par)
     return cells
+
+
+def check(launch, args) -> None:
+    check_benchmark(launch, args, kind_of(launch, args))
 
 
 # ---------------------------------------------------------------- launcher side
 
 def run_benchmark(launch, args, argv: list[str]) -> int:
-    """Check, then run every cell; returns 0 when every cell succeeded, 1 otherwise (2: bad input)."""
+    """Run every cell (checked by `check`); returns 0 when every cell succeeded, 1 otherwise."""
     kind = kind_of(launch, args)
-    cells = check_benchmark(launch, args, kind)  # ConfigError -> one line, exit 2 (cli.main)
+    cells = plan(args)
     paths = outputs.default_paths(args, kind)
     if kind == "throughput" and args.batch_policy == "fixed_per_rank":
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
-    device = "cpu (estimate)" if args.estimate else cli.resolve_device(launch)
+    device = "cpu (estimate)" if args.estimate else resolve_device(launch)
     meta = dict(command=["python", "-m", "evaluation.parallel", *argv], kind=kind, device=device,
                 swept=cells[0].swept, batch_policy=batch_policy(kind, args))
     print(f"benchmark: kind={kind} device={device} modes={' '.join(args.modes)} "
           f"{cells[0].swept}={getattr(args, cells[0].swept)} batch_policy={meta['batch_policy']} "
-          f"dtype={args.dtype} world={cli.parallel_config(launch, args).world_size}", flush=True)
+          f"dtype={args.dtype} world={parallel_config(launch, args).world_size}", flush=True)
     table = outputs.Table(cells[0].swept, kind)
-    rows: list[dict] = []
+    results: list[dict] = []
     bar = tqdm(cells, desc="benchmark", unit="cell", file=sys.stderr, dynamic_ncols=True)
     print(table.header(), flush=True)
     for cell in bar:
         bar.set_postfix_str(cell.name)
         row = run_one(launch, args, argv, kind, cell, paths)
-        outputs.compare_with_previous(row, rows)
-        rows.append(row)
-        outputs.write_csv(paths.csv, rows)
-        outputs.write_json(paths.json, rows, meta)
+        outputs.compare_with_previous(row, results)
+        results.append(row)
+        outputs.write_csv(paths.csv, results)
+        outputs.write_json(paths.json, results, meta)
         bar.write(table.line(row))
     bar.close()
-    outputs.write_plot(paths.plot, rows, cells[0].swept)
+    outputs.write_plot(paths.plot, results, cells[0].swept)
     if kind == "profile":  # traces and reports per cell; here the modes side by side
         from ..profiling.sweep import compare_cells
         print(compare_cells(paths.csv, cells) or "benchmark: no profile finished")
-    failed = [r for r in rows if r["status"] != "ok"]
-    print(f"benchmark: {len(rows) - len(failed)} of {len(rows)} cells ok; wrote {paths.csv}, {paths.json}, "
+    failed = [r for r in results if r["status"] != "ok"]
+    print(f"benchmark: {len(results) - len(failed)} of {len(results)} cells ok; wrote {paths.csv}, {paths.json}, "
           f"{paths.plot}")
     return 1 if failed else 0
 
@@ -210,14 +208,14 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
 def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
     """One cell -> its row (status ok / oom / failed, with the reason)."""
     a = cell_args(args, cell)
-    config, par = cli.model_config(a), cell_parallel(launch, a, cell.mode)
-    rows = rows_per_rank(kind, args, par, launch)
-    row = outputs.new_row(kind, cell, par, a, rows * par.dp, estimate=args.estimate)
-    sizes = dict(seq_len=a.seq_len, micro_batch_size=rows, dtype=DTYPES[args.dtype],
+    config, par = model_config(a), cell_parallel(launch, a, cell.mode)
+    per_replica = rows_per_replica(kind, args, par, launch)
+    row = outputs.new_row(kind, cell, par, a, per_replica * par.dp, estimate=args.estimate)
+    sizes = dict(seq_len=a.seq_len, micro_batch_size=per_replica, dtype=DTYPES[args.dtype],
                  num_microbatches=args.num_microbatches, schedule=args.pp_schedule)
     try:  # a missing prediction must not lose the measurement
         from ..memory import predict_memory
-        device = "cpu" if args.estimate else cli.resolve_device(launch)
+        device = "cpu" if args.estimate else resolve_device(launch)
         pred = predict_memory(config, par, device=device, **sizes)
         row["predicted_mib"] = pred.peak_bytes / outputs.MIB
         row["predicted_mib_per_stage"] = " ".join(f"{b / outputs.MIB:.2f}" for b in pred.per_stage)
@@ -244,19 +242,19 @@ def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communicati
     log = os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        head, tail = cli.split_argv(argv)
+        head, tail = split_argv(argv)
         worker_argv = [*head, "--", *tail, "--modes", cell.mode, "--num_hidden_layers", str(cell.num_hidden_layers),
                        "--seq_len", str(cell.seq_len), "--result_json", result_path]
         if row["kind"] == "profile":
             from ..profiling.sweep import cell_dir
             worker_argv += ["--profile_dir", cell_dir(paths.csv, cell)]
-        code = cli.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication, log=log,
-                                timeout=timeout)
+        code = launcher.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication,
+                                     log=log, timeout=timeout)
         result = None
         if os.path.exists(result_path):
             with open(result_path) as f:
                 result = json.load(f)
-    if code == cli.TIMED_OUT:
+    if code == launcher.TIMED_OUT:
         row["status"], row["reason"] = "timeout", f"ranks killed after --cell_timeout {timeout:g} s (log: {log})"
         return
     if code != 0 or result is None:
@@ -283,12 +281,6 @@ def fill_pipeline(row: dict, result: dict, par: ParallelConfig) -> None:
 
 # ---------------------------------------------------------------- worker side (every rank)
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-
-
 def shared_batch(config, groups, global_rows: int, seq_len: int, seed: int, device):
     """Random token ids made on rank 0 and broadcast; -> this rank's DP rows (ids, labels)."""
     ids = torch.empty(global_rows, seq_len, dtype=torch.long, device=device)
@@ -305,9 +297,9 @@ def run_cell(launch, args, device) -> int:
     kind = kind_of(launch, args)
     cell = plan(args)[0]
     a = cell_args(args, cell)
-    config, par = cli.model_config(a), cell_parallel(launch, a, cell.mode)
+    config, par = model_config(a), cell_parallel(launch, a, cell.mode)
     groups = ProcessGroups.build(par)
-    rows = rows_per_rank(kind, args, par, launch)
+    per_replica = rows_per_replica(kind, args, par, launch)
     if args.inject_oom in (f"{cell.mode}:{cell.num_hidden_layers}", f"{cell.mode}:{cell.seq_len}"):  # test hook: a cell that dies the way a too-large one does
         raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in cell {cell.name}")
     torch.manual_seed(args.seed)
@@ -317,10 +309,11 @@ def run_cell(launch, args, device) -> int:
     gc.collect()
     model = wrap_data_parallel(model, groups)
     optimizer = make_optimizer(model, args.learning_rate)
-    # M microbatches of `rows` rows per DP replica (M = 1 without a pipeline)
-    ids, labels = shared_batch(config, groups, rows * args.num_microbatches * par.dp, a.seq_len, args.seed + 1, device)
+    # M microbatches of `per_replica` rows per DP replica (M = 1 without a pipeline)
+    ids, labels = shared_batch(config, groups, per_replica * args.num_microbatches * par.dp, a.seq_len,
+                               args.seed + 1, device)
     result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
-    global_tokens = rows * par.dp * a.seq_len * args.num_microbatches
+    global_tokens = per_replica * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
     if dist.get_rank() == 0 and args.result_json:
         with open(args.result_json + ".tmp", "w") as f:
@@ -335,11 +328,11 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     steps = []
 
     def timed_step() -> float:
-        sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         steps.append(train_step_detailed(model, optimizer, groups, ids, labels,
                                          num_microbatches=args.num_microbatches, schedule=args.pp_schedule))
-        sync(device)
+        synchronize(device)
         return time.perf_counter() - t0
 
     for _ in range(args.warmup_iters):
@@ -351,9 +344,7 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
         meter = MemoryMeter(device, model, optimizer)
     with meter or nullcontext():
         times = [timed_step() for _ in range(args.benchmark_iters)]
-    mine = {"step_s": statistics.median(times), "pp_rank": groups.pp_rank,
-            "max_in_flight": max(s.max_in_flight for s in steps),
-            "idle": statistics.median(1 - s.busy_s / s.wall_s for s in steps)}
+    mine = {"step_s": statistics.median(times), **stage_numbers(groups, steps)}
     if meter is not None:
         report = meter.report()
         mine.update(peak_bytes=int(report.peak_bytes), breakdown={k: int(v) for k, v in report.breakdown.items()})
@@ -363,12 +354,30 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     return {"step_ms": 1e3 * max(r["step_s"] for r in ranks),
             "peak_bytes": worst.get("peak_bytes"), "breakdown": worst.get("breakdown"),
             "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks],
-            "per_rank": [{"pp_rank": r["pp_rank"], "peak_bytes": r.get("peak_bytes"),
-                          "max_in_flight": r["max_in_flight"], "idle": r["idle"]} for r in ranks]}
+            "per_rank": per_rank(ranks)}
 
 
 def profile(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
-    """Hook for `--kind profile` (the profiling task): trace the measured steps, write the per-rank
-    trace and overlap report, return the same dict as `measure` (step_ms, peak_bytes, breakdown)."""
+    """`--kind profile`: trace the measured steps, write the per-rank trace and overlap report
+    (profiling/sweep.py); return the same dict as `measure` (step_ms, per_rank; no peak)."""
     from ..profiling.sweep import profile_cell
-    return profile_cell(model, optimizer, groups, ids, labels, args, device)
+    result, steps = profile_cell(model, optimizer, groups, ids, labels, args, device)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, stage_numbers(groups, steps))
+    return {**result, "per_rank": per_rank(ranks)}
+
+
+def stage_numbers(groups, steps: list) -> dict:
+    """This rank's pipeline numbers over the measured steps (schedule StepResults): its stage,
+    the most microbatches it held at once, its median share of wall time not spent computing."""
+    return {"pp_rank": groups.pp_rank, "max_in_flight": max(s.max_in_flight for s in steps),
+            "idle": statistics.median(1 - s.busy_s / s.wall_s for s in steps)}
+
+
+def per_rank(ranks: list[dict]) -> list[dict]:
+    """What `fill_pipeline` reads from every rank (peak_bytes None when no meter ran)."""
+    return [{"pp_rank": r["pp_rank"], "peak_bytes": r.get("peak_bytes"), "max_in_flight": r["max_in_flight"],
+             "idle": r["idle"]} for r in ranks]
+
+
+TASK = Task(name="benchmark", parser=parser, check=check, launch=run_benchmark, run_rank=run_cell, kinds=KINDS)

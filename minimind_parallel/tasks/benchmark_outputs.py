@@ -134,12 +134,12 @@ class Table:
                 f"{fmt(r['tokens_per_s'], '.0f'):>10}  {vs}")
         if r["idle_pct_per_stage"] is not None:
             line += (f"\n    {r['pp_schedule']} pp={r['pp']} M={r['num_microbatches']}: per stage peak MiB "
-                     f"{r['peak_mib_per_stage']} (predicted {r['predicted_mib_per_stage']}), microbatches held "
+                     f"{r['peak_mib_per_stage'] or '-'} (predicted {r['predicted_mib_per_stage']}), microbatches held "
                      f"{r['in_flight_per_stage']}, idle % {r['idle_pct_per_stage']} (bubble (P-1)/(M+P-1) = "
                      f"{fmt(r['bubble_pct'])}%)")
         elif r["predicted_mib_per_stage"] is not None and r["pp"] > 1:
             line += (f"\n    {r['pp_schedule']} pp={r['pp']} M={r['num_microbatches']}: per stage peak MiB "
-                     f"{r['peak_mib_per_stage']} (predicted {r['predicted_mib_per_stage']})")
+                     f"{r['peak_mib_per_stage'] or '-'} (predicted {r['predicted_mib_per_stage']})")
         if r["status"] != "ok":
             line += f"\n    {r['status']}: {r['reason']}"
         return line.rstrip()

@@ -1,15 +1,46 @@
-"""`validate` on every rank: compare the requested layout with the dense model, print the report."""
+"""`validate`: compare the requested layout with the dense model on every rank, print the report.
+
+    python -m minimind_parallel validate --tp_size 2 -- --mode tp_sp_async --num_hidden_layers 2
+"""
 from __future__ import annotations
+
+import argparse
 
 import torch.distributed as dist
 
-from ..cli import apply_mode, model_config, parallel_config
 from ..groups import ProcessGroups
+from ..options import Parser, add_model_args, apply_mode, check_common, model_config, parallel_config
 from ..training import DTYPES
 from ..validation import compare_with_dense, failures, format_report
+from .task import Task
 
 
-def run_validate(launch, args, device) -> int:
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="validate", description="compare a parallel layout with the dense model")
+    add_model_args(p)
+    p.add_argument("--num_hidden_layers", type=int, default=2)
+    p.add_argument("--seq_len", type=int, default=64)
+    p.add_argument("--mode", default=None, help="a mode preset (tp, tp_sp, tp_sp_async, tp_vp, pp, tp_pp, ...)")
+    p.add_argument("--optimizer_steps", type=int, default=3)
+    p.add_argument("--log_interval", type=int, default=1)
+    p.add_argument("--check_backward", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--atol", type=float, default=None, help="max-abs tolerance (default by dtype)")
+    p.add_argument("--rtol", type=float, default=None, help="relative-L2 tolerance (default by dtype)")
+    p.add_argument("--perturb", default=None, metavar="PARAM",
+                   help="fault injection: add 1e-2 to this parameter's shard on TP rank 0 (checks the checker)")
+    return p
+
+
+def check(launch, args) -> None:
+    """Every constraint of a validate run (its mode's flags applied)."""
+    apply_mode(args, args.mode)
+    steps = (f" with --optimizer_steps {args.optimizer_steps}: use bfloat16, or --optimizer_steps 0"
+             if args.optimizer_steps > 0 else None)
+    check_common(launch, args, [(args, parallel_config(launch, args))], steps=steps,
+                 sizes=("micro_batch_size", "num_microbatches", "seq_len"))
+
+
+def run_rank(launch, args, device) -> int:
     apply_mode(args, args.mode)
     config, par = model_config(args), parallel_config(launch, args)
     groups = ProcessGroups.build(par)
@@ -28,3 +59,6 @@ def run_validate(launch, args, device) -> int:
         print(format_report(rows))
         print(f"validate: {'FAILED' if bad else 'PASSED'} ({len(rows) - len(bad)} of {len(rows)} items within tolerance)")
     return 1 if bad else 0
+
+
+TASK = Task(name="validate", parser=parser, check=check, run_rank=run_rank)

@@ -1,0 +1,159 @@
+"""What every task's command line shares: the argument parser that reports bad input as one
+line, the model and layout arguments, the mode presets, building the configs from the parsed
+arguments, the device, and the pre-launch checks every task makes (one home each)."""
+from __future__ import annotations
+
+import argparse
+
+from .config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+# Mode presets: the TP-feature flags each mode turns on (flags given explicitly are kept too).
+MODES = {
+    "ddp": dict(),
+    "tp": dict(),
+    "tp_sp": dict(sequence_parallel=True),
+    "tp_sp_async": dict(sequence_parallel=True, async_communication=True),
+    "tp_async": dict(async_communication=True),
+    "tp_sp_async_shared": dict(sequence_parallel=True, async_communication=True, shared_sp_gather=True),
+    "tp_vp": dict(vocab_parallel=True),
+    "tp_sp_async_vp": dict(sequence_parallel=True, async_communication=True, vocab_parallel=True),
+    "pp": dict(),     # stages from --pp_size, schedule from --pp_schedule
+    "tp_pp": dict(),  # plain TP inside each stage (add --sequence_parallel etc. as wanted)
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports bad input as one ConfigError line instead of usage + exit."""
+
+    def error(self, message):
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`[launcher args] -- [task args]` -> (launcher args, task args)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Task args every task shares: the model, the batch, the dtype and the TP features."""
+    p.add_argument("--hidden_size", type=int, default=768)
+    p.add_argument("--num_attention_heads", type=int, default=8)
+    p.add_argument("--num_key_value_heads", type=int, default=4)
+    p.add_argument("--vocab_size", type=int, default=6400)
+    p.add_argument("--intermediate_size", type=int, default=None)
+    p.add_argument("--tie_word_embeddings", action="store_true", help="tie lm_head to the embedding")
+    p.add_argument("--micro_batch_size", type=int, default=2)
+    p.add_argument("--num_microbatches", type=int, default=1)
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--sequence_parallel", action="store_true")
+    p.add_argument("--async_communication", action="store_true")
+    p.add_argument("--shared_sp_gather", action="store_true")
+    p.add_argument("--vocab_parallel", action="store_true")
+    p.add_argument("--pp_schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                   help="pipeline schedule over --num_microbatches (with one stage: gradient accumulation)")
+    p.add_argument("--flash_attn", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=1234)
+
+
+def apply_mode(args, mode: str | None) -> None:
+    """Turn on the flags of preset `mode` in `args` (None: nothing)."""
+    if mode is None:
+        return
+    check_modes([mode])
+    for flag, value in MODES[mode].items():
+        setattr(args, flag, value)
+
+
+def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
+    return MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=num_hidden_layers or args.num_hidden_layers,
+                          num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                          vocab_size=args.vocab_size, intermediate_size=args.intermediate_size,
+                          tie_word_embeddings=args.tie_word_embeddings, flash_attn=args.flash_attn)
+
+
+def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = None) -> ParallelConfig:
+    return ParallelConfig(tp=launch.tp_size if tp is None else tp, pp=launch.pp_size, cp=launch.cp_size,
+                          dp=launch.dp_size if dp is None else dp,
+                          sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
+                          shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel)
+
+
+def resolve_device(launch) -> str:
+    """--device, or cuda when available, else cpu."""
+    import torch
+    if launch.device is not None:
+        return launch.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------- pre-launch checks (one home each)
+
+def check_common(launch, args, runs: list, *, steps: str | None, kernels: bool = True,
+                 sizes: tuple[str, ...] = ("micro_batch_size", "num_microbatches")) -> None:
+    """The checks every task makes before launching, in this order: `sizes` >= 1, float16 with
+    AdamW steps (`steps`, see check_float16_steps), each of `runs` [(args, ParallelConfig)]
+    (check_layout), the ranks over the nodes and the device (`kernels`: it runs any)."""
+    check_at_least(args, 1, sizes)
+    check_float16_steps(args.dtype, steps)
+    for run_args, par in runs:
+        check_run(run_args, par)
+    check_world(launch, parallel_config(launch, args).world_size, args.dtype, kernels=kernels)
+
+
+def check_launcher(launch) -> None:
+    """The launcher's own arguments (context parallelism comes with its own task work)."""
+    if launch.cp_size > 1 and not launch.cp:
+        raise ConfigError(f"--cp_size {launch.cp_size} needs --cp")
+    if launch.cp and launch.cp_size > 1:
+        raise ConfigError(f"context parallelism is not implemented yet; got --cp --cp_size {launch.cp_size}")
+
+
+def check_modes(modes: list[str]) -> None:
+    for mode in modes:
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}; expected one of: {', '.join(MODES)}")
+
+
+def check_at_least(args, minimum: int, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(args, name) < minimum:
+            raise ConfigError(f"{name} must be >= {minimum}; got {name}={getattr(args, name)}")
+
+
+def check_float16_steps(dtype: str, steps: str | None) -> None:
+    """`steps`: the option that makes the run take AdamW steps and how to avoid them (None: no steps)."""
+    if dtype == "float16" and steps is not None:
+        raise ConfigError(f"float16 parameters cannot take AdamW steps (eps=1e-8 underflows to 0 in float16); "
+                          f"got --dtype float16{steps}")
+
+
+def check_run(args, par: ParallelConfig) -> None:
+    """One run's model and layout (`args` with a single num_hidden_layers and seq_len)."""
+    check_layout(model_config(args), par, seq_len=args.seq_len)
+
+
+def check_world(launch, world_size: int, dtype: str, *, kernels: bool = True) -> None:
+    """The ranks fit the nodes and (`kernels`: the run launches ranks) the device has what they need."""
+    if world_size % launch.nnodes:
+        raise ConfigError(f"world size must be divisible by nnodes; got world_size={world_size}, "
+                          f"nnodes={launch.nnodes}")
+    if kernels:
+        check_device(resolve_device(launch), dtype, world_size // launch.nnodes)
+
+
+def check_device(device: str, dtype: str, world_per_node: int) -> None:
+    import torch
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda needs a CUDA device; torch.cuda.is_available() is False")
+        if world_per_node > torch.cuda.device_count():
+            raise ConfigError(f"one GPU per rank: got {world_per_node} ranks per node, "
+                              f"{torch.cuda.device_count()} GPUs")
+        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("dtype bfloat16 is not supported on this GPU; use float16 or float32")
