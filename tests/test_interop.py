@@ -2,6 +2,8 @@
 and loaded by transformers with the dense model's logits; every bad input refused with one line."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +25,14 @@ def minimind_writes(model, path):
 
 def rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_interop_and_generation_import_without_transformers():
+    """transformers is a test dependency only: the export is plain JSON and safetensors."""
+    code = ("import sys; sys.modules['transformers'] = None  # any import of it now fails\n"
+            "import minimind_parallel.interop, minimind_parallel.generation")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
 
 
 # ---- MiniMind .pth ------------------------------------------------------------------------------
