@@ -22,7 +22,7 @@ from .groups import ProcessGroups
 from .model import MiniMindForCausalLM
 from .pipeline_parallel import forward_backward as run_schedule
 from .pipeline_parallel import split_microbatches
-from .sharding import stage_of, tp_split_dim
+from .plan import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer, unwrap, wrap_data_parallel
 
 DEFAULT_TOL = {  # (max-abs, relative-L2): an item fails only when it exceeds both

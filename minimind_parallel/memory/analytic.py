@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MiniMindConfig, ParallelConfig, check_layout
-from ..sharding import stage_layers
+from ..plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .tracker import CATEGORIES
 
 BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp")
@@ -86,30 +86,6 @@ class MemoryPrediction:
 
     def mib(self) -> float:
         return self.peak_bytes / 2**20
-
-
-def parameter_shapes(c: MiniMindConfig, par: ParallelConfig, stage: int = 0) -> dict[str, tuple[int, ...]]:
-    """This rank's parameters (tied lm_head counted once), as the sharding plan cuts them, on
-    pipeline stage `stage` (the embedding on the first, final norm and lm_head on the last), in
-    the model's order (the optimizer's)."""
-    t, h, d = par.tp, c.hidden_size, c.head_dim
-    q, kv, inter = c.num_attention_heads * d // t, c.num_key_value_heads * d // t, c.intermediate_size // t
-    vocab = c.vocab_size // t if par.vocab_parallel else c.vocab_size
-    first, last = stage == 0, stage == par.pp - 1
-    shapes = {"model.embed_tokens.weight": (vocab, h)} if first else {}
-    for i in stage_layers(c.num_hidden_layers, par.pp, stage):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter),
-                       p + "mlp.up_proj.weight": (inter, h)})
-    if last:
-        shapes["model.norm.weight"] = (h,)
-        if not (c.tie_word_embeddings and first):
-            shapes["lm_head.weight"] = (vocab, h)
-    return shapes
 
 
 def as_dtype(dtype) -> torch.dtype:
@@ -217,10 +193,10 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     n, hid, bsz, mb = seq_len * micro_batch_size, c.hidden_size, micro_batch_size, num_microbatches
     nn_, m = (n // t if sp else n), n - bsz
     vocab = c.vocab_size // t if vp else c.vocab_size
-    first, last = stage == 0, stage == par.pp - 1
+    first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     gpipe = schedule == "gpipe" and par.pp > 1
 
-    shapes = parameter_shapes(c, par, stage)
+    shapes = stage_parameters(c, par, stage)
     param_bytes = b * sum(_numel(s) for s in shapes.values())
     buffers = 2 * b * c.max_position_embeddings * c.head_dim          # RoPE cos/sin, cast to dtype
     params = param_bytes + buffers
