@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..data_parallel import unwrap
 from ..groups import ProcessGroups
 from ..profiling.ranges import span
 from . import p2p
@@ -57,7 +58,7 @@ class _Stage:
         self.model, self.groups, self.microbatches = model, groups, microbatches
         self.collect_logits = collect_logits
         par, ids = groups.par, microbatches[0][0]
-        hidden = unwrapped(model).config.hidden_size
+        hidden = unwrap(model).config.hidden_size
         seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
         dtype = next(model.parameters()).dtype
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
@@ -196,7 +197,3 @@ def split_microbatches(ids: torch.Tensor, labels: torch.Tensor, num_microbatches
     if ids.shape[0] % num_microbatches:
         raise ValueError(f"batch {ids.shape[0]} is not divisible by num_microbatches={num_microbatches}")
     return list(zip(ids.chunk(num_microbatches), labels.chunk(num_microbatches)))
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
