@@ -131,7 +131,7 @@ class ParallelMiniMindModel(nn.Module):
 class ParallelMiniMindForCausalLM(nn.Module):
     """The TP/SP/VP model, or one pipeline stage of it (`groups.pp_rank` of `par.pp` stages).
 
-    forward(input_ids [B, S], labels [B, S]) -> CausalLMOutput with logits [B, S, V] (or this
+    forward(input_ids [B, S], targets [B, S]) -> CausalLMOutput with logits [B, S, V] (or this
     rank's vocab slice [B, S, V/T] with --vocab_parallel). Under PP only the last stage returns
     that; the others return the hidden states [S/T, B, H] (SP) or [S, B, H] for the next stage,
     and every stage but the first takes `hidden_states` from the previous one instead of ids.
@@ -174,7 +174,9 @@ class ParallelMiniMindForCausalLM(nn.Module):
             if grad_is_shared_over_stages(name, self.config, self.par):
                 mark_shared_embedding(param)
 
-    def forward(self, input_ids=None, labels=None, hidden_states=None):
+    def forward(self, input_ids=None, targets=None, hidden_states=None):
+        """targets: the next token of every position (`data.batches`), -100 where none; the loss
+        runs over all S positions."""
         h = self.model(input_ids, hidden_states)
         if not self.last:
             return h                                                 # to the next stage
@@ -185,12 +187,12 @@ class ParallelMiniMindForCausalLM(nn.Module):
                 h = gather_from_sequence_parallel_region(h, self.group, grad_is_partial=False)
             logits = self.lm_head(h)                                 # [S, B, V]
         loss = None
-        if labels is not None:
-            x, y = logits[:-1], labels.t()[1:]                       # predict token s+1 from s
+        if targets is not None:
+            y = targets.t()                                          # [B, S] -> [S, B], as the logits
             if self.par.vocab_parallel:
-                loss = vocab_parallel_cross_entropy(x, y, self.group)
+                loss = vocab_parallel_cross_entropy(logits, y, self.group)
             else:
-                loss = F.cross_entropy(x.reshape(-1, x.shape[-1]), y.reshape(-1), ignore_index=-100)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
         return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)
 
 

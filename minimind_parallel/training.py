@@ -8,10 +8,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import MiniMindConfig, ParallelConfig
+from .data.batches import split_microbatches
 from .data_parallel import unwrap, wrap_data_parallel  # noqa: F401  (re-exported: the tasks' one import)
 from .groups import ProcessGroups
 from .parallel_model import ParallelMiniMindForCausalLM
-from .pipeline_parallel import StepResult, forward_backward, split_microbatches
+from .pipeline_parallel import StepResult, forward_backward
 from .profiling.ranges import span
 from .sharding import shard_state_dict
 from .tensor_parallel import comm
@@ -63,20 +64,21 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, labels,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, targets,
                *, num_microbatches: int = 1, schedule: str = "1f1b") -> torch.Tensor | None:
-    """One optimizer step of any layout: the batch [B, S] of this DP rank in M microbatches
-    through the schedule (PP) or gradient accumulation, grad finalisation, AdamW, zero grads.
+    """One optimizer step of any layout: the batch (ids, targets) [B, S] of this DP rank in M
+    microbatches through the schedule (PP) or gradient accumulation, grad finalisation, AdamW,
+    zero grads.
     Returns the detached mean loss; None on pipeline stages other than the last."""
-    step = train_step_detailed(model, optimizer, groups, input_ids, labels, num_microbatches=num_microbatches,
+    step = train_step_detailed(model, optimizer, groups, input_ids, targets, num_microbatches=num_microbatches,
                                schedule=schedule)
     return step.loss
 
 
-def train_step_detailed(model, optimizer, groups, input_ids, labels, *, num_microbatches: int = 1,
+def train_step_detailed(model, optimizer, groups, input_ids, targets, *, num_microbatches: int = 1,
                         schedule: str = "1f1b") -> StepResult:
     """train_step, returning the schedule's StepResult (in-flight microbatches, busy/wall time)."""
-    result = forward_backward(model, groups, split_microbatches(input_ids, labels, num_microbatches),
+    result = forward_backward(model, groups, split_microbatches(input_ids, targets, num_microbatches),
                               schedule=schedule)
     with span("finalize_grads"):
         finalize_grads(model, groups)

@@ -1,4 +1,4 @@
-"""Numeric validation (SPEC 5): a parallel layout against the dense single-device model.
+"""Numeric validation: a parallel layout against the dense single-device model.
 
 Both models start from the same dense weights and see the same global batch. Compared: forward
 logits and loss, the gradient of every parameter (each shard against the matching slice of the
@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import MiniMindConfig, ParallelConfig
+from .data.batches import Batch, dp_rows, random_batch, split_microbatches
 from .data_parallel import unwrap, wrap_data_parallel
 from .groups import ProcessGroups
 from .model import MiniMindForCausalLM
 from .pipeline_parallel import forward_backward as run_schedule
-from .pipeline_parallel import split_microbatches
 from .plan import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer
 
@@ -59,16 +59,6 @@ def error(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
     return diff.abs().max().item(), (diff.norm() / e.norm().clamp(min=1e-30)).item()
 
 
-def make_batch(seed: int, batch: int, seq_len: int, vocab: int, device="cpu"):
-    """Random ids and labels; label position 1 of every row is ignored (-100), so every row has
-    the same number of targets and a mean over DP ranks equals the global mean."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
-    labels = ids.clone()
-    labels[:, 1] = -100
-    return ids.to(device), labels.to(device)
-
-
 def dense_slice(key: str, dense: torch.Tensor, par: ParallelConfig, tp_rank: int) -> torch.Tensor:
     dim = tp_split_dim(key, par)
     return dense if dim is None else dense.chunk(par.tp, dim=dim)[tp_rank]
@@ -84,8 +74,7 @@ class _Pair:
     dense: nn.Module
     model: nn.Module                 # this rank's stage (DDP-wrapped when DP runs without a pipeline)
     groups: ProcessGroups
-    ids: torch.Tensor                # the global batch [dp * M * b, S]
-    labels: torch.Tensor
+    batch: Batch                     # the global batch [dp * M * b, S]
     mine: slice                      # this DP rank's rows of it
     microbatches: list
     schedule: str
@@ -96,7 +85,7 @@ class _Pair:
     def step(self, step: int, compare: bool) -> list[Row]:
         """Forward both (and backward, grads finalised); -> the loss and logits rows when compared
         (the last stage only)."""
-        ref = self.dense(self.ids, self.labels)
+        ref = self.dense(*self.batch)
         out = run_schedule(self.model, self.groups, self.microbatches, schedule=self.schedule,
                            forward_only=not self.backward, collect_logits=compare)
         rows = self._output_rows(step, out, ref) if compare and out.loss is not None else []
@@ -141,10 +130,10 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
     if perturb is not None:
         _perturb(model, perturb, config, groups)
     local = micro_batch_size * num_microbatches                     # rows of this DP rank
-    ids, labels = make_batch(seed + 1, local * par.dp, seq_len, config.vocab_size, device)
-    mine = slice(groups.dp_rank * local, (groups.dp_rank + 1) * local)
-    pair = _Pair(dense=dense, model=wrap_data_parallel(model, groups), groups=groups, ids=ids, labels=labels,
-                 mine=mine, microbatches=split_microbatches(ids[mine], labels[mine], num_microbatches),
+    batch = random_batch(seed + 1, local * par.dp, seq_len, config.vocab_size, device)
+    pair = _Pair(dense=dense, model=wrap_data_parallel(model, groups), groups=groups, batch=batch,
+                 mine=slice(groups.dp_rank * local, (groups.dp_rank + 1) * local),
+                 microbatches=split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), num_microbatches),
                  schedule=pp_schedule, backward=check_backward or optimizer_steps > 0, atol=atol, rtol=rtol)
     opt_dense, opt_par = make_optimizer(dense, lr), make_optimizer(pair.model, lr)
     rows = pair.step(0, compare=True)

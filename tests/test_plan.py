@@ -88,23 +88,24 @@ def _partial_grads(par):
     """Dense and parallel model from the same float64 weights, one backward on the same batch, no
     grad finalisation: which local grads differ from the dense slice, and what the plan says."""
     from minimind_parallel.training import build_parallel_model
-    from minimind_parallel.validation import dense_slice, make_batch
+    from minimind_parallel.data.batches import random_batch
+    from minimind_parallel.validation import dense_slice
     groups = ProcessGroups.build(par)
     config = replace(TINY, tie_word_embeddings=False, num_hidden_layers=2)
     torch.manual_seed(0)
     dense = MiniMindForCausalLM(config).double()
     model = build_parallel_model(config, par, groups, dense.state_dict(), dtype=torch.float64)
-    ids, labels = make_batch(0, 2, 16, config.vocab_size)
-    dense(ids, labels).loss.backward()
-    model(ids, labels).loss.backward()
+    ids, targets = random_batch(0, 2, 16, config.vocab_size)
+    dense(ids, targets).loss.backward()
+    model(ids, targets).loss.backward()
     grads = dict(dense.named_parameters())
-    differs = {n: not torch.allclose(p.grad, dense_slice(n, grads[n].grad, par, groups.tp_rank), rtol=1e-9, atol=0)
-               for n, p in model.named_parameters()}
+    differs = {n: not torch.allclose(p.grad, dense_slice(n, grads[n].grad, par, groups.tp_rank), rtol=1e-9,
+                                     atol=0) for n, p in model.named_parameters()}
     return differs, {n: grad_is_partial(n, par) for n in differs}
 
 
-@pytest.mark.parametrize("par", [ParallelConfig(tp=2), ParallelConfig(tp=2, sequence_parallel=True, vocab_parallel=True)],
-                         ids=["tp2", "tp2_sp_vp"])
+@pytest.mark.parametrize("par", [ParallelConfig(tp=2), ParallelConfig(tp=2, sequence_parallel=True,
+                                                                   vocab_parallel=True)], ids=["tp2", "tp2_sp_vp"])
 def test_the_grads_the_plan_calls_partial_are_those_that_differ_from_dense(par):
     for differs, partial in run_ranks(_partial_grads, par.tp, par):
         assert differs == partial

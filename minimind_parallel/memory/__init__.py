@@ -1,4 +1,4 @@
-"""Memory: what is alive at the peak of a training step, measured and predicted (SPEC 6, docs/memory.md).
+"""Memory: what is alive at the peak of a training step, measured and predicted (docs/memory.md).
 
     MemoryMeter           real run: live-storage tracker on CPU, allocator peak on CUDA
     estimate_step_memory  the same tracker on fake tensors and a fake process group (--estimate), any stage

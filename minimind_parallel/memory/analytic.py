@@ -6,7 +6,8 @@ see docs/memory.md), per rank, for a micro-batch of B sequences of S tokens:
     b   = bytes per element of the model dtype;  f = bytes of the norms' fp32 upcast (max(b, 4))
     T   = TP size;  N = S*B tokens;  Nn = N/T under SP (norm/residual regions) else N
     h, k = attention / kv heads on this rank (heads/T, kv_heads/T);  d = head_dim;  I_t = I/T
-    V_t = V/T with --vocab_parallel, else V;  M = N - B targets (the loss is shifted by one)
+    V_t = V/T with --vocab_parallel, else V;  the loss runs over all N positions (the targets are
+    shifted in the batch, data.batches: a row's last position is an ignored target, not a slice)
 
 Per block (kind: bytes)
     norm_fp32        2 RMSNorms x (x.float() + normed: 2 f Nn H,  rsqrt: f Nn)
@@ -23,10 +24,10 @@ Model level
     embedding        the ids: 8 N  (VP: local ids 8 N + out-of-range mask N)
     final_norm       2 f Nn H + f Nn
     head_input       lm_head's input: b N H  (VP + SP + async: b N/T H)
-    logits_loss      replicated head: log-softmax b M V + target copy 8 M (B > 1) + total weight b
-                     VP: fp32 softmax f M V_t + local target 8 M + two masks 2 M + count 8
+    logits_loss      replicated head: log-softmax b N V + target copy 8 N (B > 1) + total weight b
+                     VP: fp32 softmax f N V_t + local target 8 N + two masks 2 N + count 8
 
-Alive all step: params and RoPE buffers, AdamW states, the batch (ids and labels [M B, S] int64
+Alive all step: params and RoPE buffers, AdamW states, the batch (ids and targets [M B, S] int64
 and the fp32 loss weights [M]), DDP's flat gradient buckets (pp = 1, dp > 1).
 
 The peak is the largest of a few moments of the step, each a sum of what is alive then. A stage
@@ -35,9 +36,9 @@ microbatches still held keep what their forward saved (per microbatch: the stage
 on later stages the received input, on earlier ones the sent output deallocated to one element,
 on the last the final norm, head input and loss). The first B finds no grads; every later one
 accumulates into all of them. Within one microbatch's backward:
-    head_backward        the loss gradients of the logits [M, V(/T)]
-    head_mm_backward     lm_head's backward: grad of the logits padded to [N, V(/T)], the grads of
-                         its weight and input (VP + SP + async: the re-gathered input too)
+    head_backward        the loss gradients of the logits [N, V(/T)]
+    head_mm_backward     lm_head's backward: the grad of the logits [N, V(/T)], the grads of its
+                         weight and input (VP + SP + async: the re-gathered input too)
     final_norm_backward  the final RMSNorm's fp32 temporaries (5 f Nn H)
     down_backward        the last block's down_proj: grad of its output (gathered under SP), of its
                          input [N, I/T] and of its weight
@@ -100,10 +101,10 @@ def _numel(shape) -> int:
     return n
 
 
-def target_copy(micro_batch_size: int, targets: int) -> int:
-    """The replicated head's int64 targets labels.t()[1:].reshape(-1): a copy, except with one
-    sequence, where that is a view of the labels."""
-    return 8 * targets if micro_batch_size > 1 else 0
+def target_copy(micro_batch_size: int, tokens: int) -> int:
+    """The loss's int64 targets targets.t().reshape(-1), [B, S] -> [S, B] -> [N]: a copy, except
+    with one sequence, where that is a view of the targets."""
+    return 8 * tokens if micro_batch_size > 1 else 0
 
 
 def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
@@ -116,7 +117,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
     n, hid = seq_len * micro_batch_size, c.hidden_size
     nn_ = n // t if sp else n
     heads, kv, d = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
-    inter, m = c.intermediate_size // t, n - micro_batch_size
+    inter = c.intermediate_size // t
     if sp and par.async_communication:
         column = 2 * b * (n // t) * hid
     elif sp and not par.shared_sp_gather:
@@ -136,11 +137,11 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
     }
     if vp:
         head_input = b * (n // t) * hid if (sp and par.async_communication) else b * n * hid
-        loss = f * m * (c.vocab_size // t) + 8 * m + 2 * m + 8
+        loss = f * n * (c.vocab_size // t) + 8 * n + 2 * n + 8
         embedding = 8 * n + n
     else:
         head_input = b * n * hid
-        loss = b * m * c.vocab_size + target_copy(micro_batch_size, m) + b
+        loss = b * n * c.vocab_size + target_copy(micro_batch_size, n) + b
         embedding = 8 * n
     model = {"embedding": embedding, "final_norm": 2 * f * nn_ * hid + f * nn_,
              "head_input": head_input, "logits_loss": loss}
@@ -189,9 +190,8 @@ class _Stage:
     par: ParallelConfig
     b: int                     # bytes per element of the model dtype
     f: int                     # bytes of the norms' fp32 upcast, max(b, 4)
-    n: int                     # N = S*B tokens per microbatch
+    n: int                     # N = S*B tokens per microbatch (and rows of the loss)
     nn: int                    # tokens in the norm/residual regions: N/T under SP, else N
-    m: int                     # target rows of the loss per microbatch
     hid: int                   # H
     inter: int                 # I/T
     vocab: int                 # V/T with --vocab_parallel, else V
@@ -217,7 +217,7 @@ class _Stage:
 
     @property
     def batch(self) -> int:
-        """Alive all step, on every stage: the ids and labels [M*B, S] (split into microbatches
+        """Alive all step, on every stage: the ids and targets [M*B, S] (split into microbatches
         there) and the microbatches' loss weights (fp32 [M])."""
         return 16 * self.n * self.mb + 4 * self.mb
 
@@ -287,30 +287,31 @@ def _stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len:
     shapes = stage_parameters(c, par, stage)
     layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
     top = f"model.layers.{layers_at[0]}."
-    return _Stage(par=par, b=b, f=max(b, 4), n=n, nn=n // t if par.sequence_parallel else n, m=n - micro_batch_size,
+    return _Stage(par=par, b=b, f=max(b, 4), n=n, nn=n // t if par.sequence_parallel else n,
                   hid=c.hidden_size, inter=c.intermediate_size // t,
                   vocab=c.vocab_size // t if par.vocab_parallel else c.vocab_size, bsz=micro_batch_size,
                   mb=num_microbatches, first=first, last=last, gpipe=schedule == "gpipe" and par.pp > 1,
                   tied_here=c.tie_word_embeddings and first and last, shapes=shapes,
                   kinds=activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype),
-                  layers=len(layers_at), block_params=b * sum(_numel(s) for k, s in shapes.items() if k.startswith(top)))
+                  layers=len(layers_at),
+                  block_params=b * sum(_numel(s) for k, s in shapes.items() if k.startswith(top)))
 
 
 # One microbatch's backward at its largest moments, each (grads it adds, its activations, temporaries).
 
 def _head_backward(s: _Stage) -> tuple[int, int, int]:
-    """The loss gradients of the logits [M, V(/T)]."""
-    b, f, m, v = s.b, s.f, s.m, s.vocab
+    """The loss gradients of the logits [N, V(/T)]."""
+    b, f, n, v = s.b, s.f, s.n, s.vocab
     if s.par.vocab_parallel:   # the fp32 softmax clone and its cast to the model dtype; the count released
-        return 0, s.held - 8 - s.weight, f * m * v + (b * m * v if b != f else 0) + 4
-    # grads of log-softmax and logits [M, V]; target copy and weight released
-    return 0, s.held - target_copy(s.bsz, m) - b - s.weight, 2 * b * m * v
+        return 0, s.held - 8 - s.weight, f * n * v + (b * n * v if b != f else 0) + 4
+    # grads of log-softmax and logits [N, V]; target copy and weight released
+    return 0, s.held - target_copy(s.bsz, n) - b - s.weight, 2 * b * n * v
 
 
 def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
-    """lm_head's backward: the grad of the logits padded back to [S, B, V(/T)], then the grads of
-    its weight (a .grad once accumulated) and of its input (VP + SP + async: the input re-gathered
-    from the saved shard, the input grad's reduce-scatter issued before the weight grad)."""
+    """lm_head's backward: the grad of the logits [S, B, V(/T)], then the grads of its weight (a
+    .grad once accumulated) and of its input (VP + SP + async: the input re-gathered from the
+    saved shard, the input grad's reduce-scatter issued before the weight grad)."""
     b, n, hid, par = s.b, s.n, s.hid, s.par
     regather = b * n * hid + b * s.nn * hid if (par.vocab_parallel and par.sequence_parallel
                                                 and par.async_communication) else 0
@@ -408,14 +409,14 @@ def _last_forward_end(s: _Stage) -> tuple[int, int]:
     """The end of the last stage's forward, logits alive: (activations, temporaries).
     Replicated head: the loss's scaling by its weight -- everything saved, the loss and its scaled
     copy live (the weight cast to the loss dtype too). VP: inside the loss, its fp32 copy of the
-    logits (the later softmax) and nine [M] vectors (max, masks, local target, target logit, sum
+    logits (the later softmax) and nine [N] vectors (max, masks, local target, target logit, sum
     of exp, its log, their difference), and the final norm's local output under basic/shared SP,
     still bound in the model's forward."""
-    b, f, n, m, v, par = s.b, s.f, s.n, s.m, s.vocab, s.par
+    b, f, n, v, par = s.b, s.f, s.n, s.vocab, s.par
     if par.vocab_parallel:
         local_h = b * s.nn * s.hid if par.sequence_parallel and not par.async_communication else 0
         return (s.held - s.weight - s.kinds["model.logits_loss"],
-                b * n * v + f * m * v + 30 * m + target_copy(s.bsz, m) + local_h)
+                b * n * v + f * n * v + 30 * n + target_copy(s.bsz, n) + local_h)
     return s.held - s.weight, b * n * v + 2 * b + s.weight
 
 
@@ -429,7 +430,7 @@ def _earlier_forward_end(s: _Stage) -> tuple[int, int]:
 
 def _batch_saved(s: _Stage) -> int:
     """The tracker files a storage under activations from the first time autograd saves it: the
-    ids once the embedding saves them (and the labels, when the replicated head's loss saves a
+    ids once the embedding saves them (and the targets, when the replicated head's loss saves a
     view of them: one sequence)."""
     vp = s.par.vocab_parallel
     return (8 * s.n * s.mb if s.first and not vp else 0) + (8 * s.n * s.mb if s.last and not vp and s.bsz == 1 else 0)

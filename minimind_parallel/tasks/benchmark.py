@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from .. import cli
 from ..config import ConfigError, ParallelConfig, check_layout
+from ..data.batches import broadcast_batch, dp_rows
 from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
 from ..pipeline_parallel import bubble_fraction
@@ -289,17 +290,6 @@ def sync(device) -> None:
     dist.barrier()
 
 
-def shared_batch(config, groups, global_rows: int, seq_len: int, seed: int, device):
-    """Random token ids made on rank 0 and broadcast; -> this rank's DP rows (ids, labels)."""
-    ids = torch.empty(global_rows, seq_len, dtype=torch.long, device=device)
-    if dist.get_rank() == 0:
-        g = torch.Generator().manual_seed(seed)
-        ids.copy_(torch.randint(0, config.vocab_size, (global_rows, seq_len), generator=g))
-    dist.broadcast(ids, src=0)
-    mine = ids.chunk(groups.par.dp)[groups.dp_rank]
-    return mine, mine.clone()
-
-
 def run_cell(launch, args, device) -> int:
     """One cell on this rank: build, warm up, measure; rank 0 writes the result JSON."""
     kind = kind_of(launch, args)
@@ -318,7 +308,8 @@ def run_cell(launch, args, device) -> int:
     model = wrap_data_parallel(model, groups)
     optimizer = make_optimizer(model, args.learning_rate)
     # M microbatches of `rows` rows per DP replica (M = 1 without a pipeline)
-    ids, labels = shared_batch(config, groups, rows * args.num_microbatches * par.dp, a.seq_len, args.seed + 1, device)
+    ids, labels = dp_rows(broadcast_batch(rows * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
+                                          args.seed + 1, device), groups.dp_rank, par.dp)  # labels: shifted targets
     result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
     global_tokens = rows * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
