@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ParallelConfig
+from .plan import is_first_stage, is_last_stage
 
 AXES = ("dp", "pp", "cp", "tp")
 
@@ -56,11 +57,11 @@ class ProcessGroups:
 
     @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return is_first_stage(self.pp_rank)
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.par.pp - 1
+        return is_last_stage(self.pp_rank, self.par.pp)
 
     @property
     def prev_rank(self) -> int | None:

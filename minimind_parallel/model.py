@@ -73,10 +73,10 @@ def repeat_kv(x, n_rep: int):
     return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
 
 
-def shifted_cross_entropy(logits, labels):
-    """Next-token loss: logits[:, :-1] against labels[:, 1:], ignore_index -100."""
-    x, y = logits[:, :-1, :], labels[:, 1:]
-    return F.cross_entropy(x.reshape(-1, x.size(-1)), y.reshape(-1), ignore_index=-100)
+def next_token_cross_entropy(logits, targets):
+    """Mean loss over the target tokens: logits [B, S, V] against targets [B, S], the next token
+    of every position, -100 where nothing is predicted (`data.batches.shift_labels`)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
 
 class Attention(nn.Module):
@@ -147,7 +147,9 @@ class MiniMindModel(nn.Module):
 
 
 class MiniMindForCausalLM(nn.Module):
-    """`MiniMindForCausalLM(config)(input_ids, labels=None)` -> CausalLMOutput(logits, loss)."""
+    """`MiniMindForCausalLM(config)(input_ids, targets=None)` -> CausalLMOutput(logits, loss).
+
+    targets [B, S] are already shifted: targets[:, s] is the token after position s."""
 
     def __init__(self, config: MiniMindConfig | None = None):
         super().__init__()
@@ -158,9 +160,9 @@ class MiniMindForCausalLM(nn.Module):
             self.model.embed_tokens.weight = self.lm_head.weight
         self.apply(_init_weights)
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, targets=None):
         logits = self.lm_head(self.model(input_ids))
-        loss = shifted_cross_entropy(logits, labels) if labels is not None else None
+        loss = next_token_cross_entropy(logits, targets) if targets is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
 
 

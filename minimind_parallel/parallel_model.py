@@ -9,7 +9,9 @@ Parameter names are MiniMind's state-dict keys; each rank holds its shard of the
     final norm -> lm_head: replicated [S, B, V], or column-parallel [S, B, V/T] with --vocab_parallel
 
 Under pipeline parallelism (P stages) a rank builds only its stage: layers
-[p*L/P, (p+1)*L/P), the embedding on stage 0, the final norm and lm_head on stage P-1.
+[p*L/P, (p+1)*L/P), the embedding on stage 0, the final norm and lm_head on stage P-1. Which
+stage builds what, and which grads are partial over TP or shared between stages, is read from
+the parallel plan (`plan.py`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from torch import nn
 from .config import MiniMindConfig, ParallelConfig
 from .groups import ProcessGroups
 from .model import CausalLMOutput, RMSNorm, apply_rope, causal_attention, repeat_kv, rope_tables
-from .sharding import stage_layers
+from .plan import (grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage, stage_layers,
+                   stage_of)
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel,
                               gather_from_sequence_parallel_region, mark_partial_grad,
                               scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
@@ -37,11 +40,8 @@ class ParallelAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, **col)
         self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, group=group,
                                         sequence_parallel=par.sequence_parallel)
-        self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)   # each rank normalises only its own heads
         self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
-        if t > 1:  # each rank normalises only its own heads
-            mark_partial_grad(self.q_norm.weight)
-            mark_partial_grad(self.k_norm.weight)
 
     def forward(self, x, cos, sin):
         # x: [S/T, B, H] under SP, else [S, B, H]
@@ -85,9 +85,6 @@ class ParallelBlock(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mlp = ParallelMLP(c, par, group)
-        if par.sequence_parallel:  # norms run on sequence shards
-            mark_partial_grad(self.input_layernorm.weight)
-            mark_partial_grad(self.post_attention_layernorm.weight)
 
     def forward(self, h, cos, sin):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -95,24 +92,23 @@ class ParallelBlock(nn.Module):
 
 
 class ParallelMiniMindModel(nn.Module):
-    """The layers `layers` (global indices) of the decoder; the embedding only on the first
-    pipeline stage, the final norm only on the last (both when there is no pipeline)."""
+    """The layers `layers` (global indices) of the decoder, the embedding when `embedding` (the
+    first pipeline stage) and the final norm when `final_norm` (the last)."""
 
-    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, *, layers: range, first: bool, last: bool):
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, *, layers: range, embedding: bool,
+                 final_norm: bool):
         super().__init__()
         self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
         self.seq_shards = par.tp if par.sequence_parallel else 1
         self.embed_tokens = None
-        if first and par.vocab_parallel:
+        if embedding and par.vocab_parallel:
             self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group,
                                                        sequence_parallel=par.sequence_parallel)
-        elif first:
+        elif embedding:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
         self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group) for i in layers})
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps) if last else None
-        if self.norm is not None and par.sequence_parallel:
-            mark_partial_grad(self.norm.weight)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps) if final_norm else None
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
@@ -135,7 +131,7 @@ class ParallelMiniMindModel(nn.Module):
 class ParallelMiniMindForCausalLM(nn.Module):
     """The TP/SP/VP model, or one pipeline stage of it (`groups.pp_rank` of `par.pp` stages).
 
-    forward(input_ids [B, S], labels [B, S]) -> CausalLMOutput with logits [B, S, V] (or this
+    forward(input_ids [B, S], targets [B, S]) -> CausalLMOutput with logits [B, S, V] (or this
     rank's vocab slice [B, S, V/T] with --vocab_parallel). Under PP only the last stage returns
     that; the others return the hidden states [S/T, B, H] (SP) or [S, B, H] for the next stage,
     and every stage but the first takes `hidden_states` from the previous one instead of ids.
@@ -148,22 +144,39 @@ class ParallelMiniMindForCausalLM(nn.Module):
     def __init__(self, config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups):
         super().__init__()
         self.config, self.par, self.group = config, par, groups.tp
-        self.first, self.last = groups.pp_rank == 0, groups.pp_rank == par.pp - 1
-        layers = stage_layers(config.num_hidden_layers, par.pp, groups.pp_rank)
-        self.model = ParallelMiniMindModel(config, par, groups.tp, layers=layers, first=self.first, last=self.last)
+        stage, pp = groups.pp_rank, par.pp
+        self.first, self.last = is_first_stage(stage), is_last_stage(stage, pp)
+        layers = stage_layers(config.num_hidden_layers, pp, stage)
+
+        def holds(key: str) -> bool:
+            return stage_of(key, config.num_hidden_layers, pp) == stage
+
+        self.model = ParallelMiniMindModel(config, par, groups.tp, layers=layers,
+                                           embedding=holds("model.embed_tokens.weight"),
+                                           final_norm=holds("model.norm.weight"))
         self.lm_head = None
-        if self.last and par.vocab_parallel:
+        if holds("lm_head.weight") and par.vocab_parallel:
             self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, group=groups.tp,
                                                 sequence_parallel=par.sequence_parallel,
                                                 async_communication=par.async_communication)
-        elif self.last:
+        elif holds("lm_head.weight"):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings and self.first and self.last:
+        if config.tie_word_embeddings and self.model.embed_tokens is not None and self.lm_head is not None:
             self.model.embed_tokens.weight = self.lm_head.weight
-        elif config.tie_word_embeddings and (self.first or self.last):
-            mark_shared_embedding((self.model.embed_tokens if self.first else self.lm_head).weight)
+        self._mark_grads()
 
-    def forward(self, input_ids=None, labels=None, hidden_states=None):
+    def _mark_grads(self) -> None:
+        """Mark, as the plan says, the grads to sum over TP (norms on sequence shards, q_norm/k_norm
+        on this rank's heads) and the tied copy to sum with the other stage's."""
+        for name, param in self.named_parameters():
+            if grad_is_partial(name, self.par):
+                mark_partial_grad(param)
+            if grad_is_shared_over_stages(name, self.config, self.par):
+                mark_shared_embedding(param)
+
+    def forward(self, input_ids=None, targets=None, hidden_states=None):
+        """targets: the next token of every position (`data.batches`), -100 where none; the loss
+        runs over all S positions."""
         h = self.model(input_ids, hidden_states)
         if not self.last:
             return h                                                 # to the next stage
@@ -174,12 +187,12 @@ class ParallelMiniMindForCausalLM(nn.Module):
                 h = gather_from_sequence_parallel_region(h, self.group, grad_is_partial=False)
             logits = self.lm_head(h)                                 # [S, B, V]
         loss = None
-        if labels is not None:
-            x, y = logits[:-1], labels.t()[1:]                       # predict token s+1 from s
+        if targets is not None:
+            y = targets.t()                                          # [B, S] -> [S, B], as the logits
             if self.par.vocab_parallel:
-                loss = vocab_parallel_cross_entropy(x, y, self.group)
+                loss = vocab_parallel_cross_entropy(logits, y, self.group)
             else:
-                loss = F.cross_entropy(x.reshape(-1, x.shape[-1]), y.reshape(-1), ignore_index=-100)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
         return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)
 
 

@@ -1,8 +1,9 @@
 """Dense MiniMind state dict <-> per-rank shards (exact round trip).
 
-Two tables: which dim of each parameter TP splits (None = replicated), and which pipeline
-stage holds it. Keys keep their global names on every rank (`model.layers.{i}` with the global
-layer index), so sharding and gathering work by name for any layout.
+Which dim of each parameter TP splits and which pipeline stage holds it are the parallel plan's
+(`plan.tp_split_dim`, `plan.stage_of`). Keys keep their global names on every rank
+(`model.layers.{i}` with the global layer index), so sharding and gathering work by name for any
+layout.
 """
 from __future__ import annotations
 
@@ -11,38 +12,7 @@ import re
 import torch
 
 from .config import ParallelConfig
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split the output dim (0)
-ROW = ("o_proj", "down_proj")                                      # split the input dim (1)
-VOCAB = ("model.embed_tokens.weight", "lm_head.weight")            # split rows with --vocab_parallel
-LAST_STAGE = ("model.norm.weight", "lm_head.weight")               # first stage: embedding (and the rest)
-
-
-def tp_split_dim(key: str, par: ParallelConfig) -> int | None:
-    """The dim of `key` that TP splits, or None if every TP rank holds all of it."""
-    if key in VOCAB:
-        return 0 if par.vocab_parallel else None
-    m = re.search(r"\.(\w+_proj)\.(weight|bias)$", key)
-    if m and m.group(1) in COLUMN:
-        return 0
-    if m and m.group(1) in ROW:
-        return 1 if m.group(2) == "weight" else None
-    return None
-
-
-def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
-    """The contiguous global layer indices of stage `pp_rank` (num_layers % pp == 0, see check_layout)."""
-    per_stage = num_layers // pp
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
-
-
-def stage_of(key: str, num_layers: int, pp: int) -> int:
-    """The pipeline stage holding `key`: layers by index, final norm and lm_head on the last stage,
-    the embedding (and any other name) on the first. A tied lm_head is the last stage's copy."""
-    m = re.match(r"model\.layers\.(\d+)\.", key)
-    if m:
-        return int(m.group(1)) // (num_layers // pp)
-    return pp - 1 if key in LAST_STAGE else 0
+from .plan import stage_of, tp_split_dim
 
 
 def num_layers_of(state: dict) -> int:

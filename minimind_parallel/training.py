@@ -1,20 +1,20 @@
 """Building a parallel model from dense weights, and the per-step glue every task shares:
 the microbatch schedule, gradient finalisation (TP sums of partial grads, tied embeddings
-across pipeline stages, DP under PP), DDP wrapping, the optimizer."""
+across pipeline stages, DP under PP), the optimizer; DDP wrapping is `data_parallel`'s."""
 from __future__ import annotations
-
-import inspect
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import MiniMindConfig, ParallelConfig
+from .data.batches import split_microbatches
+from .data_parallel import unwrap, wrap_data_parallel  # noqa: F401  (re-exported: the tasks' one import)
 from .distributed import comm
 from .distributed.ranges import span
 from .groups import ProcessGroups
 from .parallel_model import ParallelMiniMindForCausalLM
-from .pipeline_parallel import StepResult, forward_backward, split_microbatches
+from .pipeline_parallel import StepResult, forward_backward
 from .sharding import shard_state_dict
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,25 +26,6 @@ def build_parallel_model(config: MiniMindConfig, par: ParallelConfig, groups: Pr
     model = ParallelMiniMindForCausalLM(config, par, groups)
     model.load_state_dict(shard_state_dict(dense_state, par, groups.tp_rank, groups.pp_rank), strict=True)
     return model.to(device=device, dtype=dtype)
-
-
-def wrap_data_parallel(model: nn.Module, groups: ProcessGroups) -> nn.Module:
-    """DDP over the DP group (gradients averaged during backward); a no-op for dp = 1.
-
-    Under PP the model stays unwrapped: DDP reduces in the backward that follows a synced forward,
-    but a pipeline interleaves forwards and backwards of different microbatches, so
-    `finalize_grads` all-reduces the DP grads itself, once, after the last microbatch."""
-    if groups.dp is None or groups.par.pp > 1:
-        return model
-    # RoPE tables are identical everywhere: no need to broadcast buffers each step.
-    no_sync = ({"forward_sync_buffers": False}
-               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-               else {"broadcast_buffers": False})
-    return DistributedDataParallel(model, process_group=groups.dp, **no_sync)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
@@ -83,20 +64,21 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, labels,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, targets,
                *, num_microbatches: int = 1, schedule: str = "1f1b") -> torch.Tensor | None:
-    """One optimizer step of any layout: the batch [B, S] of this DP rank in M microbatches
-    through the schedule (PP) or gradient accumulation, grad finalisation, AdamW, zero grads.
+    """One optimizer step of any layout: the batch (ids, targets) [B, S] of this DP rank in M
+    microbatches through the schedule (PP) or gradient accumulation, grad finalisation, AdamW,
+    zero grads.
     Returns the detached mean loss; None on pipeline stages other than the last."""
-    step = train_step_detailed(model, optimizer, groups, input_ids, labels, num_microbatches=num_microbatches,
+    step = train_step_detailed(model, optimizer, groups, input_ids, targets, num_microbatches=num_microbatches,
                                schedule=schedule)
     return step.loss
 
 
-def train_step_detailed(model, optimizer, groups, input_ids, labels, *, num_microbatches: int = 1,
+def train_step_detailed(model, optimizer, groups, input_ids, targets, *, num_microbatches: int = 1,
                         schedule: str = "1f1b") -> StepResult:
     """train_step, returning the schedule's StepResult (in-flight microbatches, busy/wall time)."""
-    result = forward_backward(model, groups, split_microbatches(input_ids, labels, num_microbatches),
+    result = forward_backward(model, groups, split_microbatches(input_ids, targets, num_microbatches),
                               schedule=schedule)
     with span("finalize_grads"):
         finalize_grads(model, groups)

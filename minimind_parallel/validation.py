@@ -1,4 +1,4 @@
-"""Numeric validation (SPEC 5): a parallel layout against the dense single-device model.
+"""Numeric validation: a parallel layout against the dense single-device model.
 
 Both models start from the same dense weights and see the same global batch. Compared: forward
 logits and loss, the gradient of every parameter (each shard against the matching slice of the
@@ -16,14 +16,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .config import MiniMindConfig, ParallelConfig
+from .data.batches import Batch, dp_rows, random_batch, split_microbatches
+from .data_parallel import unwrap, wrap_data_parallel
 from .groups import ProcessGroups
 from .model import MiniMindForCausalLM
 from .pipeline_parallel import forward_backward as run_schedule
-from .pipeline_parallel import split_microbatches
-from .sharding import stage_of, tp_split_dim
-from .training import build_parallel_model, finalize_grads, make_optimizer, unwrap, wrap_data_parallel
+from .plan import stage_of, tp_split_dim
+from .training import build_parallel_model, finalize_grads, make_optimizer
 
 DEFAULT_TOL = {  # (max-abs, relative-L2): an item fails only when it exceeds both
     torch.float64: (1e-9, 1e-9),
@@ -57,16 +59,6 @@ def error(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
     return diff.abs().max().item(), (diff.norm() / e.norm().clamp(min=1e-30)).item()
 
 
-def make_batch(seed: int, batch: int, seq_len: int, vocab: int, device="cpu"):
-    """Random ids and labels; label position 1 of every row is ignored (-100), so every row has
-    the same number of targets and a mean over DP ranks equals the global mean."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
-    labels = ids.clone()
-    labels[:, 1] = -100
-    return ids.to(device), labels.to(device)
-
-
 def dense_slice(key: str, dense: torch.Tensor, par: ParallelConfig, tp_rank: int) -> torch.Tensor:
     dim = tp_split_dim(key, par)
     return dense if dim is None else dense.chunk(par.tp, dim=dim)[tp_rank]
@@ -74,6 +66,54 @@ def dense_slice(key: str, dense: torch.Tensor, par: ParallelConfig, tp_rank: int
 
 def logits_slice(dense_logits, par: ParallelConfig, tp_rank: int):
     return dense_logits.chunk(par.tp, dim=-1)[tp_rank] if par.vocab_parallel else dense_logits
+
+
+@dataclass(kw_only=True)
+class _Pair:
+    """The dense model and this rank's parallel model on the same global batch, stepped together."""
+    dense: nn.Module
+    model: nn.Module                 # this rank's stage (DDP-wrapped when DP runs without a pipeline)
+    groups: ProcessGroups
+    batch: Batch                     # the global batch [dp * M * b, S]
+    mine: slice                      # this DP rank's rows of it
+    microbatches: list
+    schedule: str
+    backward: bool
+    atol: float
+    rtol: float
+
+    def step(self, step: int, compare: bool) -> list[Row]:
+        """Forward both (and backward, grads finalised); -> the loss and logits rows when compared
+        (the last stage only)."""
+        ref = self.dense(*self.batch)
+        out = run_schedule(self.model, self.groups, self.microbatches, schedule=self.schedule,
+                           forward_only=not self.backward, collect_logits=compare)
+        rows = self._output_rows(step, out, ref) if compare and out.loss is not None else []
+        if self.backward:
+            ref.loss.backward()
+            finalize_grads(self.model, self.groups)
+        return rows
+
+    def _output_rows(self, step: int, out, ref) -> list[Row]:
+        par = self.groups.par
+        loss = out.loss.clone()
+        if self.groups.dp is not None:  # the global-batch loss is the mean over DP replicas
+            dist.all_reduce(loss, group=self.groups.dp)
+            loss /= par.dp
+        logits = torch.cat(out.logits)                                  # [M*b, S, V(/T)]
+        want = logits_slice(ref.logits[self.mine], par, self.groups.tp_rank)
+        return [Row(f"step {step} loss", *error(loss, ref.loss), self.atol, self.rtol),
+                Row(f"step {step} logits", *error(logits, want), self.atol, self.rtol)]
+
+    def shard_rows(self, item: str, of, rtol: float) -> list[Row]:
+        """One row per parameter: `of(param)` of each shard against the same slice of the dense
+        model's; `item` is formatted with the parameter's name."""
+        # Tied names both map to the one dense Parameter (a pipeline holds them on two stages).
+        dense = dict(self.dense.named_parameters(remove_duplicate=False))
+        par, tp_rank = self.groups.par, self.groups.tp_rank
+        return [Row(item.format(name=name), *error(of(p), dense_slice(name, of(dense[name]), par, tp_rank)),
+                    self.atol, rtol)
+                for name, p in unwrap(self.model).named_parameters()]
 
 
 def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, *, seq_len: int,
@@ -84,58 +124,37 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
     """Rows of (item, max-abs error, relative-L2 error, tolerances), worst over all ranks."""
     atol = DEFAULT_TOL[dtype][0] if atol is None else atol
     rtol = DEFAULT_TOL[dtype][1] if rtol is None else rtol
-    param_rtol = max(rtol, PARAM_RTOL[dtype])
     torch.manual_seed(seed)
     dense = MiniMindForCausalLM(config).to(device=device, dtype=dtype)
     model = build_parallel_model(config, par, groups, dense.state_dict(), dtype=dtype, device=device)
-    if perturb is not None and groups.tp_rank == 0 and stage_of(perturb, config.num_hidden_layers,
-                                                                par.pp) == groups.pp_rank:
-        with torch.no_grad():
-            dict(model.named_parameters())[perturb].add_(1e-2)
-    model = wrap_data_parallel(model, groups)
+    if perturb is not None:
+        _perturb(model, perturb, config, groups)
     local = micro_batch_size * num_microbatches                     # rows of this DP rank
-    ids, labels = make_batch(seed + 1, local * par.dp, seq_len, config.vocab_size, device)
-    rows_ = slice(groups.dp_rank * local, (groups.dp_rank + 1) * local)
-    microbatches = split_microbatches(ids[rows_], labels[rows_], num_microbatches)
-    # Tied names both map to the one dense Parameter (a pipeline holds them on two stages).
-    dense_params = dict(dense.named_parameters(remove_duplicate=False))
-    opt_dense, opt_par = make_optimizer(dense, lr), make_optimizer(model, lr)
-    backward = check_backward or optimizer_steps > 0
-    rows: list[Row] = []
-
-    def forward_backward(step: int, compare: bool):
-        ref = dense(ids, labels)
-        out = run_schedule(model, groups, microbatches, schedule=pp_schedule, forward_only=not backward,
-                           collect_logits=compare)
-        if compare and out.loss is not None:  # the last stage
-            loss = out.loss.clone()
-            if groups.dp is not None:  # the global-batch loss is the mean over DP replicas
-                dist.all_reduce(loss, group=groups.dp)
-                loss /= par.dp
-            rows.append(Row(f"step {step} loss", *error(loss, ref.loss), atol, rtol))
-            logits = torch.cat(out.logits)                          # [M*b, S, V(/T)]
-            rows.append(Row(f"step {step} logits", *error(logits, logits_slice(ref.logits[rows_], par,
-                                                                               groups.tp_rank)), atol, rtol))
-        if backward:
-            ref.loss.backward()
-            finalize_grads(model, groups)
-
-    forward_backward(0, compare=True)
+    batch = random_batch(seed + 1, local * par.dp, seq_len, config.vocab_size, device)
+    pair = _Pair(dense=dense, model=wrap_data_parallel(model, groups), groups=groups, batch=batch,
+                 mine=slice(groups.dp_rank * local, (groups.dp_rank + 1) * local),
+                 microbatches=split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), num_microbatches),
+                 schedule=pp_schedule, backward=check_backward or optimizer_steps > 0, atol=atol, rtol=rtol)
+    opt_dense, opt_par = make_optimizer(dense, lr), make_optimizer(pair.model, lr)
+    rows = pair.step(0, compare=True)
     if check_backward:
-        for name, p in unwrap(model).named_parameters():
-            rows.append(Row(f"grad {name}", *error(p.grad, dense_slice(name, dense_params[name].grad, par,
-                                                                         groups.tp_rank)), atol, rtol))
+        rows += pair.shard_rows("grad {name}", lambda p: p.grad, rtol)
     for step in range(1, optimizer_steps + 1):
         opt_dense.step(), opt_par.step()
         opt_dense.zero_grad(set_to_none=True), opt_par.zero_grad(set_to_none=True)
-        compare = step % log_interval == 0 or step == optimizer_steps
-        forward_backward(step, compare)
+        rows += pair.step(step, compare=step % log_interval == 0 or step == optimizer_steps)
     if optimizer_steps > 0:
-        for name, p in unwrap(model).named_parameters():
-            rows.append(Row(f"param {name} after {optimizer_steps} steps",
-                            *error(p, dense_slice(name, dense_params[name], par, groups.tp_rank)),
-                            atol, param_rtol))
+        rows += pair.shard_rows(f"param {{name}} after {optimizer_steps} steps", lambda p: p,
+                                max(rtol, PARAM_RTOL[dtype]))
     return worst_over_ranks(rows, device)
+
+
+def _perturb(model: nn.Module, name: str, config: MiniMindConfig, groups: ProcessGroups) -> None:
+    """Add 1e-2 to TP rank 0's shard of parameter `name` on the stage that holds it (shows the
+    checker fails)."""
+    if groups.tp_rank == 0 and stage_of(name, config.num_hidden_layers, groups.par.pp) == groups.pp_rank:
+        with torch.no_grad():
+            dict(model.named_parameters())[name].add_(1e-2)
 
 
 def worst_over_ranks(rows: list[Row], device=None) -> list[Row]:

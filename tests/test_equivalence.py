@@ -82,14 +82,14 @@ def _norms_after_steps():
     groups = ProcessGroups.build(par)
     from minimind_parallel.training import build_parallel_model, finalize_grads, make_optimizer
     from minimind_parallel.model import MiniMindForCausalLM
-    from minimind_parallel.validation import make_batch
+    from minimind_parallel.data.batches import random_batch
     config = MiniMindConfig(**TINY)
     torch.manual_seed(0)
     model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
     opt = make_optimizer(model, 1e-2)
     for step in range(20):
-        ids, labels = make_batch(step, 2, 16, 128)
-        model(ids, labels).loss.backward()
+        ids, targets = random_batch(step, 2, 16, 128)
+        model(ids, targets).loss.backward()
         finalize_grads(model, groups)
         opt.step()
         opt.zero_grad()

@@ -20,7 +20,7 @@ from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 import memory_model_sweep as sweep  # noqa: E402
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
-from minimind_parallel.validation import make_batch
+from minimind_parallel.data.batches import random_batch
 
 S, B, T = 32, 2, 2
 TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
@@ -44,11 +44,11 @@ def _measure_real(modes):
         dense = MiniMindForCausalLM(TINY).state_dict()
         model = wrap_data_parallel(build_parallel_model(TINY, par, groups, dense, dtype=torch.bfloat16), groups)
         optimizer = make_optimizer(model, 1e-3)
-        ids, labels = make_batch(0, B, S, TINY.vocab_size)
-        train_step(model, optimizer, groups, ids, labels)
+        ids, targets = random_batch(0, B, S, TINY.vocab_size)
+        train_step(model, optimizer, groups, ids, targets)
         meter = MemoryMeter("cpu", model, optimizer)
         with meter:
-            train_step(model, optimizer, groups, ids, labels)
+            train_step(model, optimizer, groups, ids, targets)
         out[name] = meter.report()
     return out
 
@@ -263,12 +263,12 @@ def _measure_stages(par, m):
         dense = MiniMindForCausalLM(PIPE).state_dict()
         model = build_parallel_model(PIPE, par, groups, dense, dtype=torch.bfloat16)
         optimizer = make_optimizer(model, 1e-3)
-        ids, labels = make_batch(0, B * m, S, PIPE.vocab_size)
+        ids, targets = random_batch(0, B * m, S, PIPE.vocab_size)
         kw = dict(num_microbatches=m, schedule=schedule)
-        train_step(model, optimizer, groups, ids, labels, **kw)
+        train_step(model, optimizer, groups, ids, targets, **kw)
         meter = MemoryMeter("cpu", model, optimizer)
         with meter:
-            train_step(model, optimizer, groups, ids, labels, **kw)
+            train_step(model, optimizer, groups, ids, targets, **kw)
         out[schedule] = meter.report()
     return out
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig
+from minimind_parallel.data.batches import shift_labels
 from minimind_parallel.sharding import gather_state_dict, shard_state_dict
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -50,12 +51,13 @@ def test_state_dict_keys_and_strict_load(tied):
 
 
 def test_loss_is_shifted_and_ignores_minus_100():
+    """MiniMind-style labels, shifted by the data module: the loss predicts label s+1 from position s."""
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig(**TINY))
     ids = torch.randint(0, 128, (2, 10))
     labels = ids.clone()
     labels[:, 4] = -100
-    out = model(ids, labels=labels)
+    out = model(ids, targets=shift_labels(labels))
     logp = out.logits.log_softmax(-1)[:, :-1]
     tgt = labels[:, 1:]
     keep = tgt != -100

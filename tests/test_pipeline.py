@@ -11,9 +11,10 @@ import torch
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.model import MiniMindForCausalLM
-from minimind_parallel.pipeline_parallel import deallocate_output_tensor, forward_backward, split_microbatches
+from minimind_parallel.data.batches import random_batch, split_microbatches
+from minimind_parallel.pipeline_parallel import deallocate_output_tensor, forward_backward
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step_detailed
-from minimind_parallel.validation import compare_with_dense, error, failures, format_report, make_batch
+from minimind_parallel.validation import compare_with_dense, error, failures, format_report
 
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
 
@@ -78,11 +79,11 @@ def _uneven_targets(schedule):
     torch.manual_seed(0)
     dense = MiniMindForCausalLM(config)
     model = build_parallel_model(config, par, groups, dense.state_dict())
-    ids, labels = make_batch(3, 6, 16, config.vocab_size)
-    labels[:2, 2:12] = -100                      # microbatch 0 has far fewer targets than 1 and 2
-    ref = dense(ids, labels)
+    ids, targets = random_batch(3, 6, 16, config.vocab_size)
+    targets[:2, 1:11] = -100                     # microbatch 0 has far fewer targets than 1 and 2
+    ref = dense(ids, targets)
     ref.loss.backward()
-    out = forward_backward(model, groups, split_microbatches(ids, labels, 3), schedule=schedule)
+    out = forward_backward(model, groups, split_microbatches(ids, targets, 3), schedule=schedule)
     name = "model.layers.0.mlp.up_proj.weight" if groups.pp_rank == 0 else "lm_head.weight"
     grad = error(dict(model.named_parameters())[name].grad, dict(dense.named_parameters())[name].grad)[1]
     return grad, None if out.loss is None else error(out.loss, ref.loss)[1]
@@ -111,8 +112,8 @@ def _tied_copies_after_steps(par, schedule):
     model = build_parallel_model(config, par, groups, dense.state_dict())
     opt = make_optimizer(model, 1e-2)
     for step in range(5):
-        ids, labels = make_batch(step, 6, 16, config.vocab_size)
-        train_step_detailed(model, opt, groups, ids, labels, num_microbatches=3, schedule=schedule)
+        ids, targets = random_batch(step, 6, 16, config.vocab_size)
+        train_step_detailed(model, opt, groups, ids, targets, num_microbatches=3, schedule=schedule)
     params = dict(model.named_parameters())
     copy = params.get("model.embed_tokens.weight", params.get("lm_head.weight"))  # None on middle stages
     initial = initial.chunk(par.tp)[groups.tp_rank] if par.vocab_parallel else initial
@@ -137,12 +138,12 @@ def _stage_and_batch(par, microbatches):
     config = MiniMindConfig(**TINY, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
-    return groups, model, make_batch(0, 2 * microbatches, 16, config.vocab_size)
+    return groups, model, random_batch(0, 2 * microbatches, 16, config.vocab_size)
 
 
 def _in_flight(par, schedule, microbatches):
-    groups, model, (ids, labels) = _stage_and_batch(par, microbatches)
-    step = train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, labels,
+    groups, model, (ids, targets) = _stage_and_batch(par, microbatches)
+    step = train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, targets,
                                num_microbatches=microbatches, schedule=schedule)
     return step.max_in_flight
 
@@ -193,10 +194,10 @@ class _Saved:
 
 
 def _activation_peak(par, schedule, microbatches):
-    groups, model, (ids, labels) = _stage_and_batch(par, microbatches)
+    groups, model, (ids, targets) = _stage_and_batch(par, microbatches)
     meter = SavedActivations(model)
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, labels,
+        train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, targets,
                             num_microbatches=microbatches, schedule=schedule)
     return meter.peak, meter.now
 

@@ -11,7 +11,7 @@ from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.distributed.ranges import span
 from minimind_parallel.profiling.trace import profile_steps
 from minimind_parallel.training import build_parallel_model, make_optimizer
-from minimind_parallel.validation import make_batch
+from minimind_parallel.data.batches import random_batch
 
 L = 2  # decoder blocks
 TINY = dict(hidden_size=64, num_hidden_layers=L, num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
@@ -50,8 +50,8 @@ def _profile_modes(out_root):
         config = MiniMindConfig(**TINY)
         torch.manual_seed(0)
         model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
-        ids, labels = make_batch(1, 2, 16, config.vocab_size)
-        result = profile_steps(model, make_optimizer(model, 1e-3), groups, ids, labels, steps=2, warmup=1,
+        ids, targets = random_batch(1, 2, 16, config.vocab_size)
+        result = profile_steps(model, make_optimizer(model, 1e-3), groups, ids, targets, steps=2, warmup=1,
                                out_dir=os.path.join(out_root, mode), title=mode)
         out[mode] = result["rank"]
     return out

@@ -1,4 +1,8 @@
-"""Pretraining data for MiniMind-3, one module per step of the pipeline:
+"""Data: the batches every task feeds the models, and pretraining data for MiniMind-3.
+
+- `batches`: batches of token ids and next-token targets (labels shifted once, here), split over
+  data-parallel ranks and microbatches; the one place a real dataset and a context-parallel split
+  plug in.
 
 - `corpus`: a corpus that needs no download (the documentation strings of Python's standard
   library) written as MiniMind-style jsonl, one `{"text": ...}` per line.

@@ -6,7 +6,8 @@ see docs/memory.md), per rank, for a micro-batch of B sequences of S tokens:
     b   = bytes per element of the model dtype;  f = bytes of the norms' fp32 upcast (max(b, 4))
     T   = TP size;  N = S*B tokens;  Nn = N/T under SP (norm/residual regions) else N
     h, k = attention / kv heads on this rank (heads/T, kv_heads/T);  d = head_dim;  I_t = I/T
-    V_t = V/T with --vocab_parallel, else V;  M = N - B targets (the loss is shifted by one)
+    V_t = V/T with --vocab_parallel, else V;  the loss runs over all N positions (the targets are
+    shifted in the batch, data.batches: a row's last position is an ignored target, not a slice)
 
 Per block (kind: bytes)
     norm_fp32        2 RMSNorms x (x.float() + normed: 2 f Nn H,  rsqrt: f Nn)
@@ -23,10 +24,10 @@ Model level
     embedding        the ids: 8 N  (VP: local ids 8 N + out-of-range mask N)
     final_norm       2 f Nn H + f Nn
     head_input       lm_head's input: b N H  (VP + SP + async: b N/T H)
-    logits_loss      replicated head: log-softmax b M V + target copy 8 M (B > 1) + total weight b
-                     VP: fp32 softmax f M V_t + local target 8 M + two masks 2 M + count 8
+    logits_loss      replicated head: log-softmax b N V + target copy 8 N (B > 1) + total weight b
+                     VP: fp32 softmax f N V_t + local target 8 N + two masks 2 N + count 8
 
-Alive all step: params and RoPE buffers, AdamW states, the batch (ids and labels [M B, S] int64
+Alive all step: params and RoPE buffers, AdamW states, the batch (ids and targets [M B, S] int64
 and the fp32 loss weights [M]), DDP's flat gradient buckets (pp = 1, dp > 1).
 
 The peak is the largest of a few moments of the step, each a sum of what is alive then. A stage
@@ -35,9 +36,9 @@ microbatches still held keep what their forward saved (per microbatch: the stage
 on later stages the received input, on earlier ones the sent output deallocated to one element,
 on the last the final norm, head input and loss). The first B finds no grads; every later one
 accumulates into all of them. Within one microbatch's backward:
-    head_backward        the loss gradients of the logits [M, V(/T)]
-    head_mm_backward     lm_head's backward: grad of the logits padded to [N, V(/T)], the grads of
-                         its weight and input (VP + SP + async: the re-gathered input too)
+    head_backward        the loss gradients of the logits [N, V(/T)]
+    head_mm_backward     lm_head's backward: the grad of the logits [N, V(/T)], the grads of its
+                         weight and input (VP + SP + async: the re-gathered input too)
     final_norm_backward  the final RMSNorm's fp32 temporaries (5 f Nn H)
     down_backward        the last block's down_proj: grad of its output (gathered under SP), of its
                          input [N, I/T] and of its weight
@@ -65,7 +66,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MiniMindConfig, ParallelConfig, check_layout
-from ..sharding import stage_layers
+from ..plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .tracker import CATEGORIES
 
 BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp")
@@ -88,30 +89,6 @@ class MemoryPrediction:
         return self.peak_bytes / 2**20
 
 
-def parameter_shapes(c: MiniMindConfig, par: ParallelConfig, stage: int = 0) -> dict[str, tuple[int, ...]]:
-    """This rank's parameters (tied lm_head counted once), as the sharding plan cuts them, on
-    pipeline stage `stage` (the embedding on the first, final norm and lm_head on the last), in
-    the model's order (the optimizer's)."""
-    t, h, d = par.tp, c.hidden_size, c.head_dim
-    q, kv, inter = c.num_attention_heads * d // t, c.num_key_value_heads * d // t, c.intermediate_size // t
-    vocab = c.vocab_size // t if par.vocab_parallel else c.vocab_size
-    first, last = stage == 0, stage == par.pp - 1
-    shapes = {"model.embed_tokens.weight": (vocab, h)} if first else {}
-    for i in stage_layers(c.num_hidden_layers, par.pp, stage):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter),
-                       p + "mlp.up_proj.weight": (inter, h)})
-    if last:
-        shapes["model.norm.weight"] = (h,)
-        if not (c.tie_word_embeddings and first):
-            shapes["lm_head.weight"] = (vocab, h)
-    return shapes
-
-
 def as_dtype(dtype) -> torch.dtype:
     """A torch.dtype, or its name as the command line spells it ("bfloat16")."""
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -124,10 +101,10 @@ def _numel(shape) -> int:
     return n
 
 
-def target_copy(micro_batch_size: int, targets: int) -> int:
-    """The replicated head's int64 targets labels.t()[1:].reshape(-1): a copy, except with one
-    sequence, where that is a view of the labels."""
-    return 8 * targets if micro_batch_size > 1 else 0
+def target_copy(micro_batch_size: int, tokens: int) -> int:
+    """The loss's int64 targets targets.t().reshape(-1), [B, S] -> [S, B] -> [N]: a copy, except
+    with one sequence, where that is a view of the targets."""
+    return 8 * tokens if micro_batch_size > 1 else 0
 
 
 def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
@@ -140,7 +117,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
     n, hid = seq_len * micro_batch_size, c.hidden_size
     nn_ = n // t if sp else n
     heads, kv, d = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
-    inter, m = c.intermediate_size // t, n - micro_batch_size
+    inter = c.intermediate_size // t
     if sp and par.async_communication:
         column = 2 * b * (n // t) * hid
     elif sp and not par.shared_sp_gather:
@@ -160,11 +137,11 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
     }
     if vp:
         head_input = b * (n // t) * hid if (sp and par.async_communication) else b * n * hid
-        loss = f * m * (c.vocab_size // t) + 8 * m + 2 * m + 8
+        loss = f * n * (c.vocab_size // t) + 8 * n + 2 * n + 8
         embedding = 8 * n + n
     else:
         head_input = b * n * hid
-        loss = b * m * c.vocab_size + target_copy(micro_batch_size, m) + b
+        loss = b * n * c.vocab_size + target_copy(micro_batch_size, n) + b
         embedding = 8 * n
     model = {"embedding": embedding, "final_norm": 2 * f * nn_ * hid + f * nn_,
              "head_input": head_input, "logits_loss": loss}
@@ -206,171 +183,332 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     return pick
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Stage:
+    """The sizes every moment of one stage's step is a sum of (bytes, unless a count or a flag)."""
+
+    par: ParallelConfig
+    b: int                     # bytes per element of the model dtype
+    f: int                     # bytes of the norms' fp32 upcast, max(b, 4)
+    n: int                     # N = S*B tokens per microbatch (and rows of the loss)
+    nn: int                    # tokens in the norm/residual regions: N/T under SP, else N
+    hid: int                   # H
+    inter: int                 # I/T
+    vocab: int                 # V/T with --vocab_parallel, else V
+    bsz: int                   # sequences per microbatch
+    mb: int                    # microbatches per step
+    first: bool
+    last: bool
+    gpipe: bool                # GPipe with a pipeline (else 1F1B / gradient accumulation)
+    tied_here: bool            # a weight tied within this stage (embedding and lm_head both here)
+    shapes: dict               # this rank's parameters (plan.stage_parameters)
+    kinds: dict                # activations_by_kind
+    layers: int                # layers on this stage
+    block_params: int          # the parameters of one block
+
+    @property
+    def param_bytes(self) -> int:
+        return self.b * sum(_numel(s) for s in self.shapes.values())
+
+    @property
+    def block(self) -> int:
+        """One block's activations of one microbatch."""
+        return sum(v for k, v in self.kinds.items() if k.startswith("block."))
+
+    @property
+    def batch(self) -> int:
+        """Alive all step, on every stage: the ids and targets [M*B, S] (split into microbatches
+        there) and the microbatches' loss weights (fp32 [M])."""
+        return 16 * self.n * self.mb + 4 * self.mb
+
+    @property
+    def loss_scalar(self) -> int:
+        """The last stage keeps one loss per forward (the report)."""
+        return 4 if self.par.vocab_parallel else self.b
+
+    @property
+    def weight(self) -> int:
+        """The loss weight cast to the loss dtype, saved by the scaling (nothing when fp32)."""
+        return self.loss_scalar if self.loss_scalar != 4 else 0
+
+    @property
+    def held_temps(self) -> int:
+        """Not saved for backward, so temporaries to the tracker: the received input (the first
+        norm saves its fp32 copy instead) and the sent output, deallocated to one element."""
+        b = self.b
+        return (b * self.nn * self.hid if not self.first and b != self.f else 0) + (0 if self.last else b)
+
+    @property
+    def held(self) -> int:
+        """What one microbatch keeps from the end of its forward to its backward."""
+        k = self.kinds
+        held = self.layers * self.block + self.held_temps
+        if self.first and self.par.vocab_parallel:
+            held += 9 * self.n              # local ids and out-of-range mask (the ids are in `batch`)
+        if self.last:
+            held += k["model.final_norm"] + k["model.head_input"] + k["model.logits_loss"] + self.weight
+        return held
+
+    @property
+    def mlp_out(self) -> int:
+        """One [N, I/T] tensor of the MLP."""
+        return self.b * self.n * self.inter
+
+    @property
+    def mlp_w_grad(self) -> int:
+        """down_proj's weight grad [H, I/T]."""
+        return self.b * self.hid * self.inter
+
+    @property
+    def head_w_grad(self) -> int:
+        return self.b * self.vocab * self.hid if self.last else 0
+
+    @property
+    def head_grads(self) -> int:
+        """The grads the head's backward leaves: the final norm's, and lm_head's unless tied here."""
+        return self.b * self.hid + (0 if self.tied_here else self.head_w_grad) if self.last else 0
+
+    @property
+    def waiting(self) -> int:
+        """A tied weight's grad waits in autograd's buffer for the embedding's contribution."""
+        return self.head_w_grad if self.tied_here else 0
+
+    @property
+    def ddp_buckets(self) -> int:
+        """DDP's flat gradient buckets (no DDP under a pipeline)."""
+        return self.param_bytes if self.par.dp > 1 and self.par.pp == 1 else 0
+
+
+def _stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
+                 num_microbatches: int, schedule: str, dtype) -> _Stage:
+    b = torch.empty((), dtype=dtype).element_size()
+    t, n = par.tp, seq_len * micro_batch_size
+    first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
+    shapes = stage_parameters(c, par, stage)
+    layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
+    top = f"model.layers.{layers_at[0]}."
+    return _Stage(par=par, b=b, f=max(b, 4), n=n, nn=n // t if par.sequence_parallel else n,
+                  hid=c.hidden_size, inter=c.intermediate_size // t,
+                  vocab=c.vocab_size // t if par.vocab_parallel else c.vocab_size, bsz=micro_batch_size,
+                  mb=num_microbatches, first=first, last=last, gpipe=schedule == "gpipe" and par.pp > 1,
+                  tied_here=c.tie_word_embeddings and first and last, shapes=shapes,
+                  kinds=activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype),
+                  layers=len(layers_at),
+                  block_params=b * sum(_numel(s) for k, s in shapes.items() if k.startswith(top)))
+
+
+# One microbatch's backward at its largest moments, each (grads it adds, its activations, temporaries).
+
+def _head_backward(s: _Stage) -> tuple[int, int, int]:
+    """The loss gradients of the logits [N, V(/T)]."""
+    b, f, n, v = s.b, s.f, s.n, s.vocab
+    if s.par.vocab_parallel:   # the fp32 softmax clone and its cast to the model dtype; the count released
+        return 0, s.held - 8 - s.weight, f * n * v + (b * n * v if b != f else 0) + 4
+    # grads of log-softmax and logits [N, V]; target copy and weight released
+    return 0, s.held - target_copy(s.bsz, n) - b - s.weight, 2 * b * n * v
+
+
+def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
+    """lm_head's backward: the grad of the logits [S, B, V(/T)], then the grads of its weight (a
+    .grad once accumulated) and of its input (VP + SP + async: the input re-gathered from the
+    saved shard, the input grad's reduce-scatter issued before the weight grad)."""
+    b, n, hid, par = s.b, s.n, s.hid, s.par
+    regather = b * n * hid + b * s.nn * hid if (par.vocab_parallel and par.sequence_parallel
+                                                and par.async_communication) else 0
+    return 0, s.held - s.weight - s.kinds["model.logits_loss"], b * n * s.vocab + s.head_w_grad + b * n * hid + regather
+
+
+def _final_norm_backward(s: _Stage) -> tuple[int, int, int]:
+    """The final RMSNorm's fp32 temporaries (5 f Nn H)."""
+    f, nn_, hid = s.f, s.nn, s.hid
+    return s.head_grads, _top_block_acts(s) + f * nn_ * hid, 5 * f * nn_ * hid + s.waiting
+
+
+def _top_block_acts(s: _Stage) -> int:
+    """The activations alive when the stage's last block begins its backward: on the last stage
+    the loss, the head's input and the final norm's are freed by then."""
+    if not s.last:
+        return s.held
+    k, f, nn_, hid = s.kinds, s.f, s.nn, s.hid
+    return (s.held - s.weight - k["model.logits_loss"] - k["model.head_input"] - (f * nn_ * hid + f * nn_)
+            - f * nn_ * hid)
+
+
+def _down_backward(s: _Stage) -> tuple[int, int, int]:
+    """The last block's down_proj: the grad of its output (gathered to the full sequence under
+    SP), the grads of its input and weight (the latter a .grad only after both mms)."""
+    b, hid = s.b, s.hid
+    gathered = b * s.n * hid if s.par.sequence_parallel else 0
+    return s.head_grads, _top_block_acts(s), gathered + b * s.nn * hid + s.mlp_out + s.mlp_w_grad + s.waiting
+
+
+def _mlp_backward(s: _Stage) -> tuple[int, int, int]:
+    """At silu*up's backward: down's grad is in, the saved product freed, three [N, I/T] live."""
+    return (s.head_grads + s.mlp_w_grad, _top_block_acts(s) - s.mlp_out,
+            3 * s.mlp_out + s.b * s.nn * s.hid + s.waiting)
+
+
+def _post_norm_backward(s: _Stage) -> tuple[int, int, int]:
+    """The post-attention RMSNorm's backward (the peak where I/T is small against H): the MLP's
+    grads in, its activations and its share of the column inputs freed, the norm's fp32
+    temporaries and the residual grad live."""
+    par, b, f, nn_, hid = s.par, s.b, s.f, s.nn, s.hid
+    column = s.kinds["block.column_input"]
+    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
+    gate_up_input = column * 2 // 5 if basic_sp else column // 2   # basic SP: one gather per linear
+    return (s.head_grads + 3 * s.mlp_w_grad + b * hid,
+            _top_block_acts(s) - 4 * s.mlp_out - gate_up_input - (f * nn_ * hid + f * nn_),
+            5 * f * nn_ * hid + b * nn_ * hid + s.waiting)
+
+
+def _in_first_block(s: _Stage, moment: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A moment of the top block, in the stage's first block: every block above has added its
+    grads and freed its activations. The top block holds the peak unless a block's parameters
+    outweigh one microbatch's activations of it (a few tokens per microbatch)."""
+    grads, acts, temps = moment
+    deeper = s.layers - 1
+    return grads + deeper * s.block_params, acts - deeper * s.block, temps
+
+
+def _embedding_backward(s: _Stage) -> tuple[int, int, int]:
+    """The embedding's dense weight grad [V(/T), H] (a .grad once accumulated), the grad of its
+    output [N, H] (gathered from the sequence shards under SP) and the received grad."""
+    b, hid = s.b, s.hid
+    emb_w_grad = b * s.vocab * hid
+    acts = (9 * s.n if s.par.vocab_parallel else 0) + (0 if s.last else b)
+    return (s.param_bytes - emb_w_grad, acts,
+            emb_w_grad + b * s.n * hid + s.waiting + (0 if s.last else b * s.nn * hid))
+
+
+def _tied_grad_sum(s: _Stage) -> tuple[int, int, int]:
+    """A weight tied within the stage adds the waiting head grad to the embedding's: three [V, H]
+    (the VP masks freed)."""
+    emb_w_grad = s.b * s.vocab * s.hid
+    return s.param_bytes - emb_w_grad, 0, 3 * emb_w_grad
+
+
+def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
+    """One microbatch's backward at its largest moments, in the order they happen."""
+    inner = {}
+    if s.last:
+        inner.update(head_backward=_head_backward(s), head_mm_backward=_head_mm_backward(s),
+                     final_norm_backward=_final_norm_backward(s))
+    top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
+           "post_norm_backward": _post_norm_backward(s)}
+    inner.update(top)
+    if s.layers > 1:
+        inner.update({f"{name}(first block)": _in_first_block(s, moment) for name, moment in top.items()})
+    if s.first:
+        inner["embedding_backward"] = _embedding_backward(s)
+    if s.first and s.tied_here:
+        inner["tied_grad_sum"] = _tied_grad_sum(s)
+    return inner
+
+
+def _last_forward_end(s: _Stage) -> tuple[int, int]:
+    """The end of the last stage's forward, logits alive: (activations, temporaries).
+    Replicated head: the loss's scaling by its weight -- everything saved, the loss and its scaled
+    copy live (the weight cast to the loss dtype too). VP: inside the loss, its fp32 copy of the
+    logits (the later softmax) and nine [N] vectors (max, masks, local target, target logit, sum
+    of exp, its log, their difference), and the final norm's local output under basic/shared SP,
+    still bound in the model's forward."""
+    b, f, n, v, par = s.b, s.f, s.n, s.vocab, s.par
+    if par.vocab_parallel:
+        local_h = b * s.nn * s.hid if par.sequence_parallel and not par.async_communication else 0
+        return (s.held - s.weight - s.kinds["model.logits_loss"],
+                b * n * v + f * n * v + 30 * n + target_copy(s.bsz, n) + local_h)
+    return s.held - s.weight, b * n * v + 2 * b + s.weight
+
+
+def _earlier_forward_end(s: _Stage) -> tuple[int, int]:
+    """The end of an earlier stage's forward, at its last residual add: everything saved, plus
+    down_proj's output, the sum, and in half precision the block's input and middle residual
+    stream (their fp32 copies are what the norms save; a received input is counted as held)."""
+    residual = 2 + (0 if s.b == s.f else 2 - (1 if not s.first and s.layers == 1 else 0))
+    return s.held - s.held_temps, residual * s.b * s.nn * s.hid
+
+
+def _batch_saved(s: _Stage) -> int:
+    """The tracker files a storage under activations from the first time autograd saves it: the
+    ids once the embedding saves them (and the targets, when the replicated head's loss saves a
+    view of them: one sequence)."""
+    vp = s.par.vocab_parallel
+    return (8 * s.n * s.mb if s.first and not vp else 0) + (8 * s.n * s.mb if s.last and not vp and s.bsz == 1 else 0)
+
+
+def _forward_moment(s: _Stage, n_held: int, n_bwd: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
+    """The end of a forward, `n_held` microbatches held before it, `n_bwd` backwards done."""
+    b, f, nn_, hid = s.b, s.f, s.nn, s.hid
+    if not s.last:
+        # 1F1B's loop still binds the grad it received last; this microbatch's output is not sent
+        # yet (no one-element stand-in for it)
+        acts, temps = _earlier_forward_end(s)
+        previous_grad = b * nn_ * hid if (n_bwd and not s.gpipe) else 0
+        return (grads, saved + (n_held + 1) * acts,
+                extra + (n_held + 1) * s.held_temps - b + temps + previous_grad)
+    # 1F1B's loop still binds the previous loss: its graph keeps that microbatch's input (saved
+    # for backward, so an activation, when the first norm's upcast is itself)
+    acts, temps = _last_forward_end(s)
+    previous = b * nn_ * hid if (n_bwd and not s.first and not s.gpipe) else 0
+    previous_acts = previous if b == f else 0
+    moved = (n_held + 1) * s.held_temps
+    return (grads, saved + n_held * s.held + acts - moved + previous_acts,
+            extra + temps + previous - previous_acts + moved)
+
+
+def _replay_schedule(s: _Stage, stage: int, schedule: str) -> tuple[dict, dict]:
+    """Every moment of the stage's schedule -> (grads, activations, temporaries), and how many
+    microbatches each finds in flight."""
+    moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
+    inner, batch_saved = _backward_moments(s), _batch_saved(s)
+    for kind, i in schedule_order(s.par.pp, stage, s.mb, schedule):
+        grads = s.param_bytes if n_bwd else 0      # after the first backward every grad exists
+        # the fp32 loss weights are filed as activations once a loss scaling saves them
+        saved = batch_saved + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
+        # the last stage's losses so far (and a backward's seed, d loss / d loss); 1F1B keeps the
+        # input grad it sent last until the next backward replaces it
+        extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
+        extra += s.loss_scalar if kind == "B" and s.last else 0
+        extra += s.b * s.nn * s.hid if (n_bwd and not s.first and not s.gpipe) else 0
+        if kind == "F":
+            moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, n_bwd, grads, saved, extra)
+            in_flight[f"forward_end[{i}]"] = n_held + 1
+            n_held, n_fwd = n_held + 1, n_fwd + 1
+            continue
+        moved = n_held * s.held_temps
+        for name, (new_grads, a, temp) in inner.items():
+            moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * s.held + a - moved,
+                                       extra + temp + moved)
+            in_flight[f"{name}[{i}]"] = n_held
+        n_held, n_bwd = n_held - 1, n_bwd + 1
+    return moments, in_flight
+
+
+def _optimizer_step(s: _Stage) -> tuple[int, int, int]:
+    """AdamW (one tensor at a time): sqrt(exp_avg_sq) and denom of one parameter while the
+    previous parameter's denom is still bound; the schedule's loss weights are gone, its reported
+    loss not."""
+    sizes = [0] + [s.b * _numel(shape) for shape in s.shapes.values()]
+    scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
+    saved = _batch_saved(s)
+    return (s.param_bytes, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets
+            + (s.loss_scalar if s.last else 0))
+
+
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                    num_microbatches: int, schedule: str, dtype, device: str) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step: every moment of the
     schedule that can hold the peak, each a sum of what is alive then."""
-    dtype = as_dtype(dtype)
-    b = torch.empty((), dtype=dtype).element_size()
-    f = max(b, 4)
-    t, sp, vp = par.tp, par.sequence_parallel, par.vocab_parallel
-    n, hid, bsz, mb = seq_len * micro_batch_size, c.hidden_size, micro_batch_size, num_microbatches
-    nn_, m = (n // t if sp else n), n - bsz
-    vocab = c.vocab_size // t if vp else c.vocab_size
-    first, last = stage == 0, stage == par.pp - 1
-    gpipe = schedule == "gpipe" and par.pp > 1
-
-    shapes = parameter_shapes(c, par, stage)
-    param_bytes = b * sum(_numel(s) for s in shapes.values())
-    buffers = 2 * b * c.max_position_embeddings * c.head_dim          # RoPE cos/sin, cast to dtype
-    params = param_bytes + buffers
-    states = 2 * param_bytes + (4 * len(shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
-    ddp_buckets = param_bytes if par.dp > 1 and par.pp == 1 else 0    # DDP's flat gradient buckets
-    kinds = activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=bsz, dtype=dtype)
-    layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
-    layers = len(layers_at)
-    block = sum(v for k, v in kinds.items() if k.startswith("block."))
-    # Alive all step, on every stage: the ids and labels [M*B, S] (split into microbatches there)
-    # and the microbatches' loss weights (fp32 [M])
-    batch = 16 * n * mb + 4 * mb
-    loss_scalar = 4 if vp else b            # the last stage keeps one loss per forward (the report)
-    weight = loss_scalar if loss_scalar != 4 else 0  # its loss weight cast to the loss dtype, saved
-
-    # What one microbatch keeps from the end of its forward to its backward
-    held = layers * block
-    if first and vp:
-        held += 9 * n                       # local ids and out-of-range mask (the ids are in `batch`)
-    if last:
-        held += kinds["model.final_norm"] + kinds["model.head_input"] + kinds["model.logits_loss"] + weight
-    # not saved for backward, so temporaries to the tracker: the received input (the first norm saves
-    # its fp32 copy instead) and the sent output, deallocated to one element
-    held_temps = (b * nn_ * hid if not first and b != f else 0) + (0 if last else b)
-    held += held_temps
-
-    # One microbatch's backward at its largest moments: (grads it adds, its activations, temporaries)
-    tied_here = c.tie_word_embeddings and first and last
-    mlp_out, mlp_w_grad = kinds["block.mlp"] // 4, b * hid * (c.intermediate_size // t)  # [N, I/T]; down's W
-    inner, head_grads, waiting, acts = {}, 0, 0, held
-    if last:
-        head_w_grad = b * vocab * hid
-        # a tied weight's grad waits in autograd's buffer for the embedding's contribution
-        head_grads, waiting = b * hid + (0 if tied_here else head_w_grad), (head_w_grad if tied_here else 0)
-        if vp:   # the fp32 softmax clone and its cast to the model dtype; the count released
-            inner["head_backward"] = (0, held - 8 - weight, f * m * vocab + (b * m * vocab if b != f else 0) + 4)
-        else:    # grads of log-softmax and logits [M, V]; target copy and weight released
-            inner["head_backward"] = (0, held - target_copy(bsz, m) - b - weight, 2 * b * m * vocab)
-        # lm_head's backward: the grad of the logits padded back to [S, B, V(/T)], then the grads
-        # of its weight (a .grad once accumulated) and of its input
-        # (VP + SP + async: the input re-gathered from the saved shard, the input grad's
-        # reduce-scatter issued before the weight grad)
-        regather = b * n * hid + b * nn_ * hid if (vp and sp and par.async_communication) else 0
-        inner["head_mm_backward"] = (0, held - weight - kinds["model.logits_loss"],
-                                     b * n * vocab + head_w_grad + b * n * hid + regather)
-        acts = held - weight - kinds["model.logits_loss"] - kinds["model.head_input"] - (f * nn_ * hid + f * nn_)
-        inner["final_norm_backward"] = (head_grads, acts, 5 * f * nn_ * hid + waiting)
-        acts -= f * nn_ * hid
-    # the last block's down_proj backward: the grad of its output (gathered to the full sequence
-    # under SP), the grads of its input and weight (the latter a .grad only after both mms)
-    inner["down_backward"] = (head_grads, acts, (b * n * hid if sp else 0) + b * nn_ * hid + mlp_out + mlp_w_grad
-                              + waiting)
-    # at silu*up's backward: down's grad is in, the saved product freed, three [N, I/T] live
-    inner["mlp_backward"] = (head_grads + mlp_w_grad, acts - mlp_out, 3 * mlp_out + b * nn_ * hid + waiting)
-    # the post-attention RMSNorm's backward (the peak where I/T is small against H): the MLP's
-    # grads in, its activations and its share of the column inputs freed, the norm's fp32
-    # temporaries and the residual grad live
-    basic_sp = sp and not par.shared_sp_gather and not par.async_communication   # one gather per linear
-    gate_up_input = kinds["block.column_input"] * 2 // 5 if basic_sp else kinds["block.column_input"] // 2
-    inner["post_norm_backward"] = (head_grads + 3 * mlp_w_grad + b * hid,
-                                   acts - 4 * mlp_out - gate_up_input - (f * nn_ * hid + f * nn_),
-                                   5 * f * nn_ * hid + b * nn_ * hid + waiting)
-    # The same moments in the stage's first block: every block above has added its grads and freed
-    # its activations. The top block holds the peak unless a block's parameters outweigh one
-    # microbatch's activations of it (a few tokens per microbatch, or later backwards: never).
-    block_params = b * sum(_numel(s) for k, s in shapes.items() if k.startswith(f"model.layers.{layers_at[0]}."))
-    if len(layers_at) > 1:
-        deeper = len(layers_at) - 1
-        for name in ("down_backward", "mlp_backward", "post_norm_backward"):
-            g, a, temp = inner[name]
-            inner[f"{name}(first block)"] = (g + deeper * block_params, a - deeper * block, temp)
-    if first:
-        # the embedding's backward: its dense weight grad [V(/T), H] (a .grad once accumulated), the
-        # grad of its output [N, H] (gathered from the sequence shards under SP), the received grad;
-        # a weight tied within the stage then adds the waiting head grad to it (three [V, H])
-        emb_w_grad = b * vocab * hid
-        acts = (9 * n if vp else 0) + (0 if last else b)
-        inner["embedding_backward"] = (param_bytes - emb_w_grad, acts, emb_w_grad + b * n * hid + waiting
-                                       + (0 if last else b * nn_ * hid))
-        if tied_here:
-            inner["tied_grad_sum"] = (param_bytes - emb_w_grad, 0, 3 * emb_w_grad)  # the VP masks freed
-    # the end of the last stage's forward, logits alive:
-    #   replicated head: the loss's scaling by its weight -- everything saved, the loss and its
-    #   scaled copy live (the weight cast to the loss dtype too);
-    #   VP: inside the loss, its fp32 copy of the logits (the later softmax) and nine [M] vectors
-    #   (max, masks, local target, target logit, sum of exp, its log, their difference), and the
-    #   final norm's local output under basic/shared SP, still bound in the model's forward
-    fwd_end = None
-    if last and vp:
-        local_h = b * nn_ * hid if sp and not par.async_communication else 0
-        fwd_end = (held - weight - kinds["model.logits_loss"],
-                   b * n * vocab + f * m * vocab + 30 * m + target_copy(bsz, m) + local_h)
-    elif last:
-        fwd_end = (held - weight, b * n * vocab + 2 * b + weight)
-
-    # the end of an earlier stage's forward, at its last residual add: everything saved, plus
-    # down_proj's output, the sum, and in half precision the block's input and middle residual
-    # stream (their fp32 copies are what the norms save; a received input is counted as held)
-    residual = 2 + (0 if b == f else 2 - (1 if not first and layers == 1 else 0))
-    stage_end = None if last else (held - held_temps, residual * b * nn_ * hid)
-
-    # The tracker files a storage under activations from the first time autograd saves it: the
-    # ids once the embedding saves them, the fp32 loss weights once a loss scaling saves them
-    batch_saved = 8 * n * mb if first and not vp else 0
-    # (and the labels, when the replicated head's loss saves a view of them: one sequence)
-    batch_saved += 8 * n * mb if last and not vp and bsz == 1 else 0
-    moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
-    for kind, i in schedule_order(par.pp, stage, mb, schedule):
-        grads = param_bytes if n_bwd else 0      # after the first backward every grad exists
-        saved = batch_saved + (4 * mb if last and weight == 0 and n_fwd else 0)
-        # the last stage's losses so far (and a backward's seed, d loss / d loss); 1F1B keeps the
-        # input grad it sent last until the next backward replaces it
-        extra = batch - saved + ddp_buckets + (n_fwd * loss_scalar if last else 0)
-        extra += loss_scalar if kind == "B" and last else 0
-        extra += b * nn_ * hid if (n_bwd and not first and not gpipe) else 0
-        if kind == "F":
-            if stage_end is not None:
-                # 1F1B's loop still binds the grad it received last
-                previous_grad = b * nn_ * hid if (n_bwd and not gpipe) else 0
-                # (this microbatch's output is not sent yet: no one-element stand-in for it)
-                moments[f"forward_end[{i}]"] = (grads, saved + (n_held + 1) * stage_end[0],
-                                                extra + (n_held + 1) * held_temps - b + stage_end[1] + previous_grad)
-                in_flight[f"forward_end[{i}]"] = n_held + 1
-            if fwd_end is not None:
-                # 1F1B's loop still binds the previous loss: its graph keeps that microbatch's input
-                # (saved for backward, so an activation, when the first norm's upcast is itself)
-                previous = b * nn_ * hid if (n_bwd and not first and not gpipe) else 0
-                previous_acts = previous if b == f else 0
-                moved = (n_held + 1) * held_temps
-                moments[f"forward_end[{i}]"] = (grads, saved + n_held * held + fwd_end[0] - moved + previous_acts,
-                                                extra + fwd_end[1] + previous - previous_acts + moved)
-                in_flight[f"forward_end[{i}]"] = n_held + 1
-            n_held, n_fwd = n_held + 1, n_fwd + 1
-            continue
-        moved = n_held * held_temps
-        for name, (new_grads, a, temp) in inner.items():
-            moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * held + a - moved, extra + temp + moved)
-            in_flight[f"{name}[{i}]"] = n_held
-        n_held, n_bwd = n_held - 1, n_bwd + 1
-    # AdamW (one tensor at a time): sqrt(exp_avg_sq) and denom of one parameter while the previous
-    # parameter's denom is still bound; the schedule's loss weights are gone, its reported loss not
-    sizes = [0] + [b * _numel(s) for s in shapes.values()]
-    scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
-    moments["optimizer"] = (param_bytes, batch_saved, scratch + batch - 4 * mb - batch_saved + ddp_buckets
-                            + (loss_scalar if last else 0))
-
+    s = _stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                     num_microbatches=num_microbatches, schedule=schedule, dtype=as_dtype(dtype))
+    params = s.param_bytes + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
+    states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
+    moments, in_flight = _replay_schedule(s, stage, schedule)
+    moments["optimizer"] = _optimizer_step(s)
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]
     breakdown = dict(zip(CATEGORIES, (params, grads, states, act, temp)))
-    return MemoryPrediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, activations_by_kind=kinds,
-                            num_layers=layers, peak_at=peak_at, candidates=totals, held_per_microbatch=held,
+    return MemoryPrediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, activations_by_kind=s.kinds,
+                            num_layers=s.layers, peak_at=peak_at, candidates=totals, held_per_microbatch=s.held,
                             held_at_peak=in_flight.get(peak_at, 0))

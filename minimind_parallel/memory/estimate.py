@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..config import MiniMindConfig, ParallelConfig, check_layout
+from ..data.batches import shift_labels
 from ..groups import ProcessGroups
 from ..parallel_model import ParallelMiniMindForCausalLM
 from ..training import make_optimizer, train_step
@@ -86,13 +87,13 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
             optimizer = make_optimizer(model, lr=1e-3)
             buckets = ddp_gradient_buckets(model) if par.dp > 1 and par.pp == 1 else []  # no DDP under PP
             ids = torch.randint(0, model_config.vocab_size, (micro_batch_size * num_microbatches, seq_len))
-            labels = ids.clone()
+            targets = shift_labels(ids)
             if warmup:
                 _create_optimizer_states(model, optimizer)
             meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets))
             with meter:
                 for _ in range(iters):
-                    train_step(model, optimizer, groups, ids, labels, num_microbatches=num_microbatches,
+                    train_step(model, optimizer, groups, ids, targets, num_microbatches=num_microbatches,
                                schedule=schedule)
         return meter.report()
     finally:

@@ -3,7 +3,7 @@
     meter = MemoryMeter(device, model, optimizer)
     with meter:
         for _ in range(iters):
-            train_step(model, optimizer, groups, ids, labels)
+            train_step(model, optimizer, groups, ids, targets)
     report = meter.report()        # this rank's MemoryReport; the driver takes the worst rank
 
 CPU: the live-storage tracker (exact bytes by category). CUDA: the allocator's own peak

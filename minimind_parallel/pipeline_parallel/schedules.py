@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..data.batches import count_targets
+from ..data_parallel import unwrap
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
 from . import p2p
@@ -57,12 +59,12 @@ class _Stage:
         self.model, self.groups, self.microbatches = model, groups, microbatches
         self.collect_logits = collect_logits
         par, ids = groups.par, microbatches[0][0]
-        hidden = unwrapped(model).config.hidden_size
+        hidden = unwrap(model).config.hidden_size
         seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
         dtype = next(model.parameters()).dtype
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
         # targets per microbatch, kept on the device (no host sync; works on fake tensors too)
-        counts = torch.stack([(labels[:, 1:] != -100).sum() for _, labels in microbatches])
+        counts = torch.stack([count_targets(targets) for _, targets in microbatches])
         self.loss_weights = counts / counts.sum().clamp(min=1)                           # [M], sums to 1
         self.held: list = []        # (input, output) of microbatches awaiting their backward, oldest first
         self.losses, self.logits = [], []
@@ -71,12 +73,12 @@ class _Stage:
     def forward(self, i: int, x):
         """Microbatch i through this stage; x: the received activation (None on the first stage).
         -> the output activation, or on the last stage the loss scaled by its share of the targets."""
-        ids, labels = self.microbatches[i]
+        ids, targets = self.microbatches[i]
         if x is not None:
             x.requires_grad_()      # its grad is what this stage sends back
         start = time.perf_counter()
         with self._grad_sync(i), span("forward"):
-            out = self.model(ids, labels, hidden_states=x)
+            out = self.model(ids, targets, hidden_states=x)
         self.busy += time.perf_counter() - start
         if not self.groups.is_last_stage:
             return out
@@ -168,8 +170,8 @@ def all_forwards(stage: _Stage) -> None:
 
 def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *, schedule: str = "1f1b",
                      forward_only: bool = False, collect_logits: bool = False) -> StepResult:
-    """Run every microbatch [(ids [b, S], labels [b, S]), ...] through this rank's stage,
-    accumulating the grads of the mean loss over all their target tokens. With one stage both
+    """Run every microbatch [Batch(ids [b, S], targets [b, S]), ...] (`data.batches`) through
+    this rank's stage, accumulating the grads of the mean loss over all their target tokens. With one stage both
     schedules are plain gradient accumulation (forward, backward per microbatch: 1F1B without
     warm-up); a DDP model then all-reduces once, in the last backward."""
     if schedule not in SCHEDULES:
@@ -189,14 +191,3 @@ def bubble_fraction(pp: int, num_microbatches: int) -> float:
     """The idle share of every stage in GPipe and 1F1B with equal stage times: (P-1)/(M+P-1).
     A measured counterpart per stage: 1 - StepResult.busy_s / StepResult.wall_s."""
     return (pp - 1) / (num_microbatches + pp - 1)
-
-
-def split_microbatches(ids: torch.Tensor, labels: torch.Tensor, num_microbatches: int) -> list:
-    """[B, S] -> M pairs of [B/M, S] (B % M == 0)."""
-    if ids.shape[0] % num_microbatches:
-        raise ValueError(f"batch {ids.shape[0]} is not divisible by num_microbatches={num_microbatches}")
-    return list(zip(ids.chunk(num_microbatches), labels.chunk(num_microbatches)))
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model

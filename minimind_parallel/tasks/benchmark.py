@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from .. import launcher
 from ..config import ConfigError, ParallelConfig
+from ..data.batches import broadcast_batch, dp_rows
 from ..device_sync import synchronize
 from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
@@ -281,17 +282,6 @@ def fill_pipeline(row: dict, result: dict, par: ParallelConfig) -> None:
 
 # ---------------------------------------------------------------- worker side (every rank)
 
-def shared_batch(config, groups, global_rows: int, seq_len: int, seed: int, device):
-    """Random token ids made on rank 0 and broadcast; -> this rank's DP rows (ids, labels)."""
-    ids = torch.empty(global_rows, seq_len, dtype=torch.long, device=device)
-    if dist.get_rank() == 0:
-        g = torch.Generator().manual_seed(seed)
-        ids.copy_(torch.randint(0, config.vocab_size, (global_rows, seq_len), generator=g))
-    dist.broadcast(ids, src=0)
-    mine = ids.chunk(groups.par.dp)[groups.dp_rank]
-    return mine, mine.clone()
-
-
 def run_cell(launch, args, device) -> int:
     """One cell on this rank: build, warm up, measure; rank 0 writes the result JSON."""
     kind = kind_of(launch, args)
@@ -310,8 +300,8 @@ def run_cell(launch, args, device) -> int:
     model = wrap_data_parallel(model, groups)
     optimizer = make_optimizer(model, args.learning_rate)
     # M microbatches of `per_replica` rows per DP replica (M = 1 without a pipeline)
-    ids, labels = shared_batch(config, groups, per_replica * args.num_microbatches * par.dp, a.seq_len,
-                               args.seed + 1, device)
+    ids, labels = dp_rows(broadcast_batch(per_replica * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
+                                          args.seed + 1, device), groups.dp_rank, par.dp)  # labels: shifted targets
     result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
     global_tokens = per_replica * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)

@@ -1,0 +1,33 @@
+"""Data parallelism: DistributedDataParallel over the DP group, and the model inside it.
+
+Gradients are averaged by DDP during backward when there is no pipeline; under PP
+`training.finalize_grads` all-reduces them once, after the last microbatch.
+"""
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .groups import ProcessGroups
+
+
+def wrap_data_parallel(model: nn.Module, groups: ProcessGroups) -> nn.Module:
+    """DDP over the DP group (gradients averaged during backward); a no-op for dp = 1.
+
+    Under PP the model stays unwrapped: DDP reduces in the backward that follows a synced forward,
+    but a pipeline interleaves forwards and backwards of different microbatches, so
+    `finalize_grads` all-reduces the DP grads itself, once, after the last microbatch."""
+    if groups.dp is None or groups.par.pp > 1:
+        return model
+    # RoPE tables are identical everywhere: no need to broadcast buffers each step.
+    no_sync = ({"forward_sync_buffers": False}
+               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, process_group=groups.dp, **no_sync)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (the model itself when not wrapped)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

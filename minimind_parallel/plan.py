@@ -1,0 +1,180 @@
+"""The parallel plan: every parameter of MiniMind-3, how tensor parallelism cuts it, when its
+gradient is partial over TP, which pipeline stage owns it and its dense shape -- one table.
+
+As in torchtitan's layer plan (a dict from module path to ColwiseParallel / RowwiseParallel /
+SequenceParallel), the layout is data: the model's construction (`parallel_model`: which stage
+builds the embedding, final norm and lm_head; which grads are marked partial or shared), the
+sharding of a state dict (`sharding`), the dense slices of validation and the memory model's
+parameters (`memory.analytic`) all read `PLAN` through the functions below. Adding a layer or a
+parallelism edits this table; tests/test_plan.py fails when the table and the model disagree.
+
+    style        COLUMN: dim 0 (output features) split over TP;  ROW: dim 1 (input features);
+                 VOCAB: dim 0 (vocabulary rows) with --vocab_parallel, else replicated;
+                 REPLICATED: every TP rank holds all of it
+    partial      when the gradient on one TP rank is a part of the full one, summed over TP by
+                 `training.finalize_grads`: NEVER; UNDER_SP (a norm that runs on sequence
+                 shards); WHEN_TP (q_norm/k_norm: each rank normalises only its own heads)
+    owner        LAYER: the stage of its layer (contiguous L/P layers per stage); FIRST / LAST stage
+    tied         the embedding / lm_head pair that --tie_word_embeddings makes one weight: one
+                 Parameter within a stage, two copies summed over the embedding group across stages
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+from .config import MiniMindConfig, ParallelConfig
+
+
+class Style(Enum):
+    COLUMN = "column"
+    ROW = "row"
+    VOCAB = "vocab"
+    REPLICATED = "replicated"
+
+
+class Partial(Enum):
+    NEVER = "never"
+    UNDER_SP = "under sequence parallelism"
+    WHEN_TP = "whenever tp > 1"
+
+
+class Owner(Enum):
+    LAYER = "the layer's stage"
+    FIRST = "first stage"
+    LAST = "last stage"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPlan:
+    pattern: str                                   # state-dict key; "*" is the global layer index
+    style: Style
+    shape: Callable[[MiniMindConfig], tuple[int, ...]]   # the dense shape
+    partial: Partial = Partial.NEVER
+    owner: Owner = Owner.LAYER
+    tied: bool = False
+
+
+def _q(c):  # [heads * d, H]
+    return (c.num_attention_heads * c.head_dim, c.hidden_size)
+
+
+def _kv(c):  # [kv_heads * d, H]
+    return (c.num_key_value_heads * c.head_dim, c.hidden_size)
+
+
+def _up(c):  # [I, H]
+    return (c.intermediate_size, c.hidden_size)
+
+
+def _vocab(c):  # [V, H]
+    return (c.vocab_size, c.hidden_size)
+
+
+def _hidden(c):
+    return (c.hidden_size,)
+
+
+def _head(c):
+    return (c.head_dim,)
+
+
+L = "model.layers.*."
+# In the model's parameter order (the optimizer's): first stage, each layer, last stage.
+PLAN: tuple[ParamPlan, ...] = (
+    ParamPlan(pattern="model.embed_tokens.weight", style=Style.VOCAB, shape=_vocab, owner=Owner.FIRST, tied=True),
+    ParamPlan(pattern=L + "self_attn.q_proj.weight", style=Style.COLUMN, shape=_q),
+    ParamPlan(pattern=L + "self_attn.k_proj.weight", style=Style.COLUMN, shape=_kv),
+    ParamPlan(pattern=L + "self_attn.v_proj.weight", style=Style.COLUMN, shape=_kv),
+    ParamPlan(pattern=L + "self_attn.o_proj.weight", style=Style.ROW, shape=lambda c: _q(c)[::-1]),
+    ParamPlan(pattern=L + "self_attn.q_norm.weight", style=Style.REPLICATED, shape=_head, partial=Partial.WHEN_TP),
+    ParamPlan(pattern=L + "self_attn.k_norm.weight", style=Style.REPLICATED, shape=_head, partial=Partial.WHEN_TP),
+    ParamPlan(pattern=L + "input_layernorm.weight", style=Style.REPLICATED, shape=_hidden, partial=Partial.UNDER_SP),
+    ParamPlan(pattern=L + "post_attention_layernorm.weight", style=Style.REPLICATED, shape=_hidden,
+              partial=Partial.UNDER_SP),
+    ParamPlan(pattern=L + "mlp.gate_proj.weight", style=Style.COLUMN, shape=_up),
+    ParamPlan(pattern=L + "mlp.down_proj.weight", style=Style.ROW, shape=lambda c: _up(c)[::-1]),
+    ParamPlan(pattern=L + "mlp.up_proj.weight", style=Style.COLUMN, shape=_up),
+    ParamPlan(pattern="model.norm.weight", style=Style.REPLICATED, shape=_hidden, partial=Partial.UNDER_SP,
+              owner=Owner.LAST),
+    ParamPlan(pattern="lm_head.weight", style=Style.VOCAB, shape=_vocab, owner=Owner.LAST, tied=True),
+)
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def plan_of(key: str) -> ParamPlan:
+    """The table entry of the state-dict key `key` (KeyError for a name the plan does not know)."""
+    pattern = _LAYER.sub(L, key, count=1)
+    for entry in PLAN:
+        if entry.pattern == pattern:
+            return entry
+    raise KeyError(f"{key!r} has no entry in the parallel plan (minimind_parallel/plan.py)")
+
+
+def tp_split_dim(key: str, par: ParallelConfig) -> int | None:
+    """The dim of `key` that TP splits, or None if every TP rank holds all of it."""
+    style = plan_of(key).style
+    if style is Style.VOCAB:
+        return 0 if par.vocab_parallel else None
+    return {Style.COLUMN: 0, Style.ROW: 1}.get(style)
+
+
+def grad_is_partial(key: str, par: ParallelConfig) -> bool:
+    """Whether one TP rank's gradient of `key` is a part of the full one (summed over TP)."""
+    partial = plan_of(key).partial
+    if partial is Partial.UNDER_SP:
+        return par.sequence_parallel
+    return partial is Partial.WHEN_TP and par.tp > 1
+
+
+def grad_is_shared_over_stages(key: str, c: MiniMindConfig, par: ParallelConfig) -> bool:
+    """Whether `key` is one of two copies of a tied weight on the first and last pipeline stage
+    (their grads are summed over the embedding group)."""
+    return plan_of(key).tied and c.tie_word_embeddings and par.pp > 1
+
+
+def is_first_stage(stage: int) -> bool:
+    return stage == 0
+
+
+def is_last_stage(stage: int, pp: int) -> bool:
+    return stage == pp - 1
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The contiguous global layer indices of stage `stage` (num_layers % pp == 0, see check_layout)."""
+    per_stage = num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def stage_of(key: str, num_layers: int, pp: int) -> int:
+    """The pipeline stage holding `key`. A tied lm_head is the last stage's copy."""
+    owner = plan_of(key).owner
+    if owner is Owner.LAYER:
+        return int(_LAYER.match(key).group(1)) // (num_layers // pp)
+    return 0 if owner is Owner.FIRST else pp - 1
+
+
+def local_shape(key: str, c: MiniMindConfig, par: ParallelConfig) -> tuple[int, ...]:
+    """The shape of one TP rank's shard of `key`."""
+    shape, dim = list(plan_of(key).shape(c)), tp_split_dim(key, par)
+    if dim is not None:
+        shape[dim] //= par.tp
+    return tuple(shape)
+
+
+def stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0) -> dict[str, tuple[int, ...]]:
+    """The parameters of one rank of pipeline stage `stage` with their local shapes, in the model's
+    order (the optimizer's); a weight tied within the stage is listed once, under its first name."""
+    first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
+    names = [e.pattern for e in PLAN if e.owner is Owner.FIRST and first]
+    names += [e.pattern.replace("*", str(i)) for i in stage_layers(c.num_hidden_layers, par.pp, stage)
+              for e in PLAN if e.owner is Owner.LAYER]
+    names += [e.pattern for e in PLAN if e.owner is Owner.LAST and last]
+    if c.tie_word_embeddings:
+        tied = [n for n in names if plan_of(n).tied]
+        names = [n for n in names if n not in tied[1:]]
+    return {n: local_shape(n, c, par) for n in names}

@@ -1,0 +1,112 @@
+"""The parallel plan (minimind_parallel/plan.py) and the model agree: every stage of every layout
+builds exactly the plan's parameters at the plan's local shapes, every shard is the dense slice
+the plan's style names, and the grads the plan calls partial over TP are exactly those that
+differ from the dense gradient before they are summed."""
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from distributed import run_ranks
+from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
+from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
+from minimind_parallel.plan import (PLAN, Style, grad_is_partial, grad_is_shared_over_stages, plan_of, stage_of,
+                                    stage_parameters)
+from minimind_parallel.sharding import gather_state_dict, shard_state_dict
+
+TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      vocab_size=128, max_position_embeddings=64)
+LAYOUTS = {
+    "single": ParallelConfig(),
+    "tp2": ParallelConfig(tp=2),
+    "tp4_sp_vp": ParallelConfig(tp=4, sequence_parallel=True, vocab_parallel=True),
+    "pp2_tp2_vp": ParallelConfig(pp=2, tp=2, vocab_parallel=True),
+    "pp4": ParallelConfig(pp=4),
+    "pp2_tp2_sp": ParallelConfig(pp=2, tp=2, sequence_parallel=True),
+}
+
+
+def _rank_model(config, par, stage, tp_rank):
+    """TP rank `tp_rank` of pipeline stage `stage`, built in a fake process group (no peers)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=stage * par.tp + tp_rank, world_size=par.world_size)
+    try:
+        return ParallelMiniMindForCausalLM(config, par, ProcessGroups.build(par))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dense_slice_by_style(key, dense, par, tp_rank):
+    """What each style means, written out: column splits the output rows, row the input columns,
+    vocab the vocabulary rows (with --vocab_parallel), replicated nothing."""
+    style = plan_of(key).style
+    if style is Style.COLUMN or (style is Style.VOCAB and par.vocab_parallel):
+        rows = dense.shape[0] // par.tp
+        return dense[tp_rank * rows:(tp_rank + 1) * rows]
+    if style is Style.ROW:
+        cols = dense.shape[1] // par.tp
+        return dense[:, tp_rank * cols:(tp_rank + 1) * cols]
+    return dense
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_stage_builds_the_plans_parameters_at_its_local_shapes(name, tied):
+    par, config = LAYOUTS[name], replace(TINY, tie_word_embeddings=tied)
+    for stage in range(par.pp):
+        model = _rank_model(config, par, stage, 0)
+        built = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        assert built == list(stage_parameters(config, par, stage).items()), (name, stage)
+        for n, p in model.named_parameters():
+            assert getattr(p, "tp_partial_grad", False) == grad_is_partial(n, par), n
+            assert getattr(p, "shared_embedding", False) == grad_is_shared_over_stages(n, config, par), n
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_shard_is_the_dense_slice_the_plan_names(name):
+    par = LAYOUTS[name]
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(replace(TINY, tie_word_embeddings=False)).state_dict()
+    # the plan names every dense parameter, and its entries name nothing else
+    assert {plan_of(k).pattern for k in dense} == {e.pattern for e in PLAN}
+    shards = []
+    for stage in range(par.pp):
+        for t in range(par.tp):
+            model = _rank_model(replace(TINY, tie_word_embeddings=False), par, stage, t)
+            shard = shard_state_dict(dense, par, t, stage)
+            model.load_state_dict(shard, strict=True)   # every key of the stage, at its shape
+            for key, value in model.state_dict().items():
+                assert stage_of(key, TINY.num_hidden_layers, par.pp) == stage, key
+                assert torch.equal(value, _dense_slice_by_style(key, dense[key], par, t)), (key, stage, t)
+            shards.append(shard)
+    back = gather_state_dict(shards, par)
+    assert sorted(back) == sorted(dense) and all(torch.equal(back[k], dense[k]) for k in dense)
+
+
+def _partial_grads(par):
+    """Dense and parallel model from the same float64 weights, one backward on the same batch, no
+    grad finalisation: which local grads differ from the dense slice, and what the plan says."""
+    from minimind_parallel.training import build_parallel_model
+    from minimind_parallel.data.batches import random_batch
+    from minimind_parallel.validation import dense_slice
+    groups = ProcessGroups.build(par)
+    config = replace(TINY, tie_word_embeddings=False, num_hidden_layers=2)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(config).double()
+    model = build_parallel_model(config, par, groups, dense.state_dict(), dtype=torch.float64)
+    ids, targets = random_batch(0, 2, 16, config.vocab_size)
+    dense(ids, targets).loss.backward()
+    model(ids, targets).loss.backward()
+    grads = dict(dense.named_parameters())
+    differs = {n: not torch.allclose(p.grad, dense_slice(n, grads[n].grad, par, groups.tp_rank), rtol=1e-9,
+                                     atol=0) for n, p in model.named_parameters()}
+    return differs, {n: grad_is_partial(n, par) for n in differs}
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(tp=2), ParallelConfig(tp=2, sequence_parallel=True,
+                                                                   vocab_parallel=True)], ids=["tp2", "tp2_sp_vp"])
+def test_the_grads_the_plan_calls_partial_are_those_that_differ_from_dense(par):
+    for differs, partial in run_ranks(_partial_grads, par.tp, par):
+        assert differs == partial
+        assert any(partial.values())
