@@ -13,10 +13,9 @@ run on the same weights and ids), measured here.
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # a test dependency (pyproject's `test` extra)
 
-transformers = pytest.importorskip("transformers")  # a test dependency (pyproject's `test` extra)
-
-from minimind_parallel import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from minimind_parallel import MiniMindConfig, MiniMindForCausalLM
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
             max_position_embeddings=64)
