@@ -281,6 +281,7 @@ def test_a_stage_that_raises_ends_the_job_with_its_error():
 @pytest.mark.parametrize("tied", [False, True])
 def test_stages_shard_and_gather_by_global_names(tied):
     from minimind_parallel.sharding import gather_state_dict, shard_state_dict
+    from test_model import assert_shards_are_megatron_slices
     torch.manual_seed(0)
     sd = MiniMindForCausalLM(MiniMindConfig(**TINY, tie_word_embeddings=tied)).state_dict()
     par = ParallelConfig(tp=2, pp=2, vocab_parallel=True)
@@ -288,6 +289,8 @@ def test_stages_shard_and_gather_by_global_names(tied):
     assert "model.embed_tokens.weight" in shards[0] and "lm_head.weight" not in shards[0]
     assert {k.split(".")[2] for k in shards[3] if k.startswith("model.layers.")} == {"2", "3"}
     assert "lm_head.weight" in shards[3] and "model.norm.weight" in shards[3]
+    assert_shards_are_megatron_slices(sd, shards, par.tp, par.vocab_parallel)
+    assert sorted(k for s in shards[::par.tp] for k in s) == sorted(sd)  # each key on exactly one stage
     back = gather_state_dict(shards, par)
     assert sorted(back) == sorted(sd)
     for k in sd:
