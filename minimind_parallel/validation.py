@@ -25,17 +25,21 @@ from .pipeline_parallel import split_microbatches
 from .sharding import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer, unwrap, wrap_data_parallel
 
+# float32: 10x the dense model's own float32-vs-float64 error on the test configurations
+# (scripts/tolerance_baseline.py: forward + grads max-abs 5.7e-7, relative-L2 2.2e-6; params
+# after AdamW steps relative-L2 2.0e-4). A parallel layout only reorders sums: about 1-2x that.
 DEFAULT_TOL = {  # (max-abs, relative-L2): an item fails only when it exceeds both
     torch.float64: (1e-9, 1e-9),
-    torch.float32: (2e-5, 2e-5),
+    torch.float32: (6e-6, 2e-5),
     torch.bfloat16: (5e-2, 5e-2),
     torch.float16: (1e-2, 1e-2),
 }
 # Parameters after AdamW steps get a wider relative-L2 bound below float64: Adam's first update
 # is lr * g / (|g| + eps) ~ lr * sign(g), so an element whose gradient is within round-off of
-# zero can move by up to 2 lr on one side and not the other. Forward values, losses and
-# gradients keep the round-off bounds above; float64 shows the steps themselves are exact.
-PARAM_RTOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+# zero can move by up to 2 lr on one side and not the other (the dense float32 model itself ends
+# 2.0e-4 from float64, above). Forward values, losses and gradients keep the round-off bounds
+# above; float64 shows the steps themselves are exact.
+PARAM_RTOL = {torch.float64: 1e-9, torch.float32: 2e-3, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 
 
 @dataclass
