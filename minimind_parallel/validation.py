@@ -27,17 +27,23 @@ from .pipeline_parallel import forward_backward as run_schedule
 from .plan import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer
 
+# float32: 10x the dense model's own float32-vs-float64 error on the test configurations
+# (scripts/tolerance_baseline.py: forward + grads max-abs 5.7e-7, relative-L2 2.2e-6; params
+# after AdamW steps relative-L2 2.0e-4). A parallel layout only reorders sums: about 1-2x that.
 DEFAULT_TOL = {  # (max-abs, relative-L2): an item fails only when it exceeds both
     torch.float64: (1e-9, 1e-9),
-    torch.float32: (2e-5, 2e-5),
+    torch.float32: (6e-6, 2e-5),
     torch.bfloat16: (5e-2, 5e-2),
     torch.float16: (1e-2, 1e-2),
 }
-# Parameters after AdamW steps get a wider relative-L2 bound below float64: Adam's first update
+# Parameters after AdamW steps, and the loss and logits of later steps, get a wider relative-L2
+# bound below float64 (measured: the dense float32 model's own logits after 3 steps end 2.1e-4
+# from float64's, its parameters 2.0e-4): Adam's first update
 # is lr * g / (|g| + eps) ~ lr * sign(g), so an element whose gradient is within round-off of
-# zero can move by up to 2 lr on one side and not the other. Forward values, losses and
-# gradients keep the round-off bounds above; float64 shows the steps themselves are exact.
-PARAM_RTOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+# zero can move by up to 2 lr on one side and not the other (the dense float32 model itself ends
+# 2.0e-4 from float64, above). Forward values, losses and gradients keep the round-off bounds
+# above; float64 shows the steps themselves are exact.
+PARAM_RTOL = {torch.float64: 1e-9, torch.float32: 2e-3, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 
 
 @dataclass
@@ -80,7 +86,8 @@ class _Pair:
     schedule: str
     backward: bool
     atol: float
-    rtol: float
+    rtol: float                      # step 0 (forward from the same weights) and the grads
+    later_rtol: float                # the loss and logits after AdamW steps (see PARAM_RTOL)
 
     def step(self, step: int, compare: bool) -> list[Row]:
         """Forward both (and backward, grads finalised); -> the loss and logits rows when compared
@@ -102,8 +109,9 @@ class _Pair:
             loss /= par.dp
         logits = torch.cat(out.logits)                                  # [M*b, S, V(/T)]
         want = logits_slice(ref.logits[self.mine], par, self.groups.tp_rank)
-        return [Row(f"step {step} loss", *error(loss, ref.loss), self.atol, self.rtol),
-                Row(f"step {step} logits", *error(logits, want), self.atol, self.rtol)]
+        rtol = self.rtol if step == 0 else self.later_rtol
+        return [Row(f"step {step} loss", *error(loss, ref.loss), self.atol, rtol),
+                Row(f"step {step} logits", *error(logits, want), self.atol, rtol)]
 
     def shard_rows(self, item: str, of, rtol: float) -> list[Row]:
         """One row per parameter: `of(param)` of each shard against the same slice of the dense
@@ -134,7 +142,8 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
     pair = _Pair(dense=dense, model=wrap_data_parallel(model, groups), groups=groups, batch=batch,
                  mine=slice(groups.dp_rank * local, (groups.dp_rank + 1) * local),
                  microbatches=split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), num_microbatches),
-                 schedule=pp_schedule, backward=check_backward or optimizer_steps > 0, atol=atol, rtol=rtol)
+                 schedule=pp_schedule, backward=check_backward or optimizer_steps > 0, atol=atol, rtol=rtol,
+                 later_rtol=max(rtol, PARAM_RTOL[dtype]))
     opt_dense, opt_par = make_optimizer(dense, lr), make_optimizer(pair.model, lr)
     rows = pair.step(0, compare=True)
     if check_backward:

@@ -237,13 +237,27 @@ def test_an_estimated_pipeline_cell_has_every_stage_measured_and_predicted(monke
 
 
 def test_every_row_carries_the_analytic_prediction_and_the_deviation(monkeypatch, tmp_path):
+    """Each row's prediction is predict_memory of that row's own cell (its mode, its depth; the
+    four cells' predictions all differ), written out here from the command line's values."""
+    import torch
+    from minimind_parallel import MiniMindConfig, ParallelConfig
+    from minimind_parallel.memory import predict_memory
     run, _ = fake_torchrun(oom_cell=None)
     monkeypatch.setattr(launcher, "run_torchrun", run)
-    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--num_hidden_layers", "1", *TINY,
-                     *outputs(tmp_path)]) == 0
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--num_hidden_layers", "1", "2",
+                     *TINY, *outputs(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [(r["mode"], r["value"]) for r in rows] == [("ddp", 1), ("tp", 1), ("ddp", 2), ("tp", 2)]
+    for r in rows:
+        config = MiniMindConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                num_hidden_layers=r["value"], tie_word_embeddings=False)
+        par = ParallelConfig(dp=2) if r["mode"] == "ddp" else ParallelConfig(tp=2)
+        want = predict_memory(config, par, seq_len=16, micro_batch_size=2, dtype=torch.float32, device="cpu")
+        assert r["predicted_mib"] == want.peak_bytes / 2**20, (r["mode"], r["value"])
+        assert r["deviation_mib"] == pytest.approx(r["peak_mib"] - r["predicted_mib"])
+    assert len({r["predicted_mib"] for r in rows}) == len(rows)
     for r in read_csv(tmp_path / "b.csv"):
-        assert float(r["predicted_mib"]) > 0
-        assert float(r["deviation_mib"]) == pytest.approx(float(r["peak_mib"]) - float(r["predicted_mib"]))
+        assert float(r["deviation_mib"]) == pytest.approx(float(r["peak_mib"]) - float(r["predicted_mib"]), abs=1e-3)
 
 
 def test_a_real_sweep_under_torchrun_records_an_out_of_memory_cell_and_goes_on(tmp_path):

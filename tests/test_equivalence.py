@@ -5,9 +5,13 @@ import torch
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
-from minimind_parallel.validation import compare_with_dense, failures, format_report
+from minimind_parallel.validation import DEFAULT_TOL, compare_with_dense, failures, format_report
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
+# Logits and loss after AdamW steps: 10x the dense float32 model's own error against float64 there
+# (2.1e-4, scripts/tolerance_baseline.py; Adam's ~sign(g) first step amplifies round-off in
+# near-zero grads). float64 holds the steps to 1e-10 (test_float64_steps_are_exact).
+LATER_STEPS_RTOL = 2e-3
 
 
 def _compare(par: ParallelConfig, dtype, tied: bool, steps: int):
@@ -26,7 +30,8 @@ def assert_matches_dense(par, dtype=torch.float32, tied=False, steps=3):
     bad = failures(rows)
     assert not bad, "\n" + format_report(bad)
     if dtype == torch.float32:  # forward values and gradients at float32 round-off
-        assert max(r.rel_l2 for r in rows if r.item.startswith(("step", "grad"))) < 2e-5
+        assert max(r.rel_l2 for r in rows if r.item.startswith(("step 0 ", "grad"))) < DEFAULT_TOL[dtype][1]
+        assert max(r.rel_l2 for r in rows if r.item.startswith("step ")) < LATER_STEPS_RTOL
 
 
 FOUNDATION = {  # issue: TP and VP, tied or not, DP on top

@@ -85,9 +85,13 @@ def test_saved_tensors_are_activations():
     del y
 
 
-# A real gloo run once measured tp_sp's peak 4096 B above the estimate inside the full suite (never
-# in isolation, where it is exact): a storage released a moment late, timing-dependent. The real
-# run is held to the estimate within this stated slack; the estimate and the model stay exact.
+# A real gloo run is not always exact: under load (other processes on the cores) it has measured
+# 4096 B (tp_sp) and 8192 B (tp: one [S, B, H] bf16 tensor among the temporaries, peak in the lm
+# head's backward) above the estimate, about one run in two when the machine is busy, never in
+# isolation: a storage released a moment late, timing-dependent -- most likely a collective's
+# tensor whose last reference gloo's worker thread drops after wait() has returned. The real run
+# is held to the estimate within that one tensor; the estimate and the model stay exact, and
+# they are what the seed's byte arithmetic is checked on.
 REAL_SLACK = 8192
 
 

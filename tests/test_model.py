@@ -83,6 +83,31 @@ def test_attention_is_causal():
     torch.testing.assert_close(model(ids).logits[:, :8], model(changed).logits[:, :8], atol=1e-12, rtol=1e-12)
 
 
+def megatron_slice(key: str, dense: torch.Tensor, tp: int, rank: int, vocab_parallel: bool) -> torch.Tensor:
+    """The part of a dense parameter that TP rank `rank` must hold, written out from Megatron's
+    layout (Shoeybi et al. 2019, section 3): a column-parallel linear (q/k/v, gate/up) holds its
+    rank's output features, i.e. rows of the [out, in] weight; a row-parallel one (o, down) its
+    input features, i.e. columns; a vocab-parallel embedding / lm_head its rows of the vocabulary;
+    every norm is replicated."""
+    name = key.split(".")[-2]
+    if name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") or (vocab_parallel and name in
+                                                                         ("embed_tokens", "lm_head")):
+        rows = dense.shape[0] // tp
+        return dense[rank * rows:(rank + 1) * rows, :]
+    if name in ("o_proj", "down_proj"):
+        cols = dense.shape[1] // tp
+        return dense[:, rank * cols:(rank + 1) * cols]
+    return dense
+
+
+def assert_shards_are_megatron_slices(sd: dict, shards: list, tp: int, vocab_parallel: bool) -> None:
+    """shards[r] holds, for every key it has, exactly the dense slice of TP rank r % tp."""
+    for r, shard in enumerate(shards):
+        assert shard, r
+        for key, value in shard.items():
+            assert torch.equal(value, megatron_slice(key, sd[key], tp, r % tp, vocab_parallel)), (key, r)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("vp", [False, True])
 def test_shard_gather_round_trip_is_bit_exact(tp, vp):
@@ -90,6 +115,8 @@ def test_shard_gather_round_trip_is_bit_exact(tp, vp):
     sd = MiniMindForCausalLM(MiniMindConfig(**TINY, tie_word_embeddings=False)).state_dict()
     par = ParallelConfig(tp=tp, vocab_parallel=vp)
     shards = [shard_state_dict(sd, par, r) for r in range(tp)]
+    assert all(sorted(s) == sorted(sd) for s in shards)
+    assert_shards_are_megatron_slices(sd, shards, tp, vp)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert shards[1][q].shape[0] == sd[q].shape[0] // tp
     assert shards[0]["model.layers.0.self_attn.o_proj.weight"].shape[1] == sd["model.layers.0.self_attn.o_proj.weight"].shape[1] // tp

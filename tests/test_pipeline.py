@@ -142,10 +142,26 @@ def _stage_and_batch(par, microbatches):
 
 
 def _in_flight(par, schedule, microbatches):
+    """Microbatches held by this stage at most, (observed, the schedule's own count). Observed from
+    outside the schedule: a forward pre-hook on the stage's first block counts a microbatch in, and
+    a hook on that block's input counts it out when its grad is computed (the end of the
+    microbatch's backward through the stage's blocks)."""
     groups, model, (ids, targets) = _stage_and_batch(par, microbatches)
+    first_block = next(iter(model.model.layers.values()))
+    held = dict(now=0, peak=0, forwards=0, backwards=0)
+
+    def backwarded(_grad):
+        held["now"], held["backwards"] = held["now"] - 1, held["backwards"] + 1
+
+    def forwarded(_module, args):
+        held["now"], held["forwards"] = held["now"] + 1, held["forwards"] + 1
+        held["peak"] = max(held["peak"], held["now"])
+        args[0].register_hook(backwarded)                   # h [S, B, H]: its grad ends the backward
+    first_block.register_forward_pre_hook(forwarded)
     step = train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, targets,
                                num_microbatches=microbatches, schedule=schedule)
-    return step.max_in_flight
+    assert held["forwards"] == held["backwards"] == microbatches and held["now"] == 0, held
+    return held["peak"], step.max_in_flight
 
 
 @pytest.mark.parametrize("pp,microbatches", [(2, 5), (4, 9)])
@@ -153,8 +169,9 @@ def test_1f1b_holds_at_most_p_microbatches_where_gpipe_holds_m(pp, microbatches)
     par = ParallelConfig(pp=pp)
     one_f_one_b = run_ranks(_in_flight, pp, par, "1f1b", microbatches)
     gpipe = run_ranks(_in_flight, pp, par, "gpipe", microbatches)
-    assert one_f_one_b == [pp - stage for stage in range(pp)]   # stage 0: P; the last stage: 1
-    assert gpipe == [microbatches] * pp
+    # observed from the stage's own forward and backward, and the schedule's count agrees
+    assert one_f_one_b == [(pp - stage, pp - stage) for stage in range(pp)]   # stage 0: P; the last stage: 1
+    assert gpipe == [(microbatches, microbatches)] * pp
 
 
 class SavedActivations:
@@ -265,6 +282,7 @@ def test_a_stage_that_raises_ends_the_job_with_its_error():
 @pytest.mark.parametrize("tied", [False, True])
 def test_stages_shard_and_gather_by_global_names(tied):
     from minimind_parallel.sharding import gather_state_dict, shard_state_dict
+    from test_model import assert_shards_are_megatron_slices
     torch.manual_seed(0)
     sd = MiniMindForCausalLM(MiniMindConfig(**TINY, tie_word_embeddings=tied)).state_dict()
     par = ParallelConfig(tp=2, pp=2, vocab_parallel=True)
@@ -272,6 +290,8 @@ def test_stages_shard_and_gather_by_global_names(tied):
     assert "model.embed_tokens.weight" in shards[0] and "lm_head.weight" not in shards[0]
     assert {k.split(".")[2] for k in shards[3] if k.startswith("model.layers.")} == {"2", "3"}
     assert "lm_head.weight" in shards[3] and "model.norm.weight" in shards[3]
+    assert_shards_are_megatron_slices(sd, shards, par.tp, par.vocab_parallel)
+    assert sorted(k for s in shards[::par.tp] for k in s) == sorted(sd)  # each key on exactly one stage
     back = gather_state_dict(shards, par)
     assert sorted(back) == sorted(sd)
     for k in sd:

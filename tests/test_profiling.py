@@ -3,6 +3,7 @@ collectives the layers issue, phase by phase."""
 import json
 import os
 
+import pytest
 import torch
 
 from distributed import run_ranks
@@ -57,6 +58,41 @@ def _profile_modes(out_root):
     return out
 
 
+ISSUED = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather",
+          "c10d::_reduce_scatter_base_": "reduce_scatter"}
+
+
+def covered_us(intervals) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
+def raw_trace_facts(path) -> dict:
+    """What the report must agree with, read straight from a rank's trace (times in ms per step):
+    the step windows, the collectives the main thread issued in them (c10d ops), the gloo worker
+    events in them, the main thread's GEMM time and its time inside comm:/wait: ranges."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e["name"].startswith("step ")]
+    main = steps[0]["tid"]
+    inside = [e for e in events if any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps)]
+    span = lambda e: (e["ts"], e["ts"] + e["dur"])  # noqa: E731
+    n = len(steps)
+    issued = {}
+    for e in inside:
+        if e["tid"] == main and e["name"] in ISSUED:
+            issued[ISSUED[e["name"]]] = issued.get(ISSUED[e["name"]], 0) + 1 / n
+    return dict(steps=n, step_ms=sum(s["dur"] for s in steps) / n / 1e3, issued=issued,
+                gloo_runs=sum(1 for e in inside if e["name"].startswith("gloo:") and e["tid"] != main) / n,
+                gemm_ms=covered_us(span(e) for e in inside if e["tid"] == main and e["name"] == "aten::mm") / n / 1e3,
+                in_comm_ms=covered_us(span(e) for e in inside if e["tid"] == main
+                                      and e["name"].startswith(("comm:", "wait:"))) / n / 1e3)
+
+
 def test_profile_counts_names_and_outputs(tmp_path):
     ranks = run_ranks(_profile_modes, 2, str(tmp_path))
     for mode in MODES:
@@ -66,6 +102,14 @@ def test_profile_counts_names_and_outputs(tmp_path):
             assert got == expected_counts(mode), f"{mode} rank {rank}"
             assert r["compute_ms"] > 0 and r["idle_ms"] >= 0
             assert abs(r["compute_ms"] + r["exposed_comm_ms"] + r["idle_ms"] - r["step_ms"]) < 1e-6
+            # the report against the raw trace, not against its own arithmetic
+            raw = raw_trace_facts(tmp_path / mode / f"trace_rank{rank}.json")
+            assert r["steps"] == raw["steps"] and r["step_ms"] == pytest.approx(raw["step_ms"])
+            assert {k: c["count"] for k, c in r["collectives"].items()} == pytest.approx(raw["issued"])
+            assert raw["gloo_runs"] == sum(raw["issued"].values())     # each issued collective ran once on gloo
+            assert r["compute_ms"] >= raw["gemm_ms"] - 1e-6              # GEMMs are compute ...
+            assert r["compute_ms"] <= r["step_ms"] - raw["in_comm_ms"] + 1e-6  # ... time in comm:/wait: is not
+            assert r["exposed_comm_ms"] >= raw["in_comm_ms"] - 1e-6      # blocked on communication: exposed
         with open(tmp_path / mode / "trace_rank1.json") as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
         names = {e["name"] for e in events}
