@@ -1,4 +1,4 @@
-"""`benchmark`: peak memory and step time over a sweep of (mode, swept value) cells (SPEC 6).
+"""`benchmark`: peak memory and step time over a sweep of (mode, swept value) cells.
 
 The launcher checks every cell before anything starts, then runs each cell as its own torchrun
 job (`run_cell` on every rank; rank 0 writes the cell's result to a JSON file), prints a row per

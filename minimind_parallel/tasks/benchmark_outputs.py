@@ -90,7 +90,7 @@ def failure_from_log(log: str, code: int) -> tuple[str, str]:
 
 
 def compare_with_previous(row: dict, done: list[dict]) -> None:
-    """Deltas against the mode run just before at the same swept value (the seed's tables)."""
+    """Deltas against the mode run just before at the same swept value (the book's tables)."""
     prev = next((r for r in reversed(done) if r["value"] == row["value"]), None)
     if prev is None or prev["status"] != "ok" or row["status"] != "ok":
         return
