@@ -71,11 +71,12 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optim
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(local_part(state["model"][checkpoint_key(name, config)]))
+    optimizer.state.clear()   # saved before the first step: no state, as then
     if meta["optimizer_state"]:
         _load_optimizer(optimizer, params, state["optim"], meta["param_groups"], config)
     if same_layout:
         _set_rng_states(model, state["rng"][f"rank{groups.rank}"])
-    return dict(meta["extra"], step=meta["step"])
+    return meta["extra"]
 
 
 def _model_tensors(model, config, par, mesh) -> dict:
@@ -99,21 +100,22 @@ def _optimizer_tensors(model, optimizer, config, par, mesh) -> dict:
 
 
 def _empty_optimizer_tensors(path, params, config, par, mesh) -> dict:
-    """Targets for every saved optimizer state of this rank's parameters, from DCP's index: shaped
-    like the parameter's shard when the saved state is shaped like the dense parameter, else whole."""
+    """Targets for the saved optimizer states of this rank's parameters, read from DCP's index
+    (`optim.<key>.<state>`): placed like the parameter when the saved state has the dense
+    parameter's shape, else a whole tensor (a scalar such as AdamW's step)."""
     index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     out = {}
     for name, p in params.items():
         key = checkpoint_key(name, config)
         prefix = f"optim.{key}."
-        out[key] = {}
-        for fqn, info in index.items():
-            if fqn.startswith(prefix) and "." not in fqn[len(prefix):]:
-                dtype = info.properties.dtype
-                if tuple(info.size) == plan_of(name).shape(config):
-                    out[key][fqn[len(prefix):]] = placed(torch.empty_like(p, dtype=dtype), name, config, par, mesh)
-                else:
-                    out[key][fqn[len(prefix):]] = torch.empty(tuple(info.size), dtype=dtype)
+        saved = {fqn[len(prefix):]: info for fqn, info in index.items()
+                 if fqn.startswith(prefix) and "." not in fqn[len(prefix):]}
+        if not saved:
+            raise ValueError(f"checkpoint {path} has no optimizer state for {key}")
+        out[key] = {state: placed(torch.empty_like(p, dtype=info.properties.dtype), name, config, par, mesh)
+                    if tuple(info.size) == plan_of(name).shape(config)
+                    else torch.empty(tuple(info.size), dtype=info.properties.dtype)
+                    for state, info in saved.items()}
     return out
 
 
@@ -121,9 +123,8 @@ def _load_optimizer(optimizer, params, loaded, saved_groups, config) -> None:
     """Hand the loaded states to the optimizer through its own `load_state_dict` (which creates the
     state of a fresh optimizer), with the saved hyper-parameters of each param group."""
     index_of = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    name_of = {id(p): n for n, p in params.items()}
-    state = {index_of[id(p)]: {k: local_part(v) for k, v in loaded[checkpoint_key(name_of[id(p)], config)].items()}
-             for p in params.values()}
+    state = {index_of[id(p)]: {k: local_part(v) for k, v in loaded[checkpoint_key(n, config)].items()}
+             for n, p in params.items()}
     groups = []
     for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
         restored = {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group}
@@ -140,9 +141,10 @@ def _meta(step, optimizer, config, par, extra, has_optimizer_state) -> dict:
 
 
 def _json_scalar(value) -> bool:
+    """Whether a param-group hyper-parameter goes to meta.json (a tensor learning rate does not)."""
     if isinstance(value, (tuple, list)):
         return all(_json_scalar(v) for v in value)
-    return value is None or isinstance(value, (bool, numbers.Real, str)) and not isinstance(value, torch.Tensor)
+    return value is None or isinstance(value, (bool, numbers.Real, str))
 
 
 def _device_type(model: nn.Module) -> str:
