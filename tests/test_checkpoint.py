@@ -195,7 +195,8 @@ def test_checkpoint_reshards_onto_another_layout(saved, par):
         assert set(after) <= set(before) and set(before) - set(after) <= {"lm_head.weight"}
         for name in after:
             assert torch.equal(after[name], before[name]), f"{what} {name}"
-    assert all(torch.equal(step, torch.tensor(float(SAVE_AT))) for r in results for step in r["shards"]["step"].values())
+    steps = [step for r in results for step in r["shards"]["step"].values()]
+    assert all(torch.equal(step, torch.tensor(float(SAVE_AT))) for step in steps)
     torch.testing.assert_close(_global_losses(results, par), _global_losses(saved_results, SAVED_LAYOUT),
                                rtol=2e-5, atol=0)
 
@@ -275,6 +276,19 @@ def test_saving_a_step_again_replaces_it_and_latest_stays_complete(tmp_path):
     _load(str(tmp_path), model, optimizer, config, groups)
     for name, value in _shards(model, optimizer)["param"].items():
         assert torch.equal(value, expected["param"][name]), name
+
+
+def test_a_checkpoint_saved_before_the_first_step_leaves_no_optimizer_state(tmp_path):
+    config, groups = _config(), ProcessGroups.single()
+    model, optimizer = _setup(config, groups.par, groups, seed=0)
+    _save(str(tmp_path), 0, model, optimizer, config, groups)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, optimizer = _setup(config, groups.par, groups, seed=1)
+    _train(model, optimizer, groups, range(1))
+    assert _load(str(tmp_path), model, optimizer, config, groups) == {**EXTRA, "step": 0}
+    assert not optimizer.state
+    for name, p in model.named_parameters():
+        assert torch.equal(p, expected[name]), name
 
 
 # --- bad input -------------------------------------------------------------------------------------
