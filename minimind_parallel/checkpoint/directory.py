@@ -126,7 +126,9 @@ def new_temp_dir(save_dir: str, step: int) -> str:
     for name in os.listdir(save_dir):
         if name.startswith(TMP_PREFIX) and os.path.isdir(os.path.join(save_dir, name)):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=save_dir)
+    temp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=save_dir)
+    os.chmod(temp, 0o755)   # mkdtemp makes it private; a checkpoint is an ordinary data directory
+    return temp
 
 
 def publish(temp: str, save_dir: str, step: int) -> str:
