@@ -32,10 +32,10 @@ def test_validate_fails_on_a_perturbed_shard():
 
 
 def test_a_rank_that_raises_ends_the_job_with_its_error():
-    # Only TP rank 0 looks the name up, so rank 1 would wait in a collective forever on its own.
-    r = run("validate", "--tp_size", "2", "--", *TINY, "--perturb", "no.such.parameter", timeout=120)
+    # Rank 1 raises before its first collective, so rank 0 would wait in one forever on its own.
+    r = run("validate", "--tp_size", "2", "--inject_fault", "raise:1", "--", *TINY, timeout=120)
     assert r.returncode != 0
-    assert "KeyError" in r.stderr and "no.such.parameter" in r.stderr
+    assert "RuntimeError" in r.stderr and "injected fault on rank 1" in r.stderr
 
 
 BAD = [
