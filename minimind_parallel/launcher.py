@@ -77,25 +77,43 @@ def run_torchrun(launch, world_size: int, worker_argv: list[str], *, async_commu
 
 
 def wait_for(proc: subprocess.Popen, job: str, launch, timeout: float | None) -> int:
-    """torchrun's exit code, or TIMED_OUT after `timeout` s; a multi-node job says what it waits for."""
+    """torchrun's exit code, or TIMED_OUT after `timeout` s. A multi-node job says what it waits for
+    and gives up after --rdzv_timeout (LaunchError). Once a rank has failed with an error (its
+    torchelastic error file exists), the ranks still alive SHUTDOWN_GRACE_S later are killed:
+    torchrun stops the others itself, but waits 30 s for one that is stopped."""
     start = time.monotonic()
     rendezvous = launch.nnodes > 1
     if rendezvous:
         addr, port = endpoint(launch)
         print(f"launcher: node {launch.node_rank} of {launch.nnodes} waits for the other nodes at {addr}:{port} "
               f"(--rdzv_timeout {launch.rdzv_timeout:g} s)", file=sys.stderr, flush=True)
+    error_files: set[str] = set()
+    failed_at = None
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return proc.wait(timeout=POLL_S)
-        waited = time.monotonic() - start
-        if rendezvous and len(processes.job_pids(job)) > 1:  # torchrun started this node's ranks
-            print(f"launcher: all {launch.nnodes} nodes joined after {waited:.0f} s; ranks started",
-                  file=sys.stderr, flush=True)
-            rendezvous = False
-        elif rendezvous and waited > launch.rdzv_timeout:
-            addr, port = endpoint(launch)
-            raise LaunchError(f"rendezvous timed out after --rdzv_timeout {launch.rdzv_timeout:g} s: node "
-                              f"{launch.node_rank} waited at {addr}:{port} and not all {launch.nnodes} nodes joined "
-                              f"(start the same command on every node, each with its --node_rank)")
-        if timeout is not None and waited > timeout:
+        now = time.monotonic()
+        ranks = {pid: env for pid, env in processes.job_processes(job).items() if pid != proc.pid}
+        if rendezvous:
+            rendezvous = still_waiting(launch, bool(ranks), now - start)
+        error_files |= {env["TORCHELASTIC_ERROR_FILE"] for env in ranks.values() if "TORCHELASTIC_ERROR_FILE" in env}
+        if failed_at is None and any(os.path.exists(f) for f in error_files):
+            failed_at = now
+        if failed_at is not None and now - failed_at > SHUTDOWN_GRACE_S:
+            processes.kill(ranks)
+        if timeout is not None and now - start > timeout:
             return TIMED_OUT
+
+
+def still_waiting(launch, ranks_started: bool, waited: float) -> bool:
+    """Whether this node still waits for the others; raises LaunchError after --rdzv_timeout."""
+    if ranks_started:  # torchrun starts this node's ranks once every node has joined
+        print(f"launcher: all {launch.nnodes} nodes joined after {waited:.0f} s; ranks started", file=sys.stderr,
+              flush=True)
+        return False
+    if waited > launch.rdzv_timeout:
+        addr, port = endpoint(launch)
+        raise LaunchError(f"rendezvous timed out after --rdzv_timeout {launch.rdzv_timeout:g} s: node "
+                          f"{launch.node_rank} waited at {addr}:{port} and not all {launch.nnodes} nodes joined "
+                          f"(start the same command on every node, each with its --node_rank)")
+    return True

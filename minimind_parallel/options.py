@@ -4,6 +4,7 @@ arguments, the device, and the pre-launch checks every task makes (one home each
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 
 from .config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
@@ -86,6 +87,11 @@ def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = Non
                           dp=launch.dp_size if dp is None else dp,
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
                           shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel)
+
+
+def collective_timeout(launch) -> datetime.timedelta:
+    """--collective_timeout: the longest one collective of the job's process groups waits."""
+    return datetime.timedelta(seconds=launch.collective_timeout)
 
 
 def resolve_device(launch) -> str:

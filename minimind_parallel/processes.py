@@ -66,20 +66,31 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
-def job_pids(job_id: str) -> list[int]:
-    """Every live process whose environment carries the job's mark (zombies have none)."""
-    mark = f"{JOB_ENV}={job_id}".encode() + b"\0"
-    pids = []
+def job_processes(job_id: str) -> dict[int, dict[str, str]]:
+    """Every live process whose environment carries the job's mark (zombies have none) -> its environment."""
+    mark = f"{JOB_ENV}={job_id}".encode()
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark in f.read() + b"\0":
-                    pids.append(int(entry))
+                env = f.read().split(b"\0")
         except OSError:  # gone meanwhile, or not ours
             continue
-    return pids
+        if mark in env:
+            found[int(entry)] = dict(v.decode(errors="replace").partition("=")[::2] for v in env if v)
+    return found
+
+
+def job_pids(job_id: str) -> list[int]:
+    return list(job_processes(job_id))
+
+
+def kill(pids) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def kill_job(job_id: str, *, wait: float = 10.0) -> list[int]:
@@ -88,21 +99,30 @@ def kill_job(job_id: str, *, wait: float = 10.0) -> list[int]:
     deadline = time.monotonic() + wait
     while True:
         pids = job_pids(job_id)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        kill(pids)
         if not pids or time.monotonic() > deadline:
             return pids
         time.sleep(0.05)
 
 
+def carries_mark(pid: int, job_id: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{JOB_ENV}={job_id}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def die_with_parent() -> None:
-    """End this process when its parent (torchrun) ends, however it ends."""
+    """End this process when its parent (torchrun) ends, however it ends. A rank of a marked job
+    whose parent is not of the job any more (torchrun died before this ran) ends at once."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the line above
+    job = os.environ.get(JOB_ENV)
+    orphaned = job is not None and os.path.isdir("/proc") and not carries_mark(parent, job)
+    if orphaned or os.getppid() != parent:
         os._exit(1)
 
     def watch():

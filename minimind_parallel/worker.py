@@ -16,17 +16,16 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import processes, tasks
 from .cli import parse
-from .options import resolve_device
+from .options import collective_timeout, resolve_device
 
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete within --collective_timeout."""
 
 
-def init_distributed(device: str, collective_timeout: float) -> torch.device:
+def init_distributed(device: str, timeout: datetime.timedelta) -> torch.device:
     """gloo on CPU, NCCL on CUDA; one torch thread per rank on CPU (ranks share the cores).
-    Every collective of the default group and of the groups made later waits at most `collective_timeout` s."""
-    timeout = datetime.timedelta(seconds=collective_timeout)
+    A collective of the default group waits at most `timeout` (the tasks give their groups the same)."""
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
@@ -64,7 +63,7 @@ def inject_fault(spec: str | None) -> None:
 def main(argv: list[str]) -> int:
     processes.die_with_parent()
     launch, args = parse(argv)
-    device = init_distributed(resolve_device(launch), launch.collective_timeout)
+    device = init_distributed(resolve_device(launch), collective_timeout(launch))
     try:
         inject_fault(launch.inject_fault)
         return tasks.get(launch.task).run_rank(launch, args, device)

@@ -34,7 +34,7 @@ from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
 from ..pipeline_parallel import bubble_fraction
 from ..options import (MODES, Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes,
-                       check_number, check_resources, model_config, parallel_config, resolve_device, split_argv)
+                       check_number, check_resources, collective_timeout, model_config, parallel_config, resolve_device, split_argv)
 from ..processes import Interrupted
 from ..training import DTYPES, build_parallel_model, make_optimizer, train_step_detailed, wrap_data_parallel
 from . import benchmark_outputs as outputs
@@ -179,7 +179,9 @@ def check(launch, args) -> None:
 # ---------------------------------------------------------------- launcher side
 
 def run_benchmark(launch, args, argv: list[str]) -> int:
-    """Run every cell (checked by `check`); returns 0 when every cell succeeded, 1 otherwise."""
+    """Run every cell (checked by `check`); returns 0 when every cell succeeded, 1 otherwise. SIGINT or
+    SIGTERM (processes.Interrupted) ends the running cell's processes, records the cell as
+    interrupted, writes every output with the finished rows, then passes the interruption on."""
     kind = kind_of(launch, args)
     cells = plan(args)
     paths = outputs.claim_paths(args, kind)
@@ -195,26 +197,33 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     results: list[dict] = []
     bar = tqdm(cells, desc="benchmark", unit="cell", file=sys.stderr, dynamic_ncols=True)
     print(table.header(), flush=True)
-    interrupted = None
-    for cell in bar:
-        bar.set_postfix_str(cell.name)
-        row = new_cell_row(launch, args, kind, cell)
-        try:
-            run_one(launch, args, argv, cell, row, paths)
-        except Interrupted as e:  # the cell's processes are gone; keep what finished, then stop
-            row["status"], row["reason"], interrupted = "interrupted", f"{e}; the cell's processes were ended", e
+
+    def record(row: dict) -> None:
         outputs.compare_with_previous(row, results)
         results.append(row)
         outputs.write_csv(paths.csv, results)
         outputs.write_json(paths.json, results, meta)
         bar.write(table.line(row))
-        if interrupted:
-            break
+
+    interrupted, row = None, None
+    try:
+        for cell in bar:
+            bar.set_postfix_str(cell.name)
+            row = new_cell_row(launch, args, kind, cell)
+            run_one(launch, args, argv, cell, row, paths)
+            record(row)
+    except Interrupted as e:  # the cell's processes are gone (launcher.run_torchrun); keep what finished
+        interrupted = e
+        if row is not None and not any(r is row for r in results):  # it was running
+            row["status"], row["reason"] = "interrupted", f"{e}; the cell's processes were ended"
+            record(row)
     bar.close()
+    outputs.write_csv(paths.csv, results)  # again: an interruption may have come while they were written
+    outputs.write_json(paths.json, results, meta)
     outputs.write_plot(paths.plot, results, cells[0].swept)
     if kind == "profile":  # traces and reports of this run's finished cells; here the modes side by side
         from ..profiling.sweep import compare_cells
-        done = [cell for cell, row in zip(cells, results) if row["status"] == "ok"]
+        done = [cell for cell, r in zip(cells, results) if r["status"] == "ok"]
         print(compare_cells(paths.csv, done) or "benchmark: no profile finished")
     failed = [r for r in results if r["status"] != "ok"]
     print(f"benchmark: {len(results) - len(failed)} of {len(results)} cells ok; wrote {paths.csv}, {paths.json}, "
@@ -329,7 +338,7 @@ def run_cell(launch, args, device) -> int:
     cell = plan(args)[0]
     a = cell_args(args, cell)
     config, par = model_config(a), cell_parallel(launch, a, cell.mode)
-    groups = ProcessGroups.build(par)
+    groups = ProcessGroups.build(par, timeout=collective_timeout(launch))
     per_replica = rows_per_replica(kind, args, par, launch)
     if args.inject_oom in (f"{cell.mode}:{cell.num_hidden_layers}", f"{cell.mode}:{cell.seq_len}"):  # test hook: a cell that dies the way a too-large one does
         raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in cell {cell.name}")

@@ -16,7 +16,7 @@ from ..config import ConfigError
 from ..files import atomic_path
 from ..groups import ProcessGroups
 from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_number,
-                       check_resources, model_config, parallel_config, split_argv)
+                       check_resources, collective_timeout, model_config, parallel_config, split_argv)
 from ..training import DTYPES
 from ..validation import compare_with_dense, failures, format_report
 from .task import Task
@@ -85,7 +85,7 @@ def launch_validate(launch, args, argv: list[str]) -> int:
 def run_rank(launch, args, device) -> int:
     apply_mode(args, args.mode)
     config, par = model_config(args), parallel_config(launch, args)
-    groups = ProcessGroups.build(par)
+    groups = ProcessGroups.build(par, timeout=collective_timeout(launch))
     dtype = DTYPES[args.dtype]
     rows = compare_with_dense(config, par, groups, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                               num_microbatches=args.num_microbatches, pp_schedule=args.pp_schedule,
