@@ -78,42 +78,6 @@ def test_batch_policies():
     assert [benchmark.rows_per_replica("throughput", args, p, launch) for p in (ddp, tp)] == [2, 4]
 
 
-# ---------------------------------------------------------------- bad input: one line, nothing launched
-
-BAD = [
-    (["--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", "2", "--seq_len", "16", "32"],
-     "sweep one dimension at a time"),
-    (["--tp_size", "2", "--", "--modes", "tp", "tp_magic"], "unknown mode 'tp_magic'"),
-    (["--tp_size", "2", "--", "--modes", "ddp", "tp_sp", "--num_hidden_layers", "1", "--seq_len", "16", "15"],
-     "seq_len must be divisible by tp_size with --sequence_parallel; got seq_len=15, tp_size=2"),
-    (["--tp_size", "3", "--", "--modes", "ddp", "tp"], "num_attention_heads must be divisible by tp_size"),
-    (["--tp_size", "2", "--", "--modes", "tp_vp", "--vocab_size", "129"],
-     "vocab_size must be divisible by tp_size with --vocab_parallel"),
-    (["--kind", "throughput", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "1"],
-     "fixed_global"),
-    (["--kind", "throughput", "--tp_size", "2", "--", "--estimate"], "--estimate measures memory"),
-    (["--kind", "profile", "--tp_size", "2", "--", "--estimate"],
-     "--estimate measures memory without running kernels; got --kind profile"),
-    (["--tp_size", "2", "--", "--num_microbatches", "2"], "num_microbatches > 1 needs pipeline parallelism"),
-    (["--tp_size", "2", "--", "--benchmark_iters", "0"], "benchmark_iters must be >= 1"),
-    (["--tp_size", "2", "--", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
-    (["--kind", "memory", "--tp_size", "2", "--", "--kind", "throughput"], "--kind given twice"),
-    (["--tp_size", "2", "--", "--batch_policy", "per_node"], "invalid choice"),
-    (["--tp_size", "2", "--", "--cell_timeout", "0"], "cell_timeout must be > 0 seconds; got cell_timeout=0"),
-]
-
-
-@pytest.mark.parametrize("argv,message", BAD, ids=[m for _, m in BAD])
-def test_bad_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys, tmp_path):
-    launched = []
-    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
-    code = cli.main(["benchmark", *argv, *outputs(tmp_path)] if "--" in argv else ["benchmark", *argv])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and not launched
-    assert len(err.splitlines()) == 1 and message in err, err
-    assert not (tmp_path / "b.csv").exists()
-
-
 def test_kind_is_only_for_the_benchmark(monkeypatch, capsys):
     monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: pytest.fail("launched"))
     assert cli.main(["validate", "--kind", "memory", "--"]) == 2
