@@ -3,7 +3,6 @@ and a rank that raises ending the whole job."""
 import subprocess
 import sys
 
-
 from minimind_parallel import cli, launcher
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
