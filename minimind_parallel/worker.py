@@ -45,7 +45,8 @@ def timed_out(error: BaseException) -> bool:
 
 def inject_fault(spec: str | None) -> None:
     """Test hook `--inject_fault KIND:RANK`: on that rank, `raise` raises, `stop` stops the process
-    (SIGSTOP: alive, silent, never answering its peers), `exit` exits at once without a word."""
+    (SIGSTOP: alive, silent, never answering its peers), `exit` exits at once without a word, `kill`
+    is SIGKILLed (as by the kernel's out-of-memory killer)."""
     if spec is None:
         return
     kind, rank = spec.split(":")
@@ -57,6 +58,8 @@ def inject_fault(spec: str | None) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "exit":
         os._exit(3)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @record
