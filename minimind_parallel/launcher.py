@@ -66,9 +66,11 @@ def run_torchrun(launch, world_size: int, worker_argv: list[str], *, async_commu
     env = {**launch_env(resolve_device(launch), async_communication), processes.JOB_ENV: job}
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(log, "w")) if log is not None else None
-        # its own session: Ctrl-C at the terminal reaches the launcher only, which ends the job
+        # its own session: Ctrl-C at the terminal reaches the launcher only, which ends the job;
+        # torchrun dies with the launcher, the ranks with torchrun (processes.die_with_parent)
         proc = subprocess.Popen(torchrun_command(launch, world_size, worker_argv), env=env, start_new_session=True,
-                                stdout=out, stderr=subprocess.STDOUT if out is not None else None)
+                                preexec_fn=processes.parent_death_signal(), stdout=out,
+                                stderr=subprocess.STDOUT if out is not None else None)
         try:
             return wait_for(proc, job, launch, timeout)
         finally:

@@ -201,15 +201,16 @@ def check_resources(launch, runs: list, *, rows: list[int] | None = None) -> Non
         return
     device = resolve_device(launch)
     per_node = runs[0][1].world_size // launch.nnodes
-    peaks = [predicted_peak(a, par, device, r) for (a, par), r in zip(runs, rows or [a.micro_batch_size for a, _ in runs])]
+    rows = rows or [a.micro_batch_size for a, _ in runs]
+    peaks = [predicted_peak(a, par, device, r) for (a, par), r in zip(runs, rows)]
     peak = max((p for p in peaks if p is not None), default=0)
     override = "; pass --skip_resource_check to launch anyway"
     if device == "cuda":
         import torch
         gpu = min(torch.cuda.get_device_properties(i).total_memory for i in range(per_node))
         if peak > gpu:
-            raise ConfigError(f"predicted memory exceeds the GPU: the worst rank's predicted peak {peak / 2**30:.2f} GiB "
-                              f"(analytic model) > {gpu / 2**30:.2f} GiB of GPU memory{override}")
+            raise ConfigError(f"predicted memory exceeds the GPU: the worst rank's predicted peak "
+                              f"{peak / 2**30:.2f} GiB (analytic model) > {gpu / 2**30:.2f} GiB of GPU memory{override}")
         return
     available = mem_available()
     if available is None:

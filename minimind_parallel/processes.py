@@ -7,7 +7,9 @@ launcher's process group never reaches the ranks. Three things make sure none ou
     the job starts inherits it, so `job_pids` finds them all, reparented or not, and `kill_job`
     SIGKILLs them (a stopped process too);
   * `die_with_parent`, called by each rank first: the kernel SIGKILLs the rank when torchrun dies
-    (Linux PR_SET_PDEATHSIG), and a watchdog thread exits when the parent changes (elsewhere);
+    (Linux PR_SET_PDEATHSIG), and a watchdog thread exits when the parent changes (elsewhere); the
+    launcher starts torchrun the same way (`parent_death_signal`), so even a SIGKILLed launcher
+    takes the job along;
   * `signals_raise`: SIGINT and SIGTERM to the launcher raise `Interrupted`, so the launcher ends
     the job before it exits instead of dying (SIGTERM) or leaving it behind (Ctrl-C).
 """
@@ -113,13 +115,23 @@ def carries_mark(pid: int, job_id: str) -> bool:
         return False
 
 
+def parent_death_signal():
+    """-> a function that makes the calling process be SIGKILLed when its parent ends (Linux's
+    PR_SET_PDEATHSIG; None elsewhere). Resolved here, so that calling it between fork and exec
+    (subprocess's preexec_fn) loads nothing."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def die_with_parent() -> None:
     """End this process when its parent (torchrun) ends, however it ends. A rank of a marked job
     whose parent is not of the job any more (torchrun died before this ran) ends at once."""
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    arm = parent_death_signal()
+    if arm is not None:
+        arm()
     job = os.environ.get(JOB_ENV)
     orphaned = job is not None and os.path.isdir("/proc") and not carries_mark(parent, job)
     if orphaned or os.getppid() != parent:

@@ -71,7 +71,8 @@ LAUNCHER = [
     (["validate", "--node_rank", "-1", "--"], "node_rank must be in [0, nnodes); got node_rank=-1, nnodes=1"),
     (["validate", "--master_port", "70000", "--"], "master_port must be a TCP port in 1-65535; got master_port=70000"),
     (["validate", "--master_port", "0", "--"], "master_port must be a TCP port in 1-65535; got master_port=0"),
-    (["validate", "--collective_timeout", "0", "--"], "collective_timeout must be > 0 seconds; got collective_timeout=0"),
+    (["validate", "--collective_timeout", "0", "--"],
+     "collective_timeout must be > 0 seconds; got collective_timeout=0"),
     (["validate", "--collective_timeout", "nan", "--"], "collective_timeout must be a finite number"),
     (["validate", "--rdzv_timeout", "-5", "--"], "rdzv_timeout must be > 0 seconds; got rdzv_timeout=-5"),
     (["validate", "--rdzv_timeout", "inf", "--"], "rdzv_timeout must be a finite number; got rdzv_timeout=inf"),
@@ -233,8 +234,9 @@ def test_a_model_predicted_not_to_fit_the_gpu_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Properties)
-    assert_refused_before_launch(["validate", "--tp_size", "2", "--device", "cuda", "--", *HUGE, "--dtype", "bfloat16"],
-                                 "predicted memory exceeds the GPU: the worst rank's predicted peak", monkeypatch, capsys)
+    argv = ["validate", "--tp_size", "2", "--device", "cuda", "--", *HUGE, "--dtype", "bfloat16"]
+    assert_refused_before_launch(argv, "predicted memory exceeds the GPU: the worst rank's predicted peak",
+                                 monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("spare,fits", [(0, True), (-1, False)], ids=["fits", "one byte short"])

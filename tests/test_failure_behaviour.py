@@ -202,6 +202,18 @@ def test_a_multi_node_job_says_what_it_waits_for_and_gives_up_after_the_rendezvo
 
 # ---------------------------------------------------------------- the launcher's own process tree
 
+def test_a_launcher_killed_outright_takes_the_job_along(mark):
+    """SIGKILL cannot be handled: torchrun dies with the launcher, the ranks with torchrun."""
+    proc = start("validate", "--tp_size", "2", "--", *TINY, "--optimizer_steps", "1000000", mark=mark)
+    try:
+        wait_for_ranks(mark, 2, proc)
+        proc.kill()
+        proc.communicate(timeout=30)
+        assert_none_left(mark)
+    finally:
+        kill_on_failure(proc, mark)
+
+
 def test_a_rank_dies_with_torchrun(mark):
     """torchrun SIGKILLed (the kernel's out-of-memory killer, kill -9): its ranks go with it, whether
     they were still starting (their parent is not of the job) or running (PR_SET_PDEATHSIG)."""

@@ -34,7 +34,8 @@ from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
 from ..pipeline_parallel import bubble_fraction
 from ..options import (MODES, Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes,
-                       check_number, check_resources, collective_timeout, model_config, parallel_config, resolve_device, split_argv)
+                       check_number, check_resources, collective_timeout, model_config, parallel_config,
+                       resolve_device, split_argv)
 from ..processes import Interrupted
 from ..training import DTYPES, build_parallel_model, make_optimizer, train_step_detailed, wrap_data_parallel
 from . import benchmark_outputs as outputs
