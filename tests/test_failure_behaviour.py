@@ -209,7 +209,7 @@ def test_a_launcher_killed_outright_takes_the_job_along(mark):
         wait_for_ranks(mark, 2, proc)
         proc.kill()
         proc.communicate(timeout=30)
-        assert_none_left(mark)
+        assert_none_left(mark, within=30.0)  # as in test_a_rank_dies_with_torchrun
     finally:
         kill_on_failure(proc, mark)
 
@@ -225,6 +225,7 @@ def test_a_rank_dies_with_torchrun(mark):
         wait_for_ranks(mark, 2, torchrun)
         torchrun.kill()
         torchrun.wait()
-        assert_none_left(mark, within=3.0)
+        # a rank still importing torch notices when it gets to die_with_parent: seconds on a busy machine
+        assert_none_left(mark, within=30.0)
     finally:
         kill_on_failure(torchrun, mark)
