@@ -23,7 +23,7 @@ import shutil
 import tempfile
 
 from ..config import ConfigError, MiniMindConfig
-from ..data.files import atomic_path
+from ..files import atomic_path
 
 MARKER = "latest"
 META = "meta.json"
