@@ -216,7 +216,9 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
             record(row)
     except Interrupted as e:  # the cell's processes are gone (launcher.run_torchrun); keep what finished
         interrupted = e
-        if row is not None and not any(r is row for r in results):  # it was running
+        if len(results) < len(cells):  # the cell running, or about to start, when the signal came
+            if row is None or any(r is row for r in results):
+                row = new_cell_row(launch, args, kind, cells[len(results)])
             row["status"], row["reason"] = "interrupted", f"{e}; the cell's processes were ended"
             record(row)
     bar.close()
