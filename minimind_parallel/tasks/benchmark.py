@@ -153,7 +153,7 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
     if args.num_microbatches > 1 and launch.pp_size == 1:
         raise ConfigError(f"num_microbatches > 1 needs pipeline parallelism; got num_microbatches="
                           f"{args.num_microbatches}, pp_size={launch.pp_size}")
-    check_modes(args.modes)
+    check_modes(args.modes, launch)
     cells = plan(args)
     each_args = [cell_args(args, cell) for cell in cells]
     runs = [(a, cell_parallel(launch, a, cell.mode)) for a, cell in zip(each_args, cells)]
