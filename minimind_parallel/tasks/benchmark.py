@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from .. import launcher
 from ..config import ConfigError, ParallelConfig
-from ..data.batches import broadcast_batch, dp_rows
+from ..context_parallel import ContextLayout
+from ..data.batches import broadcast_batch, cp_tokens, dp_rows
 from ..device_sync import synchronize
 from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
@@ -300,8 +301,9 @@ def run_cell(launch, args, device) -> int:
     model = wrap_data_parallel(model, groups)
     optimizer = make_optimizer(model, args.learning_rate)
     # M microbatches of `per_replica` rows per DP replica (M = 1 without a pipeline)
-    ids, labels = dp_rows(broadcast_batch(per_replica * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
-                                          args.seed + 1, device), groups.dp_rank, par.dp)  # labels: shifted targets
+    batch = dp_rows(broadcast_batch(per_replica * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
+                                    args.seed + 1, device), groups.dp_rank, par.dp)  # labels: shifted targets
+    ids, labels = cp_tokens(batch, ContextLayout.of(par, a.seq_len), groups.cp_rank)  # [rows, S/C]
     result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
     global_tokens = per_replica * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
