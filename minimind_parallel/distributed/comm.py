@@ -147,6 +147,7 @@ class _Batch:
         with _observed():
             for work in self._works:
                 work.wait()
+        self._works = []   # a work keeps its tensors: once done, let the sent buffer go at once
         return True
 
 
