@@ -55,9 +55,11 @@ def deallocate_output_tensor(out: torch.Tensor) -> None:
 class _Stage:
     """One rank's stage of the pipeline: the forward and backward steps the schedules call."""
 
-    def __init__(self, model: nn.Module, groups: ProcessGroups, microbatches: list, *, collect_logits: bool):
+    def __init__(self, model: nn.Module, groups: ProcessGroups, microbatches: list, *, collect_logits: bool,
+                 loss_scale=1.0, forward_context=nullcontext):
         self.model, self.groups, self.microbatches = model, groups, microbatches
         self.collect_logits = collect_logits
+        self.loss_scale, self.forward_context = loss_scale, forward_context
         par, ids = groups.par, microbatches[0][0]
         hidden = unwrap(model).config.hidden_size
         seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
@@ -65,6 +67,7 @@ class _Stage:
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
         # targets per microbatch, kept on the device (no host sync; works on fake tensors too)
         counts = torch.stack([count_targets(targets) for _, targets in microbatches])
+        counts = counts.to(torch.promote_types(dtype, torch.float32))  # float64 runs: float64 weights
         self.loss_weights = counts / counts.sum().clamp(min=1)                           # [M], sums to 1
         self.held: list = []        # (input, output) of microbatches awaiting their backward, oldest first
         self.losses, self.logits = [], []
@@ -77,7 +80,7 @@ class _Stage:
         if x is not None:
             x.requires_grad_()      # its grad is what this stage sends back
         start = time.perf_counter()
-        with self._grad_sync(i), span("forward"):
+        with self._grad_sync(i), span("forward"), self.forward_context():
             out = self.model(ids, targets, hidden_states=x)
         self.busy += time.perf_counter() - start
         if not self.groups.is_last_stage:
@@ -86,7 +89,10 @@ class _Stage:
         self.losses.append(loss.detach())
         if self.collect_logits:
             self.logits.append(out.logits.detach())
-        return loss
+        if isinstance(self.loss_scale, float) and self.loss_scale == 1.0:
+            return loss
+        # what backward sees; the reported loss is unscaled
+        return loss * torch.as_tensor(self.loss_scale, dtype=loss.dtype, device=loss.device)
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -169,14 +175,19 @@ def all_forwards(stage: _Stage) -> None:
 
 
 def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *, schedule: str = "1f1b",
-                     forward_only: bool = False, collect_logits: bool = False) -> StepResult:
+                     forward_only: bool = False, collect_logits: bool = False, loss_scale=1.0,
+                     forward_context=nullcontext) -> StepResult:
     """Run every microbatch [Batch(ids [b, S], targets [b, S]), ...] (`data.batches`) through
     this rank's stage, accumulating the grads of the mean loss over all their target tokens. With one stage both
     schedules are plain gradient accumulation (forward, backward per microbatch: 1F1B without
-    warm-up); a DDP model then all-reduces once, in the last backward."""
+    warm-up); a DDP model then all-reduces once, in the last backward.
+    `loss_scale` (a float or 0-dim tensor) multiplies the loss before backward only (the replica's
+    share of the global batch's targets, a float16 loss scale); `forward_context()` is entered
+    around every forward (autocast for mixed precision), never around backward."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
-    stage = _Stage(model, groups, microbatches, collect_logits=collect_logits)
+    stage = _Stage(model, groups, microbatches, collect_logits=collect_logits, loss_scale=loss_scale,
+                   forward_context=forward_context)
     start = time.perf_counter()
     if forward_only:
         all_forwards(stage)
