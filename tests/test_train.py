@@ -121,9 +121,9 @@ def test_every_log_line_carries_the_numbers_a_person_watches(corpus, tmp_path):
 # ---------------------------------------------------------------- resuming
 
 def halted_run(corpus, save_dir, launcher_args, **extra):
-    """A run of 8 steps that saves every 4 and is stopped after step 4, as a killed job would be."""
+    """A run of 8 steps that saves every 4 and ends after step 4 (as a job killed before step 5 would)."""
     train_in_ranks(launcher_args, data_args(corpus, max_steps=8, save_interval=4, save_dir=save_dir,
-                                            halt_after_step=4, **extra))
+                                            stop_at_step=4, **extra))
 
 
 def test_resume_continues_exactly_where_the_uninterrupted_run_goes(corpus, tmp_path):

@@ -75,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_batches", type=int, default=8, help="held-out global batches per evaluation")
     p.add_argument("--peak_tflops", type=float, default=None, help="per-rank peak for MFU (default: by device)")
     p.add_argument("--out_dir", default=None, help="metrics.jsonl and loss.png (default --save_dir, else runs/train)")
-    p.add_argument("--halt_after_step", type=int, default=None, help=argparse.SUPPRESS)  # test hook: a killed job
+    p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
+                   help="end this process after step N, saving a checkpoint there; --resume continues the run")
     p.set_defaults(micro_batch_size=32, num_microbatches=8, learning_rate=5e-4, dtype="bfloat16")
     return p
 
@@ -129,8 +130,9 @@ def check(launch, args) -> None:
     the data is how a malformed line or an empty file is found)."""
     check_at_least(args, 1, ("epochs", "log_interval", "save_interval", "eval_batches"))
     check_at_least(args, 0, ("warmup_steps", "eval_interval"))
-    if args.max_steps is not None:
-        check_at_least(args, 1, ("max_steps",))
+    for name in ("max_steps", "stop_at_step"):
+        if getattr(args, name) is not None:
+            check_at_least(args, 1, (name,))
     if args.grad_clip < 0 or not 0 <= args.eval_fraction < 1:
         raise ConfigError(f"grad_clip must be >= 0 and 0 <= eval_fraction < 1; got grad_clip={args.grad_clip}, "
                           f"eval_fraction={args.eval_fraction}")
@@ -281,7 +283,7 @@ class Run:
         while self.step < self.total:
             interval = self.one_step(interval)
             bar.update(1)
-            if self.args.halt_after_step == self.step:
+            if self.args.stop_at_step == self.step:
                 break
         bar.close()
         if self.lead:
@@ -307,7 +309,7 @@ class Run:
         aside = time.perf_counter()   # evaluation and saving are not training time
         if self.heldout and ((args.eval_interval and self.step % args.eval_interval == 0) or last):
             self.evaluate()
-        if args.save_dir and (self.step % args.save_interval == 0 or last):
+        if args.save_dir and (self.step % args.save_interval == 0 or last or self.step == args.stop_at_step):
             self._save()
         if logged:
             return Interval(start=time.perf_counter())
