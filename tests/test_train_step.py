@@ -137,3 +137,32 @@ def test_the_loss_scaler_skips_overflowing_steps_and_grows_after_good_ones():
     t = LossScaler()
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict()
+
+
+def _mixed_step(par, compute_dtype):
+    dense, model, groups = dense_and_parallel(par, tied=False, dtype=torch.float32)
+    precision = Precision.of("mixed", compute_dtype, "cpu")
+    batch = uneven_batch(4)
+    with precision.forward_context():
+        dense_loss = dense(*batch).loss
+    dense_loss.backward()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf"))
+    stats = pretrain_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups,
+                          dp_rows(batch, groups.dp_rank, par.dp), num_microbatches=1, schedule="1f1b", grad_clip=0.0,
+                          precision=precision, scaler=LossScaler() if precision.needs_loss_scaling else None)
+    loss, _ = world_token_mean(None if stats.loss is None else stats.loss * stats.targets, stats.targets, groups)
+    dtypes = {p.dtype for p in model.parameters()}
+    return loss, dense_loss.item(), stats.grad_norm.item(), dense_norm.item(), dtypes, stats.stepped
+
+
+@pytest.mark.parametrize("par,compute_dtype", [
+    (ParallelConfig(tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True), torch.bfloat16),
+    (ParallelConfig(tp=2, sequence_parallel=True, async_communication=True), torch.float16),
+    (ParallelConfig(pp=2), torch.bfloat16),
+], ids=["tp2_sp_async_vp_bf16", "tp2_sp_async_fp16_scaled", "pp2_bf16"])
+def test_mixed_precision_steps_match_the_dense_model_under_autocast(par, compute_dtype):
+    for loss, dense_loss, norm, dense_norm, dtypes, stepped in run_ranks(_mixed_step, par.world_size, par,
+                                                                         compute_dtype):
+        assert dtypes == {torch.float32} and stepped
+        assert loss == pytest.approx(dense_loss, rel=1e-2)     # half-precision matmuls: round-off of ~1e-3
+        assert norm == pytest.approx(dense_norm, rel=5e-2)
