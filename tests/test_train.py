@@ -214,6 +214,9 @@ def bad_inputs(corpus, tmp, checkpointed):
         ([*train, "--eval_interval", "5"], "needs held-out data"),
         ([*train, "--max_steps", "4", "--warmup_steps", "4"], "warmup_steps < total_steps"),
         ([*train, "--precision", "pure", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
+        ([*train, "--from_weight", str(tmp / "pretrain_64.pth")], "pretrain_64.pth not found"),
+        ([*train, "--from_weight", str(tmp / "a_file"), "--save_dir", str(checkpointed), "--resume"],
+         "--resume continues a checkpoint, --from_weight starts from weights"),
     ]
 
 

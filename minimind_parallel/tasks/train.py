@@ -326,7 +326,7 @@ class Run:
         seconds = time.perf_counter() - interval.start
         tokens = interval.steps * rows_per_replica(self.args) * self.par.dp * self.args.seq_len
         tokens_per_s = tokens / seconds
-        record = {"kind": "train", "step": self.step, "total_steps": self.total, "epoch": self.sampler.epoch,
+        record = {"kind": "train", "step": self.step, "total_steps": self.total, "epoch": (self.step - 1) // self.sampler.steps_per_epoch,
                   "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
                   "mfu": mfu(self.flops_per_token, tokens_per_s, self.par.world_size, self.peak),
                   "peak_mem_mib": peak.item() / MIB, "step_ms": 1e3 * seconds / interval.steps,
