@@ -61,9 +61,11 @@ def deallocate_output_tensor(out: torch.Tensor) -> None:
 class _Stage:
     """One rank's stage of the pipeline: the forward and backward steps the schedules call."""
 
-    def __init__(self, model: nn.Module, groups: ProcessGroups, microbatches: list, *, collect_logits: bool):
+    def __init__(self, model: nn.Module, groups: ProcessGroups, microbatches: list, *, collect_logits: bool,
+                 loss_scale=1.0, forward_context=nullcontext):
         self.model, self.groups, self.microbatches = model, groups, microbatches
         self.collect_logits = collect_logits
+        self.loss_scale, self.forward_context = loss_scale, forward_context
         par, ids = groups.par, microbatches[0][0]
         hidden = unwrap(model).config.hidden_size
         seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
@@ -71,6 +73,7 @@ class _Stage:
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
         # targets per microbatch, kept on the device (no host sync; works on fake tensors too)
         counts = torch.stack([count_targets(targets) for _, targets in microbatches])
+        counts = counts.to(torch.promote_types(dtype, torch.float32))  # float64 runs: float64 weights
         total = comm.all_reduce(counts.sum(), groups.cp)                              # every CP rank's targets
         self.loss_weights = counts / total.clamp(min=1)          # [M]; summed over M and CP ranks: 1
         self.grad_scale = par.cp     # grads are averaged over DP x CP but the CP ranks' losses add up
@@ -85,7 +88,7 @@ class _Stage:
         if x is not None:
             x.requires_grad_()      # its grad is what this stage sends back
         start = time.perf_counter()
-        with self._grad_sync(i), span("forward"):
+        with self._grad_sync(i), span("forward"), self.forward_context():
             out = self.model(ids, targets, hidden_states=x)
         self.busy += time.perf_counter() - start
         if not self.groups.is_last_stage:
@@ -94,7 +97,12 @@ class _Stage:
         self.losses.append(loss.detach())
         if self.collect_logits:
             self.logits.append(out.logits.detach())
-        return loss * self.grad_scale if self.grad_scale != 1 else loss
+        # what backward sees: the CP ranks' losses add up (grad_scale), a loss scaler's factor
+        # (loss_scale, a float or a 0-dim tensor); the reported loss is neither
+        if isinstance(self.loss_scale, float):
+            scale = self.loss_scale * self.grad_scale
+            return loss if scale == 1.0 else loss * scale
+        return loss * (self.loss_scale.to(loss.dtype) * self.grad_scale)
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -179,14 +187,19 @@ def all_forwards(stage: _Stage) -> None:
 
 
 def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *, schedule: str = "1f1b",
-                     forward_only: bool = False, collect_logits: bool = False) -> StepResult:
+                     forward_only: bool = False, collect_logits: bool = False, loss_scale=1.0,
+                     forward_context=nullcontext) -> StepResult:
     """Run every microbatch [Batch(ids [b, S], targets [b, S]), ...] (`data.batches`) through
     this rank's stage, accumulating the grads of the mean loss over all their target tokens. With one stage both
     schedules are plain gradient accumulation (forward, backward per microbatch: 1F1B without
-    warm-up); a DDP model then all-reduces once, in the last backward."""
+    warm-up); a DDP model then all-reduces once, in the last backward.
+    `loss_scale` (a float or 0-dim tensor) multiplies the loss before backward only (the replica's
+    share of the global batch's targets, a float16 loss scale); `forward_context()` is entered
+    around every forward (autocast for mixed precision), never around backward."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
-    stage = _Stage(model, groups, microbatches, collect_logits=collect_logits)
+    stage = _Stage(model, groups, microbatches, collect_logits=collect_logits, loss_scale=loss_scale,
+                   forward_context=forward_context)
     start = time.perf_counter()
     if forward_only:
         all_forwards(stage)

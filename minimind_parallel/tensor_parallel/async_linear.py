@@ -26,6 +26,15 @@ from ..distributed import comm
 from ..distributed.ranges import span
 
 
+def _autocast_of(x: torch.Tensor) -> dict:
+    """The autocast state the forward ran under, for backward to run under the same (what
+    torch.amp.custom_fwd/custom_bwd do, for whichever device x is on): mixed precision then
+    computes dgrad and wgrad in the forward's compute dtype."""
+    device = x.device.type
+    enabled = torch.is_autocast_enabled(device)
+    return dict(device_type=device, enabled=enabled, dtype=torch.get_autocast_dtype(device) if enabled else None)
+
+
 def _wgrad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW = dY^T X over all tokens: [S, B, N], [S, B, H] -> [N, H]."""
     return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
@@ -40,10 +49,16 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
         ctx.save_for_backward(x, *weights)  # the local shard only, never `full`
         ctx.group, ctx.sequence_parallel, ctx.n = group, sequence_parallel, n
         ctx.has_bias = [b is not None for b in biases]
+        ctx.autocast = _autocast_of(x)
         return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
+        with torch.autocast(**ctx.autocast):
+            return LinearWithAsyncCommunication._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
         x, *weights = ctx.saved_tensors                                          # grads: one per output (None if unused)
         if ctx.sequence_parallel:
             full, gather = comm.all_gather_dim0(x, ctx.group, async_op=True)   # 1. re-gather input

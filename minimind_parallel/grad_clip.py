@@ -1,0 +1,65 @@
+"""Gradient clipping by the global norm of the dense model's gradient, over every shard.
+
+The dense model's `torch.nn.utils.clip_grad_norm_(params, max_norm)` takes the 2-norm of all its
+grads together. Here every rank holds a part of them; the parallel plan (plan.py) says which
+part, and each dense parameter is counted exactly once (Megatron-LM's clip_grad_norm_fp32 does
+the same with its "is not a duplicate" test):
+
+    TP-split parameter (column / row / vocab)   every TP rank counts its shard; summed over TP
+    TP-replicated parameter (norms, a head       TP rank 0 counts it (after `finalize_grads` every
+      without --vocab_parallel)                  TP rank holds the same full grad)
+    layers of other pipeline stages             summed over PP
+    tied embedding, two copies under PP          the first stage's copy only (equal after finalize_grads)
+    DP / CP replicas                            not summed: their grads are equal after averaging
+
+Call after `training.finalize_grads` (and, under a float16 loss scaler, after unscaling).
+Every rank gets the same norm, so every rank applies the same clip coefficient.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .data_parallel import unwrap
+from .distributed import comm
+from .groups import ProcessGroups
+from .plan import grad_is_shared_over_stages, tp_split_dim
+
+
+def counted_here(name: str, model: nn.Module, groups: ProcessGroups) -> bool:
+    """Whether this rank's grad of parameter `name` enters the global norm (each dense value once)."""
+    if tp_split_dim(name, groups.par) is None and groups.tp_rank != 0:
+        return False
+    return not (grad_is_shared_over_stages(name, model.config, groups.par) and not groups.is_first_stage)
+
+
+def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
+    """The 2-norm of the dense model's whole gradient (0-dim, at least float32; the same on every
+    rank). Collective over TP and PP."""
+    inner = unwrap(model)
+    grads = [p.grad for name, p in inner.named_parameters()
+             if p.grad is not None and counted_here(name, inner, groups)]
+    acc = torch.promote_types(next(inner.parameters()).dtype, torch.float32)
+    device = next(inner.parameters()).device
+    squares = torch.zeros((), dtype=acc, device=device)
+    for g in grads:
+        squares += g.detach().to(acc).pow(2).sum()
+    comm.all_reduce(squares, groups.tp)   # the shards of one stage
+    comm.all_reduce(squares, groups.pp)   # the stages
+    return squares.sqrt()
+
+
+def clip_grads_(model: nn.Module, total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale every grad by min(1, max_norm / (total_norm + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in unwrap(model).parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+
+
+def clip_grad_norm_(model: nn.Module, groups: ProcessGroups, max_norm: float) -> torch.Tensor:
+    """Clip by the global norm (max_norm <= 0: measure only); returns the norm before clipping."""
+    total = global_grad_norm(model, groups)
+    if max_norm > 0:
+        clip_grads_(model, total, max_norm)
+    return total

@@ -1,0 +1,353 @@
+"""`train`: pretrain MiniMind-3 on a jsonl corpus in any layout, with MiniMind's semantics
+(jingyaogong/minimind: trainer/train_pretrain.py, dataset/lm_dataset.py).
+
+    python -m evaluation.parallel train --tp_size 2 -- --data_path data/stdlib.jsonl \\
+        --tokenizer_path data/tokenizer --sequence_parallel --save_dir runs/tiny [--resume]
+
+The task composes its rooms: the data (`data.feed`, `data.pretrain`: rows, sampler, held-out
+rows), the step (`pretraining.pretrain_step`: exact token mean over DP, mixed precision, global
+grad-norm clipping, AdamW), the schedule (`lr_schedule.cosine_lr`), held-out loss (`heldout`),
+checkpoints (`checkpoint`) and what a person sees (`metrics`). The launcher checks every input
+and builds the token caches before any rank starts (`check`); ranks only open them.
+
+One optimizer step takes --accumulation_steps microbatches of --batch_size rows on every DP
+replica (the pipeline's microbatches under PP), so the global batch is dp x batch_size x
+accumulation_steps rows. The run is min(--epochs x steps per epoch, --max_steps) steps; the
+learning rate follows MiniMind's cosine over that many steps.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ..config import ConfigError
+from ..data.feed import Rows, heldout_batches, heldout_split, open_dataset
+from ..data.pretrain import PretrainSampler, check_fits_model
+from ..data.tokenizer import load_tokenizer
+from ..distributed import comm
+from ..groups import ProcessGroups
+from ..heldout import heldout_loss
+from ..lr_schedule import cosine_lr
+from ..metrics import (MetricsFile, format_eval, format_line, mfu, model_flops_per_token, peak_memory_bytes,
+                       peak_tflops, write_loss_plot)
+from ..mixed_precision import PRECISIONS, LossScaler, Precision
+from ..model import MiniMindForCausalLM
+from ..options import Parser, add_model_args, check_at_least, check_common, model_config, parallel_config
+from ..pretraining import pretrain_step, world_token_mean
+from ..training import DTYPES, build_parallel_model, make_optimizer, wrap_data_parallel
+from .task import Task
+
+MIB = 2 ** 20
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="train", description="pretrain MiniMind-3 on a jsonl corpus (MiniMind's train_pretrain.py)")
+    add_model_args(p)
+    p.add_argument("--num_hidden_layers", type=int, default=8)
+    p.add_argument("--data_path", required=True, help="jsonl, one {\"text\": ...} per line")
+    p.add_argument("--tokenizer_path", required=True, help="directory with MiniMind's tokenizer.json")
+    p.add_argument("--max_seq_len", dest="seq_len", type=int, default=340)
+    p.add_argument("--batch_size", dest="micro_batch_size", type=int, help="rows per microbatch per DP rank")
+    p.add_argument("--accumulation_steps", dest="num_microbatches", type=int, help="microbatches per step")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--grad_clip", type=float, default=1.0, help="global grad-norm clip (0: none)")
+    p.add_argument("--warmup_steps", type=int, default=0)
+    p.add_argument("--precision", choices=PRECISIONS, default="mixed",
+                   help="mixed: float32 parameters, --dtype compute under autocast (MiniMind); pure: all --dtype")
+    p.add_argument("--log_interval", type=int, default=100)
+    p.add_argument("--save_interval", type=int, default=1000)
+    p.add_argument("--save_dir", default=None, help="checkpoints (and, by default, metrics and the loss curve)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of --save_dir")
+    p.add_argument("--from_weight", default=None, metavar="PTH", help="start from MiniMind weights ({weight}_{dim}.pth)")
+    p.add_argument("--eval_data_path", default=None, help="held-out jsonl")
+    p.add_argument("--eval_fraction", type=float, default=0.0, help="hold out this fraction of --data_path instead")
+    p.add_argument("--eval_interval", type=int, default=0, help="held-out loss every N steps (and at the end)")
+    p.add_argument("--eval_batches", type=int, default=8, help="held-out global batches per evaluation")
+    p.add_argument("--peak_tflops", type=float, default=None, help="per-rank peak for MFU (default: by device)")
+    p.add_argument("--out_dir", default=None, help="metrics.jsonl and loss.png (default --save_dir, else runs/train)")
+    p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
+                   help="end this process after step N, saving a checkpoint there; --resume continues the run")
+    p.set_defaults(micro_batch_size=32, num_microbatches=8, learning_rate=5e-4, dtype="bfloat16")
+    return p
+
+
+# ---------------------------------------------------------------- data, steps, outputs
+
+@dataclass(frozen=True, kw_only=True)
+class TrainData:
+    train: Rows
+    heldout: Rows | None
+
+
+def open_data(args, tok) -> TrainData:
+    """The training rows and the held-out rows (own file, a held-out fraction, or none)."""
+    dataset = open_dataset(args.data_path, tok, args.seq_len)
+    train_rows, held = heldout_split(len(dataset), args.eval_fraction, args.seed)
+    heldout = None
+    if args.eval_data_path:
+        eval_set = open_dataset(args.eval_data_path, tok, args.seq_len)
+        heldout = Rows(eval_set, np.arange(len(eval_set)))
+    elif len(held):
+        heldout = Rows(dataset, held)
+    return TrainData(train=Rows(dataset, train_rows), heldout=heldout)
+
+
+def rows_per_replica(args) -> int:
+    return args.micro_batch_size * args.num_microbatches
+
+
+def make_sampler(args, num_rows: int, dp_rank: int, dp: int) -> PretrainSampler:
+    return PretrainSampler(num_rows, batch_size=rows_per_replica(args), dp_rank=dp_rank, dp_size=dp, seed=args.seed)
+
+
+def total_steps(args, sampler: PretrainSampler) -> int:
+    steps = args.epochs * sampler.steps_per_epoch
+    return steps if args.max_steps is None else min(steps, args.max_steps)
+
+
+def evaluating(args) -> bool:
+    return bool(args.eval_data_path) or args.eval_fraction > 0
+
+
+def out_dir(args) -> str:
+    return args.out_dir or args.save_dir or os.path.join("runs", "train")
+
+
+# ---------------------------------------------------------------- launcher side: every check
+
+def check(launch, args) -> None:
+    """Every bad input refused before a rank starts; the token caches are built here (tokenising
+    the data is how a malformed line or an empty file is found)."""
+    check_at_least(args, 1, ("epochs", "log_interval", "save_interval", "eval_batches"))
+    check_at_least(args, 0, ("warmup_steps", "eval_interval"))
+    for name in ("max_steps", "stop_at_step"):
+        if getattr(args, name) is not None:
+            check_at_least(args, 1, (name,))
+    if args.grad_clip < 0 or not 0 <= args.eval_fraction < 1:
+        raise ConfigError(f"grad_clip must be >= 0 and 0 <= eval_fraction < 1; got grad_clip={args.grad_clip}, "
+                          f"eval_fraction={args.eval_fraction}")
+    if args.eval_interval and not evaluating(args):
+        raise ConfigError(f"--eval_interval {args.eval_interval} needs held-out data: --eval_data_path or --eval_fraction")
+    tok = load_tokenizer(args.tokenizer_path)
+    config, par = model_config(args), parallel_config(launch, args)
+    check_fits_model(tokenizer_vocab=tok.vocab_size, model_vocab=config.vocab_size, max_seq_len=args.seq_len,
+                     max_positions=config.max_position_embeddings)
+    check_common(launch, args, [(args, par)], sizes=("micro_batch_size", "num_microbatches"),
+                 steps=" with --precision pure: use --precision mixed" if args.precision == "pure" else None)
+    check_data(args, tok, par)
+    check_outputs(args, config)
+
+
+def check_data(args, tok, par) -> None:
+    data = open_data(args, tok)
+    total = total_steps(args, make_sampler(args, len(data.train), 0, par.dp))
+    cosine_lr(1, total, args.learning_rate, args.warmup_steps)  # warmup_steps < total steps
+    if data.heldout is not None and len(data.heldout) < rows_per_replica(args) * par.dp:
+        raise ConfigError(f"held-out data must hold one global batch (dp_size * batch_size * accumulation_steps "
+                          f"rows); got {len(data.heldout)} rows, global batch {rows_per_replica(args) * par.dp}")
+
+
+def check_outputs(args, config) -> None:
+    if args.resume and args.from_weight:
+        raise ConfigError(f"--resume continues a checkpoint, --from_weight starts from weights: give one; "
+                          f"got --resume and --from_weight {args.from_weight}")
+    if args.resume and not args.save_dir:
+        raise ConfigError("--resume continues the latest checkpoint of --save_dir; got no --save_dir")
+    if args.save_dir:
+        from .. import checkpoint
+        checkpoint.check_save_dir(args.save_dir)
+    if args.resume:
+        path = checkpoint.latest_checkpoint(args.save_dir)
+        if path is None:
+            raise ConfigError(f"--resume: no complete checkpoint in --save_dir {args.save_dir}")
+        checkpoint.check_checkpoint_config(path, config)
+    if args.from_weight:
+        from ..interop.minimind import load_minimind_state_dict
+        load_minimind_state_dict(args.from_weight, config)
+    try:
+        os.makedirs(out_dir(args), exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=out_dir(args))
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--out_dir {out_dir(args)} cannot be written: {e.strerror or e}") from None
+
+
+# ---------------------------------------------------------------- every rank
+
+@dataclass
+class Interval:
+    """What the steps since the last log line add up to."""
+
+    start: float
+    steps: int = 0
+    data_s: float = 0.0
+    loss_sum: torch.Tensor | None = None   # this replica's sum of per-token losses (last stage)
+    targets: torch.Tensor | None = None
+
+    def add(self, stats, data_s: float) -> None:
+        self.steps += 1
+        self.data_s += data_s
+        self.targets = stats.targets if self.targets is None else self.targets + stats.targets
+        if stats.loss is not None:
+            part = stats.loss.double() * stats.targets
+            self.loss_sum = part if self.loss_sum is None else self.loss_sum + part
+
+
+class Run:
+    """One rank's training run: built once, then `train()`."""
+
+    def __init__(self, launch, args, device):
+        self.args, self.device = args, device
+        self.config, self.par = model_config(args), parallel_config(launch, args)
+        self.groups = ProcessGroups.build(self.par)
+        self.precision = Precision.of(args.precision, DTYPES[args.dtype], device)
+        tok = load_tokenizer(args.tokenizer_path)
+        self.data = open_data(args, tok)
+        self.sampler = make_sampler(args, len(self.data.train), self.groups.dp_rank, self.par.dp)
+        self.total = total_steps(args, self.sampler)
+        self.model = wrap_data_parallel(self._build_model(), self.groups)
+        self.optimizer = make_optimizer(self.model, args.learning_rate)
+        self.scaler = LossScaler() if self.precision.needs_loss_scaling else None
+        self.step = self._resume() if args.resume else 0
+        self.heldout = [] if self.data.heldout is None else heldout_batches(
+            self.data.heldout, rows_per_replica=rows_per_replica(args), dp_rank=self.groups.dp_rank,
+            dp=self.par.dp, max_batches=args.eval_batches)
+        self.flops_per_token = model_flops_per_token(self.config, args.seq_len)
+        self.peak, self.peak_source = peak_tflops(device, args.peak_tflops)
+        self.lead = dist.get_rank() == 0
+        self.metrics = MetricsFile(os.path.join(out_dir(args), "metrics.jsonl")) if self.lead else None
+
+    def _build_model(self):
+        args = self.args
+        if args.from_weight:
+            from ..interop.minimind import load_minimind_state_dict
+            dense = load_minimind_state_dict(args.from_weight, self.config)
+        else:
+            torch.manual_seed(args.seed)
+            dense = MiniMindForCausalLM(self.config).state_dict()
+        return build_parallel_model(self.config, self.par, self.groups, dense, dtype=self.precision.param_dtype,
+                                    device=self.device)
+
+    def _resume(self) -> int:
+        from .. import checkpoint
+        extra = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(self.args.save_dir), model=self.model,
+                                           optimizer=self.optimizer, config=self.config, par=self.par,
+                                           groups=self.groups)
+        self.sampler.load_state_dict(extra["sampler"])
+        if self.scaler is not None and "loss_scaler" in extra:
+            self.scaler.load_state_dict(extra["loss_scaler"])
+        return int(extra["step"])
+
+    def _save(self) -> None:
+        from .. import checkpoint
+        extra = {"step": self.step, "sampler": self.sampler.state_dict(), "total_steps": self.total,
+                 "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
+        path = checkpoint.save_checkpoint(self.args.save_dir, self.step, model=self.model, optimizer=self.optimizer,
+                                          config=self.config, par=self.par, groups=self.groups, extra=extra)
+        if self.lead:
+            tqdm.write(f"step {self.step} | saved {path}", file=sys.stdout)
+            write_loss_plot(self.metrics.records(), os.path.join(out_dir(self.args), "loss.png"),
+                            title=self._title())
+
+    def _title(self) -> str:
+        p = self.par
+        return (f"MiniMind-3 {self.config.num_hidden_layers}x{self.config.hidden_size}, dp{p.dp} pp{p.pp} tp{p.tp}"
+                f"{' sp' if p.sequence_parallel else ''}, {self.args.precision} {self.args.dtype}")
+
+    def next_batch(self):
+        batch = self.data.train.batch(next(self.sampler))
+        return type(batch)(*(t.to(self.device, non_blocking=True) for t in batch))
+
+    def train(self) -> None:
+        if self.lead:
+            self.metrics.append({"kind": "run", "time": time.time(), "resumed_from": self.step,
+                                 "total_steps": self.total, "argv": sys.argv[1:], "peak_tflops": self.peak,
+                                 "peak_tflops_source": self.peak_source, "world": self.par.world_size})
+            tqdm.write(f"train: {self.total} steps of {rows_per_replica(self.args) * self.par.dp} x "
+                       f"{self.args.seq_len} tokens; MFU against {self.peak} TFLOP/s per rank "
+                       f"({self.peak_source}); starting at step {self.step}", file=sys.stdout)
+        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", file=sys.stderr,
+                   dynamic_ncols=True, disable=not self.lead)
+        interval = Interval(start=time.perf_counter())
+        while self.step < self.total:
+            interval = self.one_step(interval)
+            bar.update(1)
+            if self.args.stop_at_step == self.step:
+                break
+        bar.close()
+        if self.lead:
+            write_loss_plot(self.metrics.records(), os.path.join(out_dir(self.args), "loss.png"), title=self._title())
+
+    def one_step(self, interval: Interval) -> Interval:
+        args = self.args
+        t0 = time.perf_counter()
+        batch = self.next_batch()
+        data_s = time.perf_counter() - t0
+        self.step += 1
+        lr = cosine_lr(self.step, self.total, args.learning_rate, args.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        stats = pretrain_step(self.model, self.optimizer, self.groups, batch, num_microbatches=args.num_microbatches,
+                              schedule=args.pp_schedule, grad_clip=args.grad_clip, precision=self.precision,
+                              scaler=self.scaler)
+        interval.add(stats, data_s)
+        last = self.step == self.total
+        logged = self.step % args.log_interval == 0 or last
+        if logged:
+            self.log(interval, lr, stats.grad_norm)
+        aside = time.perf_counter()   # evaluation and saving are not training time
+        if self.heldout and ((args.eval_interval and self.step % args.eval_interval == 0) or last):
+            self.evaluate()
+        if args.save_dir and (self.step % args.save_interval == 0 or last or self.step == args.stop_at_step):
+            self._save()
+        if logged:
+            return Interval(start=time.perf_counter())
+        interval.start += time.perf_counter() - aside
+        return interval
+
+    def log(self, interval: Interval, lr: float, grad_norm: torch.Tensor) -> None:
+        """A "train" record: collective (loss over the world, peak memory over the ranks)."""
+        loss, _ = world_token_mean(interval.loss_sum, interval.targets, self.groups)
+        peak = torch.tensor(float(peak_memory_bytes(self.device)), dtype=torch.float64, device=self.device)
+        comm.all_reduce(peak, dist.group.WORLD, op=dist.ReduceOp.MAX)
+        if not self.lead:
+            return
+        seconds = time.perf_counter() - interval.start
+        tokens = interval.steps * rows_per_replica(self.args) * self.par.dp * self.args.seq_len
+        tokens_per_s = tokens / seconds
+        record = {"kind": "train", "step": self.step, "total_steps": self.total, "epoch": (self.step - 1) // self.sampler.steps_per_epoch,
+                  "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+                  "mfu": mfu(self.flops_per_token, tokens_per_s, self.par.world_size, self.peak),
+                  "peak_mem_mib": peak.item() / MIB, "step_ms": 1e3 * seconds / interval.steps,
+                  "data_ms": 1e3 * interval.data_s / interval.steps, "data_share": interval.data_s / seconds,
+                  "loading_tokens_per_s": tokens / self.par.dp / max(interval.data_s, 1e-9),
+                  "time": time.time()}
+        self.metrics.append(record)
+        tqdm.write(format_line(record), file=sys.stdout)
+
+    def evaluate(self) -> None:
+        loss, ppl = heldout_loss(self.model, self.groups, self.heldout, num_microbatches=self.args.num_microbatches,
+                                 precision=self.precision)
+        if self.lead:
+            record = {"kind": "eval", "step": self.step, "eval_loss": loss, "eval_ppl": ppl, "time": time.time()}
+            self.metrics.append(record)
+            tqdm.write(format_eval(record), file=sys.stdout)
+
+
+def run_rank(launch, args, device) -> int:
+    Run(launch, args, device).train()
+    return 0
+
+
+TASK = Task(name="train", parser=parser, check=check, run_rank=run_rank)

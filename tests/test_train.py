@@ -1,0 +1,233 @@
+"""The train task end to end on the stdlib corpus with a small tokenizer: the loss falls well below
+ln(vocab) in tp2 + SP and in pp2, resuming is exact (and works onto another layout, and past a
+save that was killed), what a person sees is written, and every bad input is one line before
+anything launches."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from minimind_parallel import cli, launcher, tasks
+from minimind_parallel.config import MiniMindConfig
+from minimind_parallel.data.tokenizer import train_tokenizer
+from minimind_parallel.metrics import curves, model_flops_per_token
+from minimind_parallel.model import MiniMindForCausalLM
+from test_cli import assert_refused_before_launch
+
+MAX_DOCS, VOCAB, TRAIN_DOCS = 200, 320, 32
+LN_VOCAB = math.log(VOCAB)
+TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--num_hidden_layers", "2",
+        "--vocab_size", str(VOCAB), "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps", "2",
+        "--epochs", "1000", "--learning_rate", "1e-2", "--log_interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A few hundred stdlib documents, a tokenizer of VOCAB ids trained on them, and a training
+    file of the first TRAIN_DOCS documents (small enough that a tiny model learns it by heart)."""
+    root = tmp_path_factory.mktemp("train_corpus")
+    r = subprocess.run([sys.executable, "-m", "minimind_parallel.data.corpus", "--out", str(root / "stdlib.jsonl"),
+                        "--max_docs", str(MAX_DOCS)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    train_tokenizer(str(root / "stdlib.jsonl"), str(root / "tokenizer"), vocab_size=VOCAB)
+    lines = (root / "stdlib.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    (root / "train.jsonl").write_text("".join(lines[:TRAIN_DOCS]), encoding="utf-8")
+    (root / "heldout.jsonl").write_text("".join(lines[TRAIN_DOCS:2 * TRAIN_DOCS]), encoding="utf-8")
+    return root
+
+
+def data_args(corpus, **extra) -> list[str]:
+    out = ["--data_path", str(corpus / "train.jsonl"), "--tokenizer_path", str(corpus / "tokenizer"), *TINY]
+    for key, value in extra.items():
+        out += [f"--{key}"] + ([] if value is True else [str(value)])
+    return out
+
+
+def _train_rank(argv):
+    from minimind_parallel.tasks.train import Run
+    launch, args = cli.parse(argv)
+    Run(launch, args, torch.device("cpu")).train()
+
+
+def train_in_ranks(launcher_args: list[str], task_args: list[str]) -> None:
+    """What the command line does, with the ranks forked by tests/distributed.py (no torchrun):
+    parse, check (which builds the token caches), then every rank runs the task."""
+    argv = ["train", *launcher_args, "--", *task_args]
+    launch, args = cli.parse(argv)
+    tasks.get("train").check(launch, args)
+    world = launch.tp_size * launch.pp_size * launch.dp_size
+    run_ranks(_train_rank, world, argv)
+
+
+def losses(out_dir) -> dict[int, float]:
+    """The run's training loss per step as the metrics file stands (resumes applied)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return curves([json.loads(line) for line in f])["train"]
+
+
+def records(out_dir, kind: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+# ---------------------------------------------------------------- the loss falls
+
+def test_the_loss_falls_well_below_ln_vocab_in_tp2_with_sequence_parallelism(corpus, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "train", "--tp_size", "2", "--",
+                        *data_args(corpus, sequence_parallel=True, max_steps=40, dtype="float32",
+                                   eval_data_path=corpus / "heldout.jsonl", eval_interval=20,
+                                   out_dir=tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    loss = losses(tmp_path)
+    assert sorted(loss) == list(range(1, 41))
+    assert loss[1] > 0.9 * LN_VOCAB          # a fresh model knows nothing
+    assert loss[40] < 0.5 * LN_VOCAB         # ... and has learnt the training rows
+    assert "step 40/40" in r.stdout and "held-out loss" in r.stdout and "MFU" in r.stdout
+    evals = records(tmp_path, "eval")
+    assert [e["step"] for e in evals] == [20, 40]
+    assert all(e["eval_ppl"] == pytest.approx(math.exp(e["eval_loss"])) for e in evals)
+    with open(tmp_path / "loss.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_loss_falls_well_below_ln_vocab_in_pp2_with_tied_embeddings(corpus, tmp_path):
+    train_in_ranks(["--pp_size", "2"], data_args(corpus, tie_word_embeddings=True, max_steps=40, dtype="float32",
+                                                 out_dir=tmp_path))
+    loss = losses(tmp_path)
+    assert loss[1] > 0.9 * LN_VOCAB and loss[40] < 0.5 * LN_VOCAB
+
+
+def test_every_log_line_carries_the_numbers_a_person_watches(corpus, tmp_path):
+    train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=4, log_interval=2, out_dir=tmp_path,
+                                                 peak_tflops=0.5))
+    (run,), lines = records(tmp_path, "run"), records(tmp_path, "train")
+    assert run["peak_tflops"] == 0.5 and run["peak_tflops_source"] == "--peak_tflops"
+    assert [r["step"] for r in lines] == [2, 4]
+    for r in lines:
+        assert r["tokens_per_s"] > 0 and r["peak_mem_mib"] > 0 and r["grad_norm"] > 0 and 0 < r["data_share"] < 1
+        flops = model_flops_per_token(MiniMindConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                                     num_hidden_layers=2, vocab_size=VOCAB), 32)
+        assert r["mfu"] == pytest.approx(flops * r["tokens_per_s"] / (2 * 0.5e12))
+    # MiniMind's cosine over the 4 steps of the run: 0.1 + 0.45 (1 + cos(pi t / T)) of the rate
+    assert lines[-1]["lr"] == pytest.approx(1e-2 * 0.1)
+
+
+# ---------------------------------------------------------------- resuming
+
+def halted_run(corpus, save_dir, launcher_args, **extra):
+    """A run of 8 steps that saves every 4 and ends after step 4 (as a job killed before step 5 would)."""
+    train_in_ranks(launcher_args, data_args(corpus, max_steps=8, save_interval=4, save_dir=save_dir,
+                                            stop_at_step=4, **extra))
+
+
+def test_resume_continues_exactly_where_the_uninterrupted_run_goes(corpus, tmp_path):
+    # MiniMind's default precision: float32 parameters, bfloat16 compute under autocast
+    layout, flags = ["--tp_size", "2"], dict(sequence_parallel=True, dtype="bfloat16")
+    train_in_ranks(layout, data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", **flags))
+    halted_run(corpus, tmp_path / "ckpt", layout, **flags)
+    assert sorted(losses(tmp_path / "ckpt")) == [1, 2, 3, 4]
+    train_in_ranks(layout, data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt", resume=True,
+                                     **flags))
+    assert losses(tmp_path / "ckpt") == losses(tmp_path / "whole")   # every step, bit for bit
+
+
+def test_resume_onto_another_layout_continues_the_same_run(corpus, tmp_path):
+    flags = dict(dtype="float32")
+    train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", **flags))
+    halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2"], **flags)
+    train_in_ranks(["--pp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
+                                                 resume=True, **flags))
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "ckpt")
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint_to_resume_from(corpus, tmp_path):
+    flags = dict(dtype="float32")
+    train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", **flags))
+    halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2"], **flags)
+    # what a job killed while saving step 8 leaves: a half-written temporary directory
+    partial = tmp_path / "ckpt" / ".tmp-step_00000008-killed"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"\0" * 100)
+    train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
+                                                 resume=True, **flags))
+    assert losses(tmp_path / "ckpt") == losses(tmp_path / "whole")
+
+
+def test_metrics_curve_drops_what_a_killed_run_logged_past_its_checkpoint():
+    logged = [{"kind": "run", "resumed_from": 0}, *({"kind": "train", "step": s, "loss": 10.0 - s} for s in (1, 2, 3)),
+              {"kind": "run", "resumed_from": 2}, {"kind": "train", "step": 3, "loss": 5.0}]
+    assert curves(logged)["train"] == {1: 9.0, 2: 8.0, 3: 5.0}
+    assert curves(logged[:4] + [{"kind": "run", "resumed_from": 1}])["train"] == {1: 9.0}
+
+
+def test_model_flops_per_token_count_every_matmul_of_forward_and_backward():
+    from torch.utils.flop_counter import FlopCounterMode
+    for tied in (False, True):
+        config = MiniMindConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                vocab_size=256, tie_word_embeddings=tied, flash_attn=False)  # math attention: counted
+        model, ids = MiniMindForCausalLM(config), torch.randint(0, 256, (2, 32))
+        with FlopCounterMode(display=False) as counter:
+            model(ids, ids).loss.backward()
+        assert counter.get_total_flops() == model_flops_per_token(config, 32) * ids.numel()
+
+
+# ---------------------------------------------------------------- bad input: one line, nothing launched
+
+@pytest.fixture(scope="module")
+def checkpointed(corpus, tmp_path_factory):
+    """A save directory holding one complete checkpoint of the TINY model (step 4)."""
+    save_dir = tmp_path_factory.mktemp("checkpointed")
+    halted_run(corpus, save_dir, [], dtype="float32")
+    return save_dir
+
+
+def bad_inputs(corpus, tmp, checkpointed):
+    (tmp / "malformed.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{"text": oops}\n')
+    (tmp / "empty.jsonl").write_text("\n")
+    (tmp / "a_file").write_text("")
+    (tmp / "no_checkpoint").mkdir()
+    train = ["--data_path", str(corpus / "train.jsonl")]
+    return [
+        (["--data_path", str(tmp / "missing.jsonl")], "data file not found"),
+        (["--data_path", str(tmp)], "data file is not readable"),
+        (["--data_path", str(tmp / "malformed.jsonl")], "malformed.jsonl:3: malformed jsonl line"),
+        (["--data_path", str(tmp / "empty.jsonl")], "empty dataset"),
+        ([*train, "--vocab_size", "256"], f"tokenizer vocab must be <= the model's vocab_size; got tokenizer "
+                                          f"vocab={VOCAB}, vocab_size=256"),
+        ([*train, "--max_seq_len", "40000"], "max_seq_len must be <= max_position_embeddings"),
+        ([*train, "--save_dir", str(tmp / "a_file" / "ckpt")], "cannot be written"),
+        ([*train, "--save_dir", str(tmp / "no_checkpoint"), "--resume"], "no complete checkpoint"),
+        ([*train, "--save_dir", str(checkpointed), "--resume", "--hidden_size", "128"],
+         "has another model config: hidden_size=64 in the checkpoint, hidden_size=128 now"),
+        ([*train, "--resume"], "--resume continues the latest checkpoint of --save_dir"),
+        ([*train, "--tokenizer_path", str(tmp / "no_tokenizer")], "cannot load tokenizer"),
+        ([*train, "--batch_size", "64"], "dataset must hold one global batch"),
+        ([*train, "--eval_interval", "5"], "needs held-out data"),
+        ([*train, "--max_steps", "4", "--warmup_steps", "4"], "warmup_steps < total_steps"),
+        ([*train, "--precision", "pure", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
+        ([*train, "--from_weight", str(tmp / "pretrain_64.pth")], "pretrain_64.pth not found"),
+        ([*train, "--from_weight", str(tmp / "a_file"), "--save_dir", str(checkpointed), "--resume"],
+         "--resume continues a checkpoint, --from_weight starts from weights"),
+    ]
+
+
+def test_every_bad_input_is_one_line_before_launch(corpus, tmp_path, checkpointed, monkeypatch, capsys):
+    for override, message in bad_inputs(corpus, tmp_path, checkpointed):
+        argv = ["train", "--", *data_args(corpus), *override]   # argparse: the last value of an option wins
+        assert_refused_before_launch(argv, message, monkeypatch, capsys)
+
+
+def test_a_good_command_launches_once(corpus, tmp_path, monkeypatch):
+    launched = []
+    monkeypatch.setattr(launcher, "run_torchrun", lambda launch, world, argv, **k: launched.append(world) or 0)
+    assert cli.main(["train", "--tp_size", "2", "--", *data_args(corpus, out_dir=tmp_path)]) == 0
+    assert launched == [2]

@@ -1,0 +1,168 @@
+"""The pretraining step's numerics against the dense model in float64: clipping by the global
+grad norm counts every parameter once over TP shards, pipeline stages and tied copies; the loss
+and gradient of a data-parallel step with unevenly padded rows are the dense model's mean over
+every target token of the global batch; mixed precision keeps float32 parameters."""
+import math
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from minimind_parallel.config import MiniMindConfig, ParallelConfig
+from minimind_parallel.data.batches import IGNORE_INDEX, Batch, dp_rows, random_batch, shift_labels, split_microbatches
+from minimind_parallel.grad_clip import clip_grad_norm_
+from minimind_parallel.groups import ProcessGroups
+from minimind_parallel.mixed_precision import LossScaler, Precision
+from minimind_parallel.model import MiniMindForCausalLM
+from minimind_parallel.pipeline_parallel import forward_backward
+from minimind_parallel.pretraining import pretrain_step, world_token_mean
+from minimind_parallel.training import build_parallel_model, finalize_grads, unwrap, wrap_data_parallel
+from minimind_parallel.validation import dense_slice
+
+SEQ, VOCAB = 8, 64
+
+
+def tiny(tied: bool) -> MiniMindConfig:
+    return MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=VOCAB, intermediate_size=64, tie_word_embeddings=tied)
+
+
+def dense_and_parallel(par: ParallelConfig, tied: bool, dtype=torch.float64):
+    groups = ProcessGroups.build(par)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(tiny(tied)).to(dtype)
+    model = build_parallel_model(dense.config, par, groups, dense.state_dict(), dtype=dtype)
+    return dense, wrap_data_parallel(model, groups), groups
+
+
+def worst_shard_error(model, dense, groups, of) -> float:
+    """max |this rank's shard of of(param) - the matching slice of the dense of(param)|."""
+    worst = 0.0
+    for name, p in unwrap(model).named_parameters():
+        want = dense_slice(name, of(dense.get_parameter(name)), groups.par, groups.tp_rank)
+        worst = max(worst, (of(p) - want).abs().max().item())
+    return worst
+
+
+def _clip(par, tied, microbatches):
+    dense, model, groups = dense_and_parallel(par, tied)
+    batch = random_batch(1, 4 * par.dp, SEQ, VOCAB)
+    dense(*batch).loss.backward()
+    full_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")).item()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1 * full_norm)  # clips: coefficient 0.1
+    forward_backward(model, groups, split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), microbatches))
+    finalize_grads(model, groups)
+    norm = clip_grad_norm_(model, groups, 0.1 * full_norm)
+    return norm.item(), dense_norm.item(), worst_shard_error(model, dense, groups, lambda p: p.grad)
+
+
+CLIP_LAYOUTS = [
+    (ParallelConfig(tp=2, sequence_parallel=True, vocab_parallel=True), False, 1),
+    (ParallelConfig(tp=2), True, 1),                      # replicated lm_head/embedding: once, not twice
+    (ParallelConfig(pp=2), True, 2),                      # tied copies on two stages: once
+    (ParallelConfig(tp=2, pp=2, sequence_parallel=True), True, 2),
+    (ParallelConfig(tp=2, dp=2), False, 1),               # DP replicas: not summed
+]
+
+
+@pytest.mark.parametrize("par,tied,microbatches", CLIP_LAYOUTS,
+                         ids=["tp2_sp_vp", "tp2_tied", "pp2_tied", "tp2_pp2_sp_tied", "tp2_dp2"])
+def test_global_norm_clipping_equals_the_dense_clip_grad_norm(par, tied, microbatches):
+    for norm, dense_norm, grad_error in run_ranks(_clip, par.world_size, par, tied, microbatches):
+        assert norm == pytest.approx(dense_norm, rel=1e-12, abs=0)
+        assert grad_error < 1e-14
+
+
+def uneven_batch(rows: int, seed: int = 3) -> Batch:
+    """Rows padded after different lengths (MiniMind's labels: -100 at padding), shifted once."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, SEQ), generator=g)
+    lengths = [SEQ, 3, 6, 2, 5, 8, 4, 7][:rows]
+    labels = ids.clone()
+    for r, n in enumerate(lengths):
+        ids[r, n:] = 0
+        labels[r, n:] = IGNORE_INDEX
+    return Batch(ids, shift_labels(labels))
+
+
+def _dp_step(par, microbatches, grad_clip):
+    dense, model, groups = dense_and_parallel(par, tied=False)
+    batch = uneven_batch(4)
+    lr = 0.1
+    dense_loss = dense(*batch).loss
+    dense_loss.backward()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    torch.optim.SGD(dense.parameters(), lr=lr).step()
+    mine = dp_rows(batch, groups.dp_rank, par.dp)
+    stats = pretrain_step(model, torch.optim.SGD(model.parameters(), lr=lr), groups, mine,
+                          num_microbatches=microbatches, schedule="1f1b", grad_clip=grad_clip,
+                          precision=Precision.of("pure", torch.float64, "cpu"))
+    loss_sum = None if stats.loss is None else stats.loss * stats.targets
+    loss, n = world_token_mean(loss_sum, stats.targets, groups)
+    return (loss, dense_loss.item(), n, int((batch.targets != IGNORE_INDEX).sum()), stats.grad_norm.item(),
+            dense_norm.item(), worst_shard_error(model, dense, groups, lambda p: p.detach()))
+
+
+@pytest.mark.parametrize("par,microbatches,grad_clip", [
+    (ParallelConfig(dp=2), 1, 0.0),
+    (ParallelConfig(dp=2), 2, 0.05),
+    (ParallelConfig(pp=2, dp=2), 2, 0.05),
+], ids=["dp2", "dp2_accumulation_clip", "pp2_dp2_clip"])
+def test_a_data_parallel_step_on_unevenly_padded_rows_is_the_dense_step(par, microbatches, grad_clip):
+    for loss, dense_loss, n, dense_n, norm, dense_norm, param_error in run_ranks(
+            _dp_step, par.world_size, par, microbatches, grad_clip):
+        assert n == dense_n
+        assert loss == pytest.approx(dense_loss, rel=1e-12)
+        assert norm == pytest.approx(dense_norm, rel=1e-12)
+        assert param_error < 1e-14
+
+
+def test_mixed_precision_keeps_float32_parameters_and_computes_in_half():
+    p = Precision.of("mixed", torch.bfloat16, "cpu")
+    assert p.param_dtype == torch.float32 and p.mixed and not p.needs_loss_scaling
+    with p.forward_context():
+        y = torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4))
+    assert y.dtype == torch.bfloat16
+    assert Precision.of("mixed", torch.float16, "cpu").needs_loss_scaling
+    pure = Precision.of("pure", torch.bfloat16, "cpu")
+    assert pure.param_dtype == torch.bfloat16 and not pure.mixed
+    assert not Precision.of("mixed", torch.float32, "cpu").mixed
+
+
+def test_the_loss_scaler_skips_overflowing_steps_and_grows_after_good_ones():
+    s = LossScaler(init_scale=8.0, growth_interval=2)
+    assert s.update(finite=False) is False and s.scale == 4.0
+    assert s.update(finite=True) and s.scale == 4.0
+    assert s.update(finite=True) and s.scale == 8.0
+    t = LossScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+
+
+def _mixed_step(par, compute_dtype):
+    dense, model, groups = dense_and_parallel(par, tied=False, dtype=torch.float32)
+    precision = Precision.of("mixed", compute_dtype, "cpu")
+    batch = uneven_batch(4)
+    with precision.forward_context():
+        dense_loss = dense(*batch).loss
+    dense_loss.backward()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf"))
+    stats = pretrain_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups,
+                          dp_rows(batch, groups.dp_rank, par.dp), num_microbatches=1, schedule="1f1b", grad_clip=0.0,
+                          precision=precision, scaler=LossScaler() if precision.needs_loss_scaling else None)
+    loss, _ = world_token_mean(None if stats.loss is None else stats.loss * stats.targets, stats.targets, groups)
+    dtypes = {p.dtype for p in model.parameters()}
+    return loss, dense_loss.item(), stats.grad_norm.item(), dense_norm.item(), dtypes, stats.stepped
+
+
+@pytest.mark.parametrize("par,compute_dtype", [
+    (ParallelConfig(tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True), torch.bfloat16),
+    (ParallelConfig(tp=2, sequence_parallel=True, async_communication=True), torch.float16),
+    (ParallelConfig(pp=2), torch.bfloat16),
+], ids=["tp2_sp_async_vp_bf16", "tp2_sp_async_fp16_scaled", "pp2_bf16"])
+def test_mixed_precision_steps_match_the_dense_model_under_autocast(par, compute_dtype):
+    for loss, dense_loss, norm, dense_norm, dtypes, stepped in run_ranks(_mixed_step, par.world_size, par,
+                                                                         compute_dtype):
+        assert dtypes == {torch.float32} and stepped
+        assert loss == pytest.approx(dense_loss, rel=1e-2)     # half-precision matmuls: round-off of ~1e-3
+        assert norm == pytest.approx(dense_norm, rel=5e-2)
