@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from .data.batches import Batch, count_targets, split_microbatches
+from .distributed import comm
 from .groups import ProcessGroups
 from .mixed_precision import Precision
 from .pipeline_parallel import forward_backward
@@ -28,7 +29,7 @@ def heldout_loss(model: nn.Module, groups: ProcessGroups, batches: Iterable[Batc
     for batch in batches:
         result = forward_backward(model, groups, split_microbatches(*batch, num_microbatches), forward_only=True,
                                   forward_context=precision.forward_context)
-        n = count_targets(batch.targets)
+        n = comm.all_reduce(count_targets(batch.targets), groups.cp)   # the replica's targets (CP: all ranks')
         count = n if count is None else count + n
         if result.loss is not None:   # the last stage: this replica's mean over the batch's targets
             part = result.loss.double() * n

@@ -215,6 +215,10 @@ class ParallelMiniMindForCausalLM(nn.Module):
             y = targets.t()                                          # [B, S] -> [S, B], as the logits
             if self.par.vocab_parallel:
                 loss = vocab_parallel_cross_entropy(logits, y, self.group)
+            elif self.par.cp > 1:   # a CP rank's tokens may all be padding: 0 targets give 0, not NaN
+                total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
+                                        reduction="sum")
+                loss = total / (y != -100).sum().clamp(min=1)
             else:
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
         return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)

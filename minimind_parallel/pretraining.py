@@ -41,8 +41,10 @@ class StepStats:
 
 def dp_loss_share(targets: torch.Tensor, groups: ProcessGroups) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (D * n_r / n as float64 0-dim, n_r): how much this replica's mean loss weighs in the
-    average over D replicas that makes the global mean. Collective over DP."""
-    mine = count_targets(targets)
+    average over D replicas that makes the global mean. `targets`: this rank's (under context
+    parallelism its CP rank's tokens: the replica's count n_r sums them over CP). Collective over
+    CP and DP."""
+    mine = comm.all_reduce(count_targets(targets), groups.cp)
     total = comm.all_reduce(mine.clone(), groups.dp)
     return mine.double() * groups.par.dp / total.clamp(min=1), mine
 

@@ -60,7 +60,7 @@ def train_in_ranks(launcher_args: list[str], task_args: list[str]) -> None:
     argv = ["train", *launcher_args, "--", *task_args]
     launch, args = cli.parse(argv)
     tasks.get("train").check(launch, args)
-    world = launch.tp_size * launch.pp_size * launch.dp_size
+    world = launch.tp_size * launch.pp_size * launch.dp_size * launch.cp_size
     run_ranks(_train_rank, world, argv)
 
 
@@ -137,12 +137,15 @@ def test_resume_continues_exactly_where_the_uninterrupted_run_goes(corpus, tmp_p
     assert losses(tmp_path / "ckpt") == losses(tmp_path / "whole")   # every step, bit for bit
 
 
-def test_resume_onto_another_layout_continues_the_same_run(corpus, tmp_path):
+@pytest.mark.parametrize("layout,extra", [(["--pp_size", "2"], {}),
+                                          (["--cp", "--cp_size", "2"], {"cp_comm_type": "ring"})],
+                         ids=["tp2_to_pp2", "tp2_to_cp2_ring"])
+def test_resume_onto_another_layout_continues_the_same_run(corpus, tmp_path, layout, extra):
     flags = dict(dtype="float32")
     train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", **flags))
     halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2"], **flags)
-    train_in_ranks(["--pp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
-                                                 resume=True, **flags))
+    train_in_ranks(layout, data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
+                                     resume=True, **flags, **extra))
     whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "ckpt")
     assert sorted(resumed) == list(range(1, 9))
     for step in range(5, 9):

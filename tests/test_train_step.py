@@ -2,14 +2,15 @@
 grad norm counts every parameter once over TP shards, pipeline stages and tied copies; the loss
 and gradient of a data-parallel step with unevenly padded rows are the dense model's mean over
 every target token of the global batch; mixed precision keeps float32 parameters."""
-import math
 
 import pytest
 import torch
 
 from distributed import run_ranks
 from minimind_parallel.config import MiniMindConfig, ParallelConfig
-from minimind_parallel.data.batches import IGNORE_INDEX, Batch, dp_rows, random_batch, shift_labels, split_microbatches
+from minimind_parallel.context_parallel import ContextLayout
+from minimind_parallel.data.batches import (IGNORE_INDEX, Batch, cp_tokens, dp_rows, random_batch, shift_labels,
+                                            split_microbatches)
 from minimind_parallel.grad_clip import clip_grad_norm_
 from minimind_parallel.groups import ProcessGroups
 from minimind_parallel.mixed_precision import LossScaler, Precision
@@ -93,7 +94,7 @@ def _dp_step(par, microbatches, grad_clip):
     dense_loss.backward()
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     torch.optim.SGD(dense.parameters(), lr=lr).step()
-    mine = dp_rows(batch, groups.dp_rank, par.dp)
+    mine = cp_tokens(dp_rows(batch, groups.dp_rank, par.dp), ContextLayout.of(par, SEQ), groups.cp_rank)
     stats = pretrain_step(model, torch.optim.SGD(model.parameters(), lr=lr), groups, mine,
                           num_microbatches=microbatches, schedule="1f1b", grad_clip=grad_clip,
                           precision=Precision.of("pure", torch.float64, "cpu"))
@@ -107,7 +108,9 @@ def _dp_step(par, microbatches, grad_clip):
     (ParallelConfig(dp=2), 1, 0.0),
     (ParallelConfig(dp=2), 2, 0.05),
     (ParallelConfig(pp=2, dp=2), 2, 0.05),
-], ids=["dp2", "dp2_accumulation_clip", "pp2_dp2_clip"])
+    (ParallelConfig(cp=2), 1, 0.05),          # a CP rank whose tokens of a row are all padding
+    (ParallelConfig(dp=2, cp=2, cp_comm_type="ring"), 2, 0.05),
+], ids=["dp2", "dp2_accumulation_clip", "pp2_dp2_clip", "cp2_clip", "dp2_cp2_ring_accumulation_clip"])
 def test_a_data_parallel_step_on_unevenly_padded_rows_is_the_dense_step(par, microbatches, grad_clip):
     for loss, dense_loss, n, dense_n, norm, dense_norm, param_error in run_ranks(
             _dp_step, par.world_size, par, microbatches, grad_clip):

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config import ConfigError
+from ..context_parallel import ContextLayout
+from ..data.batches import cp_tokens
 from ..data.feed import Rows, heldout_batches, heldout_split, open_dataset
 from ..data.pretrain import PretrainSampler, check_fits_model
 from ..data.tokenizer import load_tokenizer
@@ -220,9 +222,9 @@ class Run:
         self.optimizer = make_optimizer(self.model, args.learning_rate)
         self.scaler = LossScaler() if self.precision.needs_loss_scaling else None
         self.step = self._resume() if args.resume else 0
-        self.heldout = [] if self.data.heldout is None else heldout_batches(
+        self.heldout = [] if self.data.heldout is None else [self._mine(b) for b in heldout_batches(
             self.data.heldout, rows_per_replica=rows_per_replica(args), dp_rank=self.groups.dp_rank,
-            dp=self.par.dp, max_batches=args.eval_batches)
+            dp=self.par.dp, max_batches=args.eval_batches)]
         self.flops_per_token = model_flops_per_token(self.config, args.seq_len)
         self.peak, self.peak_source = peak_tflops(device, args.peak_tflops)
         self.lead = dist.get_rank() == 0
@@ -266,8 +268,13 @@ class Run:
                 f"{' sp' if p.sequence_parallel else ''}, {self.args.precision} {self.args.dtype}")
 
     def next_batch(self):
-        batch = self.data.train.batch(next(self.sampler))
-        return type(batch)(*(t.to(self.device, non_blocking=True) for t in batch))
+        return self._mine(self.data.train.batch(next(self.sampler)))
+
+    def _mine(self, batch):
+        """This rank's part of its replica's rows [b, S]: on the device, and under context
+        parallelism its CP rank's tokens [b, S/C] (every rank of a TP/CP group reads the same rows)."""
+        batch = type(batch)(*(t.to(self.device, non_blocking=True) for t in batch))
+        return cp_tokens(batch, ContextLayout.of(self.par, self.args.seq_len), self.groups.cp_rank)
 
     def train(self) -> None:
         if self.lead:
