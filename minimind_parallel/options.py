@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
+from .config import RECOMPUTE_MODES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
@@ -19,6 +19,11 @@ MODES = {
     "tp_sp_async_shared": dict(sequence_parallel=True, async_communication=True, shared_sp_gather=True),
     "tp_vp": dict(vocab_parallel=True),
     "tp_sp_async_vp": dict(sequence_parallel=True, async_communication=True, vocab_parallel=True),
+    # what a block keeps for backward (`--recompute`, minimind_parallel/recompute/)
+    "tp_sp_async_lean": dict(sequence_parallel=True, async_communication=True, recompute="selective"),
+    "tp_sp_async_full": dict(sequence_parallel=True, async_communication=True, recompute="full"),
+    "tp_sp_async_lean_chunked": dict(sequence_parallel=True, async_communication=True, recompute="selective",
+                                     loss_chunks=8),
     "pp": dict(),     # stages from --pp_size, schedule from --pp_schedule
     "tp_pp": dict(),  # plain TP inside each stage (add --sequence_parallel etc. as wanted)
 }
@@ -57,6 +62,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab_parallel", action="store_true")
     p.add_argument("--pp_schedule", choices=("gpipe", "1f1b"), default="1f1b",
                    help="pipeline schedule over --num_microbatches (with one stage: gradient accumulation)")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                   help="selective: lean norms, GQA without copies, SwiGLU recompute; full: also checkpoint "
+                        "every block (keep its input only)")
+    p.add_argument("--loss_chunks", type=int, default=1,
+                   help="lm_head and cross entropy over this many token chunks (the logits never whole)")
     p.add_argument("--flash_attn", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=1234)
 
@@ -81,7 +91,8 @@ def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = Non
     return ParallelConfig(tp=launch.tp_size if tp is None else tp, pp=launch.pp_size, cp=launch.cp_size,
                           dp=launch.dp_size if dp is None else dp,
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
-                          shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel)
+                          shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel,
+                          recompute=args.recompute, loss_chunks=args.loss_chunks)
 
 
 def resolve_device(launch) -> str:
