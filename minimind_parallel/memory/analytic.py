@@ -50,8 +50,8 @@ accumulates into all of them. Within one microbatch's backward:
                          the stage adds the head's grad that waited in autograd's buffer)
 and at the end of a forward: the last stage's loss (replicated head: its scaling; VP: inside the
 loss, with the fp32 copy of the logits), an earlier stage's last residual add. Around them: the
-last stage's loss per finished forward and the backward's seed; 1F1B's loop keeps the grads it
-received and sent last and the previous loss (whose graph keeps that microbatch's input). Last,
+last stage's loss per finished forward and the backward's seed (1F1B's loop drops each received
+grad, sent input grad and finished loss as soon as it is dead). Last,
 the optimizer step: all grads, and AdamW's sqrt and denom of the largest parameter while the
 previous parameter's denom is still bound.
 
@@ -436,24 +436,18 @@ def _batch_saved(s: _Stage) -> int:
     return (8 * s.n * s.mb if s.first and not vp else 0) + (8 * s.n * s.mb if s.last and not vp and s.bsz == 1 else 0)
 
 
-def _forward_moment(s: _Stage, n_held: int, n_bwd: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
-    """The end of a forward, `n_held` microbatches held before it, `n_bwd` backwards done."""
-    b, f, nn_, hid = s.b, s.f, s.nn, s.hid
+def _forward_moment(s: _Stage, n_held: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
+    """The end of a forward, `n_held` microbatches held before it. The schedule's loop binds
+    nothing of earlier microbatches (it drops each received grad, sent input grad and loss once
+    dead: pipeline_parallel.schedules.one_f_one_b)."""
+    b = s.b
     if not s.last:
-        # 1F1B's loop still binds the grad it received last; this microbatch's output is not sent
-        # yet (no one-element stand-in for it)
+        # this microbatch's output is not sent yet (no one-element stand-in for it)
         acts, temps = _earlier_forward_end(s)
-        previous_grad = b * nn_ * hid if (n_bwd and not s.gpipe) else 0
-        return (grads, saved + (n_held + 1) * acts,
-                extra + (n_held + 1) * s.held_temps - b + temps + previous_grad)
-    # 1F1B's loop still binds the previous loss: its graph keeps that microbatch's input (saved
-    # for backward, so an activation, when the first norm's upcast is itself)
+        return grads, saved + (n_held + 1) * acts, extra + (n_held + 1) * s.held_temps - b + temps
     acts, temps = _last_forward_end(s)
-    previous = b * nn_ * hid if (n_bwd and not s.first and not s.gpipe) else 0
-    previous_acts = previous if b == f else 0
     moved = (n_held + 1) * s.held_temps
-    return (grads, saved + n_held * s.held + acts - moved + previous_acts,
-            extra + temps + previous - previous_acts + moved)
+    return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
 
 
 def _replay_schedule(s: _Stage, stage: int, schedule: str) -> tuple[dict, dict]:
@@ -465,13 +459,11 @@ def _replay_schedule(s: _Stage, stage: int, schedule: str) -> tuple[dict, dict]:
         grads = s.param_bytes if n_bwd else 0      # after the first backward every grad exists
         # the fp32 loss weights are filed as activations once a loss scaling saves them
         saved = batch_saved + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
-        # the last stage's losses so far (and a backward's seed, d loss / d loss); 1F1B keeps the
-        # input grad it sent last until the next backward replaces it
+        # the last stage's losses so far (and a backward's seed, d loss / d loss)
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
         extra += s.loss_scalar if kind == "B" and s.last else 0
-        extra += s.b * s.nn * s.hid if (n_bwd and not s.first and not s.gpipe) else 0
         if kind == "F":
-            moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, n_bwd, grads, saved, extra)
+            moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             continue
