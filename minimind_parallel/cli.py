@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import tasks
+from . import launcher, processes, tasks
 from .config import ConfigError
 from .options import Parser, check_launcher, split_argv
 
@@ -28,10 +28,19 @@ def launcher_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node_rank", type=int, default=0)
     p.add_argument("--master_addr", default="127.0.0.1")
-    p.add_argument("--master_port", type=int, default=None)
+    p.add_argument("--master_port", type=int, default=None, help="multi-node: the rendezvous port (default 29500)")
+    p.add_argument("--rdzv_timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="multi-node: give up when not every node has joined after this long (default 300)")
+    p.add_argument("--collective_timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a rank waiting this long in one collective (a peer stopped or gone) fails the job "
+                        "(default 300)")
+    p.add_argument("--skip_resource_check", action="store_true",
+                   help="launch even when the ranks or their predicted memory do not fit the machine")
     p.add_argument("--kind", choices=tasks.kinds(), default=None,
                    help="what a task with kinds runs (also accepted among its task args): " +
                         "; ".join(f"{t.name}: {', '.join(t.kinds)}" for t in tasks.TASKS.values() if t.kinds))
+    # A test hook: a rank that fails the way real ones do (KIND:RANK, see worker.inject_fault); not for users.
+    p.add_argument("--inject_fault", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -48,12 +57,25 @@ def parse(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """-> the exit code: the task's, 2 for bad input (nothing started), 1 when the job could not
+    start, 128 + the signal's number after SIGINT / SIGTERM (every process of the job ended)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        launch, args = parse(argv)
-        task = tasks.get(launch.task)
-        task.check(launch, args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return task.launch(launch, args, argv)
+    with processes.signals_raise():
+        try:
+            launch, args = parse(argv)
+            task = tasks.get(launch.task)
+            task.check(launch, args)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except processes.Interrupted as e:
+            print(f"{e}: nothing was started", file=sys.stderr)
+            return e.exit_code
+        try:
+            return task.launch(launch, args, argv)
+        except processes.Interrupted as e:
+            print(f"{launch.task}: {e}; every process of the job was ended", file=sys.stderr)
+            return e.exit_code
+        except launcher.LaunchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1

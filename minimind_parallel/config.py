@@ -76,6 +76,12 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
     if model.hidden_size % model.num_attention_heads:
         raise ConfigError(f"hidden_size must be divisible by num_attention_heads; "
                           f"got hidden_size={model.hidden_size}, num_attention_heads={model.num_attention_heads}")
+    if model.head_dim % 2:
+        raise ConfigError(f"head_dim must be even (rotary embeddings rotate pairs of channels); got head_dim="
+                          f"{model.head_dim} (hidden_size={model.hidden_size} / num_attention_heads="
+                          f"{model.num_attention_heads})")
+    if model.intermediate_size < 1:
+        raise ConfigError(f"intermediate_size must be >= 1; got intermediate_size={model.intermediate_size}")
     if model.num_attention_heads % model.num_key_value_heads:
         raise ConfigError(f"num_attention_heads must be divisible by num_key_value_heads (GQA); "
                           f"got num_attention_heads={model.num_attention_heads}, "

@@ -5,6 +5,7 @@ needs it. `ProcessGroups.single()` stands in for a one-rank layout (no communica
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +80,10 @@ class ProcessGroups:
         return cls(par=par, rank=0, coords=dict.fromkeys(AXES, 0), pp_ranks=[0])
 
     @classmethod
-    def build(cls, par: ParallelConfig) -> "ProcessGroups":
-        """Collective over the world: every rank creates every group, in the same order."""
+    def build(cls, par: ParallelConfig, *, timeout: datetime.timedelta | None = None) -> "ProcessGroups":
+        """Collective over the world: every rank creates every group, in the same order. `timeout`: the
+        longest a collective of these groups waits (None: torch's default for new groups, 30 minutes on
+        gloo, whatever the default group was given)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != par.world_size:
             raise ValueError(f"world size {world} != dp*pp*cp*tp = {par.world_size}")
@@ -89,13 +92,13 @@ class ProcessGroups:
         out = cls(par=par, rank=rank, coords=dict(zip(AXES, index)))
         for axis, name in enumerate(AXES):
             for ranks in groups_along(grid, axis):
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     setattr(out, name, group)
                     if name == "pp":
                         out.pp_ranks = ranks
         for ranks in groups_along(grid, AXES.index("pp")):  # embedding groups: first + last stage
-            group = dist.new_group([ranks[0], ranks[-1]]) if len(ranks) > 1 else None
+            group = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if len(ranks) > 1 else None
             if rank in (ranks[0], ranks[-1]):
                 out.embed = group
         return out

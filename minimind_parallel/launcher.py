@@ -1,29 +1,48 @@
 """Starting the ranks: the torchrun (`torch.distributed.run`) command, its environment, and a
-run that can be timed out (the launcher and every rank it started killed together).
+run that ends with every process it started, however it ends (docs/failure_behaviour.md).
 
-Each rank runs `python -m minimind_parallel.worker` with the command line it was given."""
+Each rank runs `python -m minimind_parallel.worker` with the command line it was given. The job's
+processes carry a mark in their environment (processes.JOB_ENV); when the run ends -- the ranks
+finished or failed, the timeout passed, the rendezvous of a multi-node job timed out, SIGINT or
+SIGTERM reached the launcher -- every process with the mark still alive is SIGKILLed. The ranks
+hold nothing to flush, and torchrun's own SIGTERM path would print a traceback and wait its
+shutdown timeout for a stopped rank; killing the job is immediate and silent."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-import signal
 import subprocess
 import sys
+import time
 
+from . import processes
 from .options import resolve_device
 
 TIMED_OUT = 124  # run_torchrun's exit code when it killed the ranks at the timeout (as timeout(1))
+SHUTDOWN_GRACE_S = 3  # torchrun's wait for the other ranks to exit after one failed, before SIGKILL
+POLL_S = 0.2
+
+
+class LaunchError(RuntimeError):
+    """The job could not start (one line: what it waited for and for how long)."""
 
 
 def torchrun_command(launch, world_size: int, worker_argv: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size // launch.nnodes}",
-           f"--nnodes={launch.nnodes}", "--max_restarts=0", "--monitor_interval=0.1"]
+           f"--nnodes={launch.nnodes}", "--max_restarts=0", "--monitor_interval=0.1",
+           f"--shutdown_timeout={SHUTDOWN_GRACE_S}"]
     if launch.nnodes == 1 and launch.master_port is None:
         cmd.append("--standalone")
     else:
         cmd += [f"--node_rank={launch.node_rank}", f"--master_addr={launch.master_addr}",
-                f"--master_port={launch.master_port or 29500}"]
+                f"--master_port={endpoint(launch)[1]}", f"--rdzv_conf=timeout={math.ceil(launch.rdzv_timeout)}"]
     return cmd + ["-m", "minimind_parallel.worker", *worker_argv]
+
+
+def endpoint(launch) -> tuple[str, int]:
+    """Where the nodes of a multi-node job meet (torchrun's static rendezvous)."""
+    return launch.master_addr, launch.master_port or 29500
 
 
 def launch_env(device: str, async_communication: bool) -> dict:
@@ -40,20 +59,63 @@ def launch_env(device: str, async_communication: bool) -> dict:
 def run_torchrun(launch, world_size: int, worker_argv: list[str], *, async_communication=False,
                  timeout: float | None = None, log: str | None = None) -> int:
     """Run the ranks to completion; `log`: a file that takes their stdout and stderr instead of the terminal.
-    After `timeout` seconds the launcher and every rank it started are killed: -> TIMED_OUT."""
-    cmd = torchrun_command(launch, world_size, worker_argv)
-    env = launch_env(resolve_device(launch), async_communication)
+    After `timeout` seconds every process of the job is killed: -> TIMED_OUT. Raises LaunchError when a
+    multi-node rendezvous does not complete within --rdzv_timeout, and passes processes.Interrupted on;
+    in every case no process of the job is left when it returns."""
+    job = processes.new_job_id()
+    env = {**launch_env(resolve_device(launch), async_communication), processes.JOB_ENV: job}
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(log, "w")) if log is not None else None
-        # its own session: on a timeout the whole group goes, ranks included
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out,
+        # its own session: Ctrl-C at the terminal reaches the launcher only, which ends the job;
+        # torchrun dies with the launcher, the ranks with torchrun (processes.die_with_parent)
+        proc = subprocess.Popen(torchrun_command(launch, world_size, worker_argv), env=env, start_new_session=True,
+                                preexec_fn=processes.parent_death_signal(), stdout=out,
                                 stderr=subprocess.STDOUT if out is not None else None)
         try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            return wait_for(proc, job, launch, timeout)
+        finally:
+            processes.kill_job(job)
             proc.wait()
+
+
+def wait_for(proc: subprocess.Popen, job: str, launch, timeout: float | None) -> int:
+    """torchrun's exit code, or TIMED_OUT after `timeout` s. A multi-node job says what it waits for
+    and gives up after --rdzv_timeout (LaunchError). Once a rank has failed with an error (its
+    torchelastic error file exists), the ranks still alive SHUTDOWN_GRACE_S later are killed:
+    torchrun stops the others itself, but waits 30 s for one that is stopped."""
+    start = time.monotonic()
+    rendezvous = launch.nnodes > 1
+    if rendezvous:
+        addr, port = endpoint(launch)
+        print(f"launcher: node {launch.node_rank} of {launch.nnodes} waits for the other nodes at {addr}:{port} "
+              f"(--rdzv_timeout {launch.rdzv_timeout:g} s)", file=sys.stderr, flush=True)
+    error_files: set[str] = set()
+    failed_at = None
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout=POLL_S)
+        now = time.monotonic()
+        ranks = {pid: env for pid, env in processes.job_processes(job).items() if pid != proc.pid}
+        if rendezvous:
+            rendezvous = still_waiting(launch, bool(ranks), now - start)
+        error_files |= {env["TORCHELASTIC_ERROR_FILE"] for env in ranks.values() if "TORCHELASTIC_ERROR_FILE" in env}
+        if failed_at is None and any(os.path.exists(f) for f in error_files):
+            failed_at = now
+        if failed_at is not None and now - failed_at > SHUTDOWN_GRACE_S:
+            processes.kill(ranks)
+        if timeout is not None and now - start > timeout:
             return TIMED_OUT
-        except BaseException:  # Ctrl-C: take the ranks down too
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+
+
+def still_waiting(launch, ranks_started: bool, waited: float) -> bool:
+    """Whether this node still waits for the others; raises LaunchError after --rdzv_timeout."""
+    if ranks_started:  # torchrun starts this node's ranks once every node has joined
+        print(f"launcher: all {launch.nnodes} nodes joined after {waited:.0f} s; ranks started", file=sys.stderr,
+              flush=True)
+        return False
+    if waited > launch.rdzv_timeout:
+        addr, port = endpoint(launch)
+        raise LaunchError(f"rendezvous timed out after --rdzv_timeout {launch.rdzv_timeout:g} s: node "
+                          f"{launch.node_rank} waited at {addr}:{port} and not all {launch.nnodes} nodes joined "
+                          f"(start the same command on every node, each with its --node_rank)")
+    return True

@@ -4,10 +4,15 @@ arguments, the device, and the pre-launch checks every task makes (one home each
 from __future__ import annotations
 
 import argparse
+import datetime
+import math
 
 from .config import RECOMPUTE_MODES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+# What one CPU rank holds before any model: a Python process with torch and gloo (about 230 MiB
+# resident, measured), rounded up. A node starts a rank per this much available memory at most.
+RANK_PROCESS_BYTES = 256 * 2**20
 
 # Mode presets: the TP-feature flags each mode turns on (flags given explicitly are kept too).
 MODES = {
@@ -95,6 +100,11 @@ def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = Non
                           recompute=args.recompute, loss_chunks=args.loss_chunks)
 
 
+def collective_timeout(launch) -> datetime.timedelta:
+    """--collective_timeout: the longest one collective of the job's process groups waits."""
+    return datetime.timedelta(seconds=launch.collective_timeout)
+
+
 def resolve_device(launch) -> str:
     """--device, or cuda when available, else cpu."""
     import torch
@@ -111,6 +121,7 @@ def check_common(launch, args, runs: list, *, steps: str | None, kernels: bool =
     AdamW steps (`steps`, see check_float16_steps), each of `runs` [(args, ParallelConfig)]
     (check_layout), the ranks over the nodes and the device (`kernels`: it runs any)."""
     check_at_least(args, 1, sizes)
+    check_number(args, "learning_rate", minimum=0.0)
     check_float16_steps(args.dtype, steps)
     for run_args, par in runs:
         check_run(run_args, par)
@@ -119,6 +130,14 @@ def check_common(launch, args, runs: list, *, steps: str | None, kernels: bool =
 
 def check_launcher(launch) -> None:
     """The launcher's own arguments (context parallelism comes with its own task work)."""
+    if launch.nnodes < 1:
+        raise ConfigError(f"nnodes must be >= 1; got nnodes={launch.nnodes}")
+    if not 0 <= launch.node_rank < launch.nnodes:
+        raise ConfigError(f"node_rank must be in [0, nnodes); got node_rank={launch.node_rank}, nnodes={launch.nnodes}")
+    if launch.master_port is not None and not 1 <= launch.master_port <= 65535:
+        raise ConfigError(f"master_port must be a TCP port in 1-65535; got master_port={launch.master_port}")
+    for name in ("rdzv_timeout", "collective_timeout"):
+        check_number(launch, name, minimum=0.0, exclusive=True, unit=" seconds")
     if launch.cp_size > 1 and not launch.cp:
         raise ConfigError(f"--cp_size {launch.cp_size} needs --cp")
     if launch.cp and launch.cp_size > 1:
@@ -135,6 +154,17 @@ def check_at_least(args, minimum: int, names: tuple[str, ...]) -> None:
     for name in names:
         if getattr(args, name) < minimum:
             raise ConfigError(f"{name} must be >= {minimum}; got {name}={getattr(args, name)}")
+
+
+def check_number(ns, name: str, *, minimum: float, exclusive: bool = False, unit: str = "") -> None:
+    """`ns.<name>` (None: not given) is a finite number >= `minimum` (> with `exclusive`)."""
+    value = getattr(ns, name)
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number; got {name}={value:g}")
+    if value < minimum or (exclusive and value == minimum):
+        raise ConfigError(f"{name} must be {'>' if exclusive else '>='} {minimum:g}{unit}; got {name}={value:g}")
 
 
 def check_float16_steps(dtype: str, steps: str | None) -> None:
@@ -168,3 +198,67 @@ def check_device(device: str, dtype: str, world_per_node: int) -> None:
                               f"{torch.cuda.device_count()} GPUs")
         if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
             raise ConfigError("dtype bfloat16 is not supported on this GPU; use float16 or float32")
+
+
+# ---------------------------------------------------------------- what the machine can hold
+
+def check_resources(launch, runs: list, *, rows: list[int] | None = None) -> None:
+    """The node can start its ranks and hold the memory the analytic model predicts for them
+    (docs/memory.md), unless --skip_resource_check. `runs`: [(args, ParallelConfig)] as for
+    check_common; `rows`: each run's sequences per microbatch (default its micro_batch_size).
+    CPU: ranks per node x (RANK_PROCESS_BYTES + the worst rank's predicted peak) <= MemAvailable.
+    CUDA (one GPU per rank): the worst rank's predicted peak <= the GPU's memory."""
+    if launch.skip_resource_check or not runs:
+        return
+    device = resolve_device(launch)
+    per_node = runs[0][1].world_size // launch.nnodes
+    rows = rows or [a.micro_batch_size for a, _ in runs]
+    peaks = [predicted_peak(a, par, device, r) for (a, par), r in zip(runs, rows)]
+    peak = max((p for p in peaks if p is not None), default=0)
+    override = "; pass --skip_resource_check to launch anyway"
+    if device == "cuda":
+        import torch
+        gpu = min(torch.cuda.get_device_properties(i).total_memory for i in range(per_node))
+        if peak > gpu:
+            raise ConfigError(f"predicted memory exceeds the GPU: the worst rank's predicted peak "
+                              f"{peak / 2**30:.2f} GiB (analytic model) > {gpu / 2**30:.2f} GiB of GPU memory{override}")
+        return
+    available = mem_available()
+    if available is None:
+        return
+    start = per_node * RANK_PROCESS_BYTES
+    if start > available:
+        raise ConfigError(f"the machine cannot start {per_node} ranks: each CPU rank is a process of about "
+                          f"{RANK_PROCESS_BYTES >> 20} MiB before the model, {per_node} ranks need "
+                          f"{start / 2**30:.1f} GiB and {available / 2**30:.1f} GiB are available (MemAvailable)"
+                          f"{override}")
+    if start + per_node * peak > available:
+        raise ConfigError(f"predicted memory exceeds the machine: {per_node} ranks x ({RANK_PROCESS_BYTES >> 20} MiB "
+                          f"per process + the worst rank's predicted peak {peak / 2**20:.0f} MiB, analytic model) = "
+                          f"{(start + per_node * peak) / 2**30:.2f} GiB > {available / 2**30:.2f} GiB available "
+                          f"(MemAvailable){override}")
+
+
+def predicted_peak(args, par: ParallelConfig, device: str, rows: int) -> int | None:
+    """The analytic model's peak bytes of a training step on the worst rank (None: not modelled)."""
+    import torch
+
+    from .memory import predict_memory
+    try:
+        return predict_memory(model_config(args), par, seq_len=args.seq_len, micro_batch_size=rows,
+                              dtype=getattr(torch, args.dtype), device=device,
+                              num_microbatches=args.num_microbatches, schedule=args.pp_schedule).peak_bytes
+    except NotImplementedError:  # context parallelism, the non-flash attention path
+        return None
+
+
+def mem_available() -> int | None:
+    """Bytes the kernel can give new processes without swapping (/proc/meminfo; None elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -1,41 +1,84 @@
-"""What each rank runs under torchrun: `python -m minimind_parallel.worker <task> ... -- ...`."""
+"""What each rank runs under torchrun: `python -m minimind_parallel.worker <task> ... -- ...`.
+
+A rank dies with torchrun (processes.die_with_parent), and a collective that waits longer than
+--collective_timeout (a peer stopped, or gone without its connection closing) fails the rank with
+one line saying so, which ends the job (docs/failure_behaviour.md)."""
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import tasks
+from . import processes, tasks
 from .cli import parse
-from .options import resolve_device
+from .options import collective_timeout, resolve_device
 
 
-def init_distributed(device: str) -> torch.device:
-    """gloo on CPU, NCCL on CUDA; one torch thread per rank on CPU (ranks share the cores)."""
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within --collective_timeout."""
+
+
+def init_distributed(device: str, timeout: datetime.timedelta) -> torch.device:
+    """gloo on CPU, NCCL on CUDA; one torch thread per rank on CPU (ranks share the cores).
+    A collective of the default group waits at most `timeout` (the tasks give their groups the same)."""
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group("nccl", timeout=timeout)
         return torch.device("cuda", local)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
+
+
+def timed_out(error: BaseException) -> bool:
+    """gloo ("Timed out waiting 5000ms for recv"), the store ("Timed out after 6 seconds waiting for
+    clients") and NCCL's watchdog ("Watchdog caught collective operation timeout") all say so."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def inject_fault(spec: str | None) -> None:
+    """Test hook `--inject_fault KIND:RANK`: on that rank, `raise` raises, `stop` stops the process
+    (SIGSTOP: alive, silent, never answering its peers), `exit` exits at once without a word, `kill`
+    is SIGKILLed (as by the kernel's out-of-memory killer)."""
+    if spec is None:
+        return
+    kind, rank = spec.split(":")
+    if dist.get_rank() != int(rank):
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank}")
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "exit":
+        os._exit(3)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @record
 def main(argv: list[str]) -> int:
+    processes.die_with_parent()
     launch, args = parse(argv)
-    device = init_distributed(resolve_device(launch))
+    device = init_distributed(resolve_device(launch), collective_timeout(launch))
     try:
-        code = tasks.get(launch.task).run_rank(launch, args, device)
+        inject_fault(launch.inject_fault)
+        return tasks.get(launch.task).run_rank(launch, args, device)
+    except Exception as e:
+        if timed_out(e):
+            raise CollectiveTimeoutError(
+                f"rank {dist.get_rank()}: a collective did not complete within --collective_timeout "
+                f"{launch.collective_timeout:g} s (a peer stopped or is gone): {str(e).splitlines()[0][:200]}") from e
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return code
 
 
 if __name__ == "__main__":

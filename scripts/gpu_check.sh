@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path on one CUDA device: NCCL init, validate against the dense model on the GPU, and
 # the CUDA memory meter (torch.cuda.max_memory_allocated) beside the analytic model and the
-# fake-tensor estimate, at the seed's 4.1 model size. One GPU means world size 1 (NCCL refuses
+# fake-tensor estimate, at the book's section 4.1 model size. One GPU means world size 1 (NCCL refuses
 # two ranks on one device), so TP/SP/PP on NCCL need a multi-GPU machine.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 set -u

@@ -5,7 +5,7 @@ VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe or 1F1B, one sta
 generator, measures one step on fake tensors and compares the model's peak with it. One line per
 case; exit 1 if any differs.
 
-    python scripts/memory_model_sweep.py [--seed 0] [--cases 100] [--min_tokens_per_hidden 2]
+    python scripts/memory_model_sweep.py [--seed=0] [--cases 100] [--min_tokens_per_hidden 2]
 
 --min_tokens_per_hidden keeps at least that many tokens per microbatch per unit of hidden size
 (S*B >= k*H): the model's domain. 0 also draws the few-token layouts where a block's weights

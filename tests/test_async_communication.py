@@ -1,7 +1,7 @@
 """--async_communication is active and overlaps: the order of events in a real backward, and the
 same order in a real gloo profile.
 
-The seed's claim (MiniMind Parallelism Book, section 4.3; Korthikanti et al. 2022): the dgrad
+The book's claim (MiniMind Parallelism Book, section 4.3; Korthikanti et al. 2022): the dgrad
 collective of a column-parallel linear is issued asynchronously, the wgrad GEMM runs while it is
 in flight, and only then does backward wait for it. Plain TP: all-reduce of dgrad. SP recompute:
 async re-gather of the saved shard, async reduce-scatter of dgrad, wait for the gather, wgrad,
@@ -43,7 +43,7 @@ class _Handle:
 
 def _logging(kind, fn, log):
     """comm.<kind> that logs `XX>` when an async_op=True collective is issued (sync ones are not
-    part of the seed's order), and `XX<` when its handle's wait returns."""
+    part of the book's order), and `XX<` when its handle's wait returns."""
     def wrapped(*args, async_op=False, **kwargs):
         out = fn(*args, async_op=async_op, **kwargs)
         if not async_op:

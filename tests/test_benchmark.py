@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from minimind_parallel import cli, launcher
+from minimind_parallel import cli, files, launcher
 from minimind_parallel.tasks import benchmark
+from minimind_parallel.tasks import benchmark_outputs as outputs_module
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
         "--seq_len", "16", "--warmup_iters", "1", "--benchmark_iters", "2"]
@@ -76,42 +77,6 @@ def test_batch_policies():
     assert [benchmark.rows_per_replica("memory", args, p, launch) for p in (ddp, tp)] == [4, 4]
     # fixed_global (always for throughput): the same global batch in every mode
     assert [benchmark.rows_per_replica("throughput", args, p, launch) for p in (ddp, tp)] == [2, 4]
-
-
-# ---------------------------------------------------------------- bad input: one line, nothing launched
-
-BAD = [
-    (["--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", "2", "--seq_len", "16", "32"],
-     "sweep one dimension at a time"),
-    (["--tp_size", "2", "--", "--modes", "tp", "tp_magic"], "unknown mode 'tp_magic'"),
-    (["--tp_size", "2", "--", "--modes", "ddp", "tp_sp", "--num_hidden_layers", "1", "--seq_len", "16", "15"],
-     "seq_len must be divisible by tp_size with --sequence_parallel; got seq_len=15, tp_size=2"),
-    (["--tp_size", "3", "--", "--modes", "ddp", "tp"], "num_attention_heads must be divisible by tp_size"),
-    (["--tp_size", "2", "--", "--modes", "tp_vp", "--vocab_size", "129"],
-     "vocab_size must be divisible by tp_size with --vocab_parallel"),
-    (["--kind", "throughput", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "1"],
-     "fixed_global"),
-    (["--kind", "throughput", "--tp_size", "2", "--", "--estimate"], "--estimate measures memory"),
-    (["--kind", "profile", "--tp_size", "2", "--", "--estimate"],
-     "--estimate measures memory without running kernels; got --kind profile"),
-    (["--tp_size", "2", "--", "--num_microbatches", "2"], "num_microbatches > 1 needs pipeline parallelism"),
-    (["--tp_size", "2", "--", "--benchmark_iters", "0"], "benchmark_iters must be >= 1"),
-    (["--tp_size", "2", "--", "--dtype", "float16"], "float16 parameters cannot take AdamW steps"),
-    (["--kind", "memory", "--tp_size", "2", "--", "--kind", "throughput"], "--kind given twice"),
-    (["--tp_size", "2", "--", "--batch_policy", "per_node"], "invalid choice"),
-    (["--tp_size", "2", "--", "--cell_timeout", "0"], "cell_timeout must be > 0 seconds; got cell_timeout=0"),
-]
-
-
-@pytest.mark.parametrize("argv,message", BAD, ids=[m for _, m in BAD])
-def test_bad_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys, tmp_path):
-    launched = []
-    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
-    code = cli.main(["benchmark", *argv, *outputs(tmp_path)] if "--" in argv else ["benchmark", *argv])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and not launched
-    assert len(err.splitlines()) == 1 and message in err, err
-    assert not (tmp_path / "b.csv").exists()
 
 
 def test_kind_is_only_for_the_benchmark(monkeypatch, capsys):
@@ -278,3 +243,117 @@ def test_a_real_sweep_under_torchrun_records_an_out_of_memory_cell_and_goes_on(t
                      "--estimate", "--output_csv", str(tmp_path / "e.csv")]) == 0
     estimate = read_csv(tmp_path / "e.csv")[0]
     assert float(estimate["peak_mib"]) == pytest.approx(float(ddp["peak_mib"]), rel=0.02)
+
+
+# ---------------------------------------------------------------- results: this run's, complete, never lost
+
+KILLED_RANK_LOG = """\
+[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+minimind_parallel.worker FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 11)
+  error_file: /tmp/torchelastic_x/0/error.json
+  traceback : RuntimeError: Connection closed by peer
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 12)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 12
+============================================================
+"""
+
+
+def test_a_killed_ranks_row_names_the_rank_that_died_not_its_peers_error(tmp_path):
+    log = tmp_path / "cell.log"
+    log.write_text(KILLED_RANK_LOG)
+    status, reason = outputs_module.failure_from_log(str(log), 1)
+    assert (status, reason) == ("failed", f"rank 1 was killed by SIGKILL (log: {log})")
+
+
+def test_a_cpu_allocation_failure_is_recorded_as_out_of_memory(tmp_path):
+    error = ("RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+             "you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
+    log = tmp_path / "cell.log"
+    log.write_text(f"Traceback (most recent call last):\n[rank0]: {error}\n")
+    assert outputs_module.failure_from_log(str(log), 1)[0] == "oom"
+    row = {}
+    outputs_module.fail(row, RuntimeError(error.removeprefix("RuntimeError: ")))
+    assert row["status"] == "oom"
+    outputs_module.fail(row, RuntimeError("shapes cannot be multiplied"))
+    assert row["status"] == "failed"
+
+
+def test_a_real_cell_whose_rank_is_killed_names_that_rank(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "benchmark", "--tp_size", "2",
+                        "--inject_fault", "kill:1", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
+                        *outputs(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    row = read_csv(tmp_path / "b.csv")[0]
+    assert row["status"] == "failed" and row["reason"].startswith("rank 1 was killed by SIGKILL"), row["reason"]
+
+
+def test_two_runs_started_in_the_same_second_write_different_files(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(outputs_module.secrets, "token_hex", lambda n: "beef")  # the worst case: same draw
+    _, args = cli.parse(["benchmark", "--"])
+    first = outputs_module.claim_paths(args, "memory")
+    drawn = iter(["beef", "cafe"])
+    monkeypatch.setattr(outputs_module.secrets, "token_hex", lambda n: next(drawn))
+    second = outputs_module.claim_paths(args, "memory")
+    assert first.csv != second.csv and first.logs != second.logs
+    assert second.csv.endswith("_cafe.csv")
+
+
+def test_csv_keeps_enough_digits_to_recompute_tokens_per_second(tmp_path):
+    row = dict.fromkeys(outputs_module.COLUMNS)
+    row.update(step_ms=12.345678912345, tokens_per_s=64 / 0.012345678912345)
+    outputs_module.write_csv(str(tmp_path / "b.csv"), [row])
+    back = read_csv(tmp_path / "b.csv")[0]
+    assert float(back["tokens_per_s"]) == pytest.approx(64 / (float(back["step_ms"]) / 1e3), rel=1e-9)
+    assert os.listdir(tmp_path) == ["b.csv"]  # the temporary file went
+
+
+def test_concurrent_writers_of_one_file_use_their_own_temporary_files(tmp_path):
+    target = str(tmp_path / "b.json")
+    with files.atomic_path(target) as a, files.atomic_path(target) as b:
+        assert a != b and os.path.dirname(a) == os.path.dirname(b) == str(tmp_path)
+        open(a, "w").write("first")
+        open(b, "w").write("second")
+    assert open(target).read() == "first"  # the outer block ends last
+    assert os.listdir(tmp_path) == ["b.json"]
+
+
+def test_a_second_run_over_the_same_outputs_keeps_the_first_runs_logs(monkeypatch, tmp_path):
+    run, _ = fake_torchrun(oom_cell="tp:1")
+    monkeypatch.setattr(launcher, "run_torchrun", run)
+    argv = ["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
+            *outputs(tmp_path)]
+    assert cli.main(argv) == 1
+    assert cli.main(argv) == 2  # refused: the first run's results are there
+    assert cli.main([*argv, "--overwrite"]) == 1
+    logs = sorted(os.listdir(tmp_path / "b_logs"))
+    assert logs == ["tp_num_hidden_layers1.1.log", "tp_num_hidden_layers1.log"]
+    reasons = [r["reason"] for r in read_csv(tmp_path / "b.csv")]
+    assert reasons[0].endswith(f"(log: {tmp_path / 'b_logs' / 'tp_num_hidden_layers1.1.log'})")
+
+
+def test_a_failed_profile_cell_never_reports_an_earlier_runs_profile(monkeypatch, tmp_path, capsys):
+    from minimind_parallel.profiling.sweep import cell_dir
+    _, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
+                         *outputs(tmp_path)])
+    stale = os.path.join(cell_dir(str(tmp_path / "b.csv"), benchmark.plan(args)[0]), "report.json")
+    os.makedirs(os.path.dirname(stale))
+    with open(stale, "w") as f:
+        json.dump({"summary": {"step_ms": 1.0}, "ranks": []}, f)  # an earlier run's
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: 1)  # this run's cell fails
+    assert cli.main(["benchmark", "--kind", "profile", "--tp_size", "2", "--", "--modes", "tp",
+                     "--num_hidden_layers", "1", *TINY, *outputs(tmp_path)]) == 1
+    assert "benchmark: no profile finished" in capsys.readouterr().out
+    assert read_csv(tmp_path / "b.csv")[0]["step_ms"] == ""

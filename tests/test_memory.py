@@ -1,5 +1,5 @@
 """Peak memory: the CPU tracker of a real run, the same tracker on fake tensors (--estimate) and
-the analytic model agree, and the seed's two derivations (chapter 4.2.1 and 4.4.2) come out of
+the analytic model agree, and the book's two derivations (chapter 4.2.1 and 4.4.2) come out of
 all three, as byte arithmetic in F = b*S*B*H, the bytes of one full-sequence [S, B, H] tensor."""
 import os
 import random
@@ -91,7 +91,7 @@ def test_saved_tensors_are_activations():
 # isolation: a storage released a moment late, timing-dependent -- most likely a collective's
 # tensor whose last reference gloo's worker thread drops after wait() has returned. The real run
 # is held to the estimate within that one tensor; the estimate and the model stay exact, and
-# they are what the seed's byte arithmetic is checked on.
+# they are what the book's byte arithmetic is checked on.
 REAL_SLACK = 8192
 
 
@@ -136,9 +136,10 @@ def test_analytic_model_matches_estimate_elsewhere(dtype, config):
         _check_model(predict_memory(c, par, seq_len=S, micro_batch_size=B, dtype=dtype), meas, str(par))
 
 
-def seed_sp_delta(L, *, S, B, H, T, b=2):
-    """Seed 4.2.1: TP only - TP+SP (basic) = L (8F(1-1/T) - 3F) + 4F(1-1/T), F = b S B H.
-    Plus what the seed leaves out: each RMSNorm also saves rsqrt [S, B, 1] in fp32 (4 S B bytes),
+def book_sp_delta(L, *, S, B, H, T, b=2):
+    """MiniMind Parallelism Book, section 4.2.1:
+    TP only - TP+SP (basic) = L (8F(1-1/T) - 3F) + 4F(1-1/T), F = b S B H.
+    Plus what the book leaves out: each RMSNorm also saves rsqrt [S, B, 1] in fp32 (4 S B bytes),
     which SP shrinks by 1/T as well: 2 per block and the final one."""
     F, rsqrt = b * S * B * H, 4 * S * B
     shrink = lambda x: x - x // T  # noqa: E731  x (1 - 1/T)
@@ -146,7 +147,8 @@ def seed_sp_delta(L, *, S, B, H, T, b=2):
 
 
 def seed_recompute_delta(L, *, S, B, H, T, b=2):
-    """Seed 4.4.2: basic SP - SP recompute = L (5F - 2F/T): five gathered inputs per block become
+    """MiniMind Parallelism Book, section 4.4.2: basic SP - SP recompute = L (5F - 2F/T): five
+    gathered inputs per block become
     the two local shards (q/k/v share one, gate/up the other)."""
     F = b * S * B * H
     return L * (5 * F - 2 * F // T)
@@ -162,7 +164,7 @@ def assert_saves(measured, more: str, less: str, want: int) -> None:
 
 
 def test_basic_sp_saves_8F_minus_3F_per_block_and_the_final_norm(measured):
-    assert_saves(measured, "tp", "tp_sp", seed_sp_delta(TINY.num_hidden_layers, S=S, B=B, H=TINY.hidden_size, T=T))
+    assert_saves(measured, "tp", "tp_sp", book_sp_delta(TINY.num_hidden_layers, S=S, B=B, H=TINY.hidden_size, T=T))
 
 
 def test_sp_recompute_saves_5F_minus_2F_over_T_per_block(measured):
@@ -182,8 +184,8 @@ MiB = 2**20
 
 @pytest.mark.parametrize("L", [8, 16, 32, 64])
 def test_seed_basic_sp_saves_6L_plus_12_MiB(L):
-    """At the seed's configuration (S 2048, B 2, H 768, T 2, bf16): 6L + 12 MiB, plus the rsqrt
-    rows the seed leaves out: (2L + 1) x 8 KiB."""
+    """At the book's configuration (S 2048, B 2, H 768, T 2, bf16): 6L + 12 MiB, plus the rsqrt
+    rows the book leaves out: (2L + 1) x 8 KiB."""
     c = MiniMindConfig(num_hidden_layers=L, **SEED)
     tp, sp = (predict_memory(c, ParallelConfig(tp=2, sequence_parallel=s), seq_len=2048, micro_batch_size=2,
                              dtype=torch.bfloat16) for s in (False, True))
@@ -191,7 +193,7 @@ def test_seed_basic_sp_saves_6L_plus_12_MiB(L):
 
 
 @pytest.mark.parametrize("L", [2, 4, 8, 16, 32])
-def test_seed_sp_recompute_saves_48_MiB_per_layer(L):
+def test_book_sp_recompute_saves_48_MiB_per_layer(L):
     c = MiniMindConfig(num_hidden_layers=L, **SEED)
     sp, rc = (predict_memory(c, ParallelConfig(tp=2, sequence_parallel=True, async_communication=a), seq_len=2048,
                              micro_batch_size=4, dtype=torch.bfloat16) for a in (False, True))
@@ -199,13 +201,13 @@ def test_seed_sp_recompute_saves_48_MiB_per_layer(L):
 
 
 def test_seed_deltas_from_estimate_at_the_seed_configuration():
-    """The fake-tensor measurement at the seed's real sizes (two layers keeps it quick)."""
+    """The fake-tensor measurement at the book's real sizes (two layers keeps it quick)."""
     c = MiniMindConfig(num_hidden_layers=2, **SEED)
     est = {name: estimate_step_memory(c, ParallelConfig(tp=2, **flags), seq_len=2048, micro_batch_size=4,
                                       dtype=torch.bfloat16, iters=1)
            for name, flags in {"tp": {}, "sp": dict(sequence_parallel=True),
                                "rc": dict(sequence_parallel=True, async_communication=True)}.items()}
-    assert est["tp"].peak_bytes - est["sp"].peak_bytes == seed_sp_delta(2, S=2048, B=4, H=768, T=2)
+    assert est["tp"].peak_bytes - est["sp"].peak_bytes == book_sp_delta(2, S=2048, B=4, H=768, T=2)
     assert est["sp"].peak_bytes - est["rc"].peak_bytes == 48 * 2 * MiB
 
 

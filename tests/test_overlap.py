@@ -44,7 +44,8 @@ def test_fully_exposed_sync_all_reduce():
 
 
 def test_partial_overlap_with_the_wgrad_gemm():
-    """Seed 4.3.2: async reduce-scatter of dgrad issued, wgrad GEMM runs, then wait. gloo runs
+    """MiniMind Parallelism Book, section 4.3.2: async reduce-scatter of dgrad issued, wgrad GEMM
+    runs, then wait. gloo runs
     the reduce-scatter as `gloo:all_reduce`: the kind must come from the issuing c10d op."""
     r = report_of(ev("aten::mm", 0, 10),
                   rng("comm:reduce_scatter", 10, 2), ev("c10d::_reduce_scatter_base_", 10, 1),

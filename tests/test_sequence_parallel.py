@@ -1,5 +1,6 @@
-"""The seed's chapter as checks: collectives per block counted from the real calls (seed 4.3.2's
-table, and --shared_sp_gather), and what autograd keeps alive between forward and backward."""
+"""The MiniMind Parallelism Book's chapter 4 as checks: collectives per block counted from the
+real calls (the book's section 4.3.2 table, and --shared_sp_gather), and what autograd keeps
+alive between forward and backward."""
 from collections import Counter
 
 import pytest
@@ -47,10 +48,12 @@ def _block_collectives(par):
 EXPECTED = {
     "tp": (dict(), {"all_reduce": 2}, {"all_reduce": 5}),
     "tp_async": (dict(async_communication=True), {"all_reduce": 2}, {"all_reduce": 5}),
-    # seed 4.3.2, basic SP: column backward = 5 reduce-scatters, row backward = 2 all-gathers
+    # MiniMind Parallelism Book, section 4.3.2, basic SP:
+    # column backward = 5 reduce-scatters, row backward = 2 all-gathers
     "basic_sp": (dict(sequence_parallel=True), {"all_gather": 5, "reduce_scatter": 2},
                  {"reduce_scatter": 5, "all_gather": 2}),
-    # seed 4.3.2, SP recompute: column backward = 5 re-gathers + 5 dgrad reduce-scatters; row = 2 all-gathers
+    # MiniMind Parallelism Book, section 4.3.2, SP recompute:
+    # column backward = 5 re-gathers + 5 dgrad reduce-scatters; row = 2 all-gathers
     "sp_recompute": (dict(sequence_parallel=True, async_communication=True), {"all_gather": 5, "reduce_scatter": 2},
                      {"all_gather": 5 + 2, "reduce_scatter": 5}),
     # --shared_sp_gather: one gather per region (q/k/v, gate/up): 5 -> 2
@@ -106,7 +109,7 @@ def test_basic_sp_saves_one_full_sequence_input_per_linear(which, n):
     par = ParallelConfig(tp=2, sequence_parallel=True)
     saved, _ = run_ranks(_saved_inputs, 2, par, which)[0]
     assert [numel for numel, _ in saved] == [S * B * H] * n
-    assert len({ptr for _, ptr in saved}) == n               # the seed's 5F: independent gathered copies
+    assert len({ptr for _, ptr in saved}) == n               # the book's 5F: independent gathered copies
 
 
 @pytest.mark.parametrize("which", ["attention", "mlp"])

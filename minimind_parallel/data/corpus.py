@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterator
 from types import ModuleType
 
-from .files import atomic_path
+from ..files import atomic_path
 
 # Modules never imported: side effects on import (open a browser, print, start IDLE, write grammar
 # caches into the install), slow test suites, or content that depends on what else is installed.

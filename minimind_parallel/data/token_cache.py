@@ -25,7 +25,7 @@ from itertools import islice
 import numpy as np
 
 from ..config import ConfigError
-from .files import atomic_path
+from ..files import atomic_path
 from .jsonl import iter_texts, open_data_file
 from .tokenizer import LoadedTokenizer
 

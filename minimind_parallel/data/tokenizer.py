@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..config import ConfigError
-from .files import atomic_path
+from ..files import atomic_path
 from .jsonl import iter_texts
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

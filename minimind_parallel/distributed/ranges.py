@@ -4,7 +4,7 @@ is recording and a no-op otherwise, so the library can name its phases at no cos
 Names the overlap report relies on (see overlap.py):
     comm:<kind>      one collective from issue to return (sync: includes the blocking wait)
     wait:<kind>      the main thread blocked on an async collective's handle
-    async_linear.dgrad / async_linear.wgrad   the GEMMs the seed overlaps with the collective
+    async_linear.dgrad / async_linear.wgrad   the GEMMs the book overlaps with the collective
 """
 from __future__ import annotations
 

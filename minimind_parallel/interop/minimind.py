@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from ..config import ConfigError, MiniMindConfig
-from ..data.files import atomic_path
+from ..files import atomic_path
 from ..model import MiniMindForCausalLM
 
 EMBED_KEY, HEAD_KEY = "model.embed_tokens.weight", "lm_head.weight"

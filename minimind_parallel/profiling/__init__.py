@@ -1,4 +1,4 @@
-"""Profiles of communication overlap (SPEC 6): traces, the overlap report, timelines.
+"""Profiles of communication overlap: traces, the overlap report, timelines.
 
     trace     profile_steps(): a few train steps under torch.profiler, one trace per rank
     overlap   the overlap report computed from a trace (interval arithmetic, no torch)

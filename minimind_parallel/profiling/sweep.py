@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..files import atomic_path
 from .overlap import format_comparison, format_report
 from .trace import profile_steps
 
@@ -33,7 +34,8 @@ def profile_cell(model, optimizer, groups, ids, labels, args, device) -> tuple[d
 
 
 def compare_cells(csv_path: str, cells) -> str | None:
-    """Each finished cell's report, then the cells side by side. Writes <stem>_profile.json and
+    """Each of `cells`' report (the cells of this run that finished: a failed cell's directory may hold
+    an earlier run's report), then the cells side by side. Writes <stem>_profile.json and
     <stem>_timeline.png (one panel per cell, one step per rank); returns the text (None when no
     cell finished)."""
     from .timeline import plot_timelines
@@ -49,7 +51,7 @@ def compare_cells(csv_path: str, cells) -> str | None:
     if not summaries:
         return None
     stem = os.path.splitext(csv_path)[0]
-    with open(stem + "_profile.json", "w") as f:
+    with atomic_path(stem + "_profile.json") as tmp, open(tmp, "w") as f:
         json.dump(summaries, f, indent=1)
     plot_timelines(timelines, stem + "_timeline.png")
     details = [format_report(s, f"{name}: ") for name, s in summaries.items()]

@@ -3,6 +3,8 @@
 with one colour per kind of collective. Input: the `timeline` entries of overlap reports."""
 from __future__ import annotations
 
+from ..files import atomic_path
+
 COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "finalize_grads": "#c7e9c0", "optimizer": "#dadaeb",
           "compute": "#636363", "wgrad": "#e6550d", "all_gather": "#3182bd", "reduce_scatter": "#31a354",
           "all_reduce": "#de2d26", "send_recv": "#756bb1", "barrier": "#969696", "broadcast": "#bcbddc",
@@ -46,5 +48,6 @@ def plot_timelines(runs: dict[str, list[dict]], path: str) -> None:
     fig.legend(handles=[Patch(color=COLORS[k], label=k) for k in COLORS if k in used],
                loc="lower center", ncol=min(8, len(used)), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.6 / height, 1, 1))
-    fig.savefig(path, dpi=80)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=80, format="png")
     plt.close(fig)

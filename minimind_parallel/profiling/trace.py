@@ -21,6 +21,7 @@ from torch import nn
 from torch.autograd.profiler import profile, record_function
 
 from ..device_sync import synchronize
+from ..files import atomic_path
 from ..training import train_step_detailed
 from .overlap import analyze_file, mean_over_ranks
 
@@ -98,9 +99,10 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: in
         for h in handles:
             h.remove()
     trace_path = os.path.join(out_dir, f"trace_rank{rank}.json")
-    prof.export_chrome_trace(trace_path)
+    with atomic_path(trace_path) as tmp:
+        prof.export_chrome_trace(tmp)
     report = analyze_file(trace_path)
-    with open(os.path.join(out_dir, f"report_rank{rank}.json"), "w") as f:
+    with atomic_path(os.path.join(out_dir, f"report_rank{rank}.json")) as tmp, open(tmp, "w") as f:
         json.dump(report, f, indent=1)
     reports = [None] * dist.get_world_size() if dist.is_initialized() else [report]
     if dist.is_initialized():
@@ -114,7 +116,7 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: in
 def write_outputs(result: dict, out_dir: str, title: str = "") -> None:
     """report.json (the mean over ranks, and every rank's report) and timeline.png."""
     from .timeline import plot_timelines
-    with open(os.path.join(out_dir, "report.json"), "w") as f:
+    with atomic_path(os.path.join(out_dir, "report.json")) as tmp, open(tmp, "w") as f:
         json.dump(dict(title=title, summary=result["summary"], ranks=result["ranks"]), f, indent=1)
     plot_timelines({title or "profile": [r["timeline"] for r in result["ranks"]]},
                    os.path.join(out_dir, "timeline.png"))

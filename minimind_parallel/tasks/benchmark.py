@@ -1,4 +1,4 @@
-"""`benchmark`: peak memory and step time over a sweep of (mode, swept value) cells (SPEC 6).
+"""`benchmark`: peak memory and step time over a sweep of (mode, swept value) cells.
 
 The launcher checks every cell before anything starts, then runs each cell as its own torchrun
 job (`run_cell` on every rank; rank 0 writes the cell's result to a JSON file), prints a row per
@@ -30,11 +30,14 @@ from .. import launcher
 from ..config import ConfigError, ParallelConfig
 from ..data.batches import broadcast_batch, dp_rows
 from ..device_sync import synchronize
+from ..files import atomic_path, new_file
 from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
 from ..pipeline_parallel import bubble_fraction
 from ..options import (MODES, Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes,
-                       model_config, parallel_config, resolve_device, split_argv)
+                       check_number, check_resources, collective_timeout, model_config, parallel_config,
+                       resolve_device, split_argv)
+from ..processes import Interrupted
 from ..training import DTYPES, build_parallel_model, make_optimizer, train_step_detailed, wrap_data_parallel
 from . import benchmark_outputs as outputs
 from .task import Task
@@ -58,12 +61,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq_len", type=int, nargs="+", default=[2048])
     p.add_argument("--warmup_iters", type=int, default=2)
     p.add_argument("--benchmark_iters", type=int, default=5)
-    p.add_argument("--output_csv", default=None, help="default results/benchmark_<kind>_<time>.csv")
+    p.add_argument("--output_csv", default=None, help="default results/benchmark_<kind>_<time>_<pid>_<random>.csv")
     p.add_argument("--output_json", default=None, help="default: beside the CSV")
     p.add_argument("--output_plot", default=None, help="default: beside the CSV (PNG)")
     p.add_argument("--estimate", action="store_true", help="memory under FakeTensorMode, in-process, no kernels")
     p.add_argument("--cell_timeout", type=float, default=None, metavar="SECONDS",
                    help="kill a cell's ranks after this long and record it as timed out (default: no limit)")
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run of the same name")
     # Launcher -> worker plumbing and a test hook; not for users.
     p.add_argument("--result_json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
@@ -148,8 +152,7 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
         raise ConfigError(f"--estimate measures memory without running kernels; got --kind {kind}")
     check_at_least(args, 1, ("benchmark_iters",))
     check_at_least(args, 0, ("warmup_iters",))
-    if args.cell_timeout is not None and args.cell_timeout <= 0:
-        raise ConfigError(f"cell_timeout must be > 0 seconds; got cell_timeout={args.cell_timeout:g}")
+    check_number(args, "cell_timeout", minimum=0.0, exclusive=True, unit=" seconds")
     if args.num_microbatches > 1 and launch.pp_size == 1:
         raise ConfigError(f"num_microbatches > 1 needs pipeline parallelism; got num_microbatches="
                           f"{args.num_microbatches}, pp_size={launch.pp_size}")
@@ -165,16 +168,25 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
 
 
 def check(launch, args) -> None:
-    check_benchmark(launch, args, kind_of(launch, args))
+    """check_benchmark, then what depends on the machine: the outputs can be written, the ranks fit."""
+    kind = kind_of(launch, args)
+    cells = check_benchmark(launch, args, kind)
+    outputs.check_paths(args, kind)
+    if not args.estimate:
+        each_args = [cell_args(args, cell) for cell in cells]
+        runs = [(a, cell_parallel(launch, a, cell.mode)) for a, cell in zip(each_args, cells)]
+        check_resources(launch, runs, rows=[rows_per_replica(kind, args, par, launch) for _, par in runs])
 
 
 # ---------------------------------------------------------------- launcher side
 
 def run_benchmark(launch, args, argv: list[str]) -> int:
-    """Run every cell (checked by `check`); returns 0 when every cell succeeded, 1 otherwise."""
+    """Run every cell (checked by `check`); returns 0 when every cell succeeded, 1 otherwise. SIGINT or
+    SIGTERM (processes.Interrupted) ends the running cell's processes, records the cell as
+    interrupted, writes every output with the finished rows, then passes the interruption on."""
     kind = kind_of(launch, args)
     cells = plan(args)
-    paths = outputs.default_paths(args, kind)
+    paths = outputs.claim_paths(args, kind)
     if kind == "throughput" and args.batch_policy == "fixed_per_rank":
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
     device = "cpu (estimate)" if args.estimate else resolve_device(launch)
@@ -187,41 +199,70 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     results: list[dict] = []
     bar = tqdm(cells, desc="benchmark", unit="cell", file=sys.stderr, dynamic_ncols=True)
     print(table.header(), flush=True)
-    for cell in bar:
-        bar.set_postfix_str(cell.name)
-        row = run_one(launch, args, argv, kind, cell, paths)
+
+    def record(row: dict) -> None:
         outputs.compare_with_previous(row, results)
         results.append(row)
         outputs.write_csv(paths.csv, results)
         outputs.write_json(paths.json, results, meta)
         bar.write(table.line(row))
+
+    interrupted, row = None, None
+    try:
+        for cell in bar:
+            bar.set_postfix_str(cell.name)
+            row = new_cell_row(launch, args, kind, cell)
+            run_one(launch, args, argv, cell, row, paths)
+            record(row)
+    except Interrupted as e:  # the cell's processes are gone (launcher.run_torchrun); keep what finished
+        interrupted = e
+        if row is not None and not any(r is row for r in results):  # it was running
+            row["status"], row["reason"] = "interrupted", f"{e}; the cell's processes were ended"
+            record(row)
     bar.close()
+    outputs.write_csv(paths.csv, results)  # again: an interruption may have come while they were written
+    outputs.write_json(paths.json, results, meta)
     outputs.write_plot(paths.plot, results, cells[0].swept)
-    if kind == "profile":  # traces and reports per cell; here the modes side by side
+    if kind == "profile":  # traces and reports of this run's finished cells; here the modes side by side
         from ..profiling.sweep import compare_cells
-        print(compare_cells(paths.csv, cells) or "benchmark: no profile finished")
+        done = [cell for cell, r in zip(cells, results) if r["status"] == "ok"]
+        print(compare_cells(paths.csv, done) or "benchmark: no profile finished")
     failed = [r for r in results if r["status"] != "ok"]
     print(f"benchmark: {len(results) - len(failed)} of {len(results)} cells ok; wrote {paths.csv}, {paths.json}, "
           f"{paths.plot}")
+    if interrupted:
+        raise interrupted
     return 1 if failed else 0
 
 
-def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
-    """One cell -> its row (status ok / oom / failed, with the reason)."""
+def cell_sizes(launch, args, kind: str, cell: Cell) -> tuple:
+    """-> (the cell's args, its layout, the sizes of a step the memory API takes)."""
     a = cell_args(args, cell)
-    config, par = model_config(a), cell_parallel(launch, a, cell.mode)
-    per_replica = rows_per_replica(kind, args, par, launch)
-    row = outputs.new_row(kind, cell, par, a, per_replica * par.dp, estimate=args.estimate)
-    sizes = dict(seq_len=a.seq_len, micro_batch_size=per_replica, dtype=DTYPES[args.dtype],
-                 num_microbatches=args.num_microbatches, schedule=args.pp_schedule)
+    par = cell_parallel(launch, a, cell.mode)
+    sizes = dict(seq_len=a.seq_len, micro_batch_size=rows_per_replica(kind, args, par, launch),
+                 dtype=DTYPES[args.dtype], num_microbatches=args.num_microbatches, schedule=args.pp_schedule)
+    return a, par, sizes
+
+
+def new_cell_row(launch, args, kind: str, cell: Cell) -> dict:
+    """The cell's row before it runs: its sizes and the analytic prediction."""
+    a, par, sizes = cell_sizes(launch, args, kind, cell)
+    row = outputs.new_row(kind, cell, par, a, sizes["micro_batch_size"] * par.dp, estimate=args.estimate)
     try:  # a missing prediction must not lose the measurement
         from ..memory import predict_memory
         device = "cpu" if args.estimate else resolve_device(launch)
-        pred = predict_memory(config, par, device=device, **sizes)
+        pred = predict_memory(model_config(a), par, device=device, **sizes)
         row["predicted_mib"] = pred.peak_bytes / outputs.MIB
         row["predicted_mib_per_stage"] = " ".join(f"{b / outputs.MIB:.2f}" for b in pred.per_stage)
     except Exception as e:
         row["reason"] = "no prediction: " + outputs.one_line(e)
+    return row
+
+
+def run_one(launch, args, argv, cell: Cell, row: dict, paths) -> None:
+    """Run one cell and fill its row (status ok / oom / failed / timeout, with the reason)."""
+    a, par, sizes = cell_sizes(launch, args, row["kind"], cell)
+    config = model_config(a)
     if args.estimate:
         try:  # every stage; the worst is the cell's peak
             from ..memory import estimate_step_memory
@@ -233,15 +274,14 @@ def run_one(launch, args, argv, kind: str, cell: Cell, paths) -> dict:
             outputs.fail(row, e)
     else:
         launch_cell(launch, argv, cell, par, a.async_communication, row, paths, timeout=args.cell_timeout)
-    return row
 
 
 def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communication: bool, row: dict, paths, *,
                 timeout: float | None = None) -> None:
     """The cell's torchrun job: the same command line narrowed to this cell, plus where to put the result;
-    killed after `timeout` seconds (recorded as timed out)."""
-    log = os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")
-    with tempfile.TemporaryDirectory() as tmp:
+    killed after `timeout` seconds (recorded as timed out). Its log never replaces an earlier run's."""
+    with new_file(os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")) as log_file, \
+            tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         head, tail = split_argv(argv)
         worker_argv = [*head, "--", *tail, "--modes", cell.mode, "--num_hidden_layers", str(cell.num_hidden_layers),
@@ -250,11 +290,12 @@ def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communicati
             from ..profiling.sweep import cell_dir
             worker_argv += ["--profile_dir", cell_dir(paths.csv, cell)]
         code = launcher.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication,
-                                     log=log, timeout=timeout)
+                                     log=log_file.tmp, timeout=timeout)
         result = None
         if os.path.exists(result_path):
             with open(result_path) as f:
                 result = json.load(f)
+    log = log_file.path
     if code == launcher.TIMED_OUT:
         row["status"], row["reason"] = "timeout", f"ranks killed after --cell_timeout {timeout:g} s (log: {log})"
         return
@@ -288,7 +329,7 @@ def run_cell(launch, args, device) -> int:
     cell = plan(args)[0]
     a = cell_args(args, cell)
     config, par = model_config(a), cell_parallel(launch, a, cell.mode)
-    groups = ProcessGroups.build(par)
+    groups = ProcessGroups.build(par, timeout=collective_timeout(launch))
     per_replica = rows_per_replica(kind, args, par, launch)
     if args.inject_oom in (f"{cell.mode}:{cell.num_hidden_layers}", f"{cell.mode}:{cell.seq_len}"):  # test hook: a cell that dies the way a too-large one does
         raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in cell {cell.name}")
@@ -306,9 +347,8 @@ def run_cell(launch, args, device) -> int:
     global_tokens = per_replica * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
     if dist.get_rank() == 0 and args.result_json:
-        with open(args.result_json + ".tmp", "w") as f:
+        with atomic_path(args.result_json) as tmp, open(tmp, "w") as f:
             json.dump(result, f)
-        os.replace(args.result_json + ".tmp", args.result_json)
     return 0
 
 

@@ -7,8 +7,12 @@ import json
 import math
 import os
 import re
+import secrets
 import time
 from dataclasses import dataclass
+
+from ..config import ConfigError
+from ..files import atomic_path
 
 MIB = 2**20
 BREAKDOWN = ("params", "grads", "optimizer", "activations", "temporaries")
@@ -29,14 +33,88 @@ class Paths:
     logs: str
 
 
-def default_paths(args, kind: str) -> Paths:
-    stem = os.path.splitext(args.output_csv)[0] if args.output_csv else \
-        os.path.join("results", f"benchmark_{kind}_{time.strftime('%Y%m%d_%H%M%S')}")
-    paths = Paths(csv=args.output_csv or stem + ".csv", json=args.output_json or stem + ".json",
-                  plot=args.output_plot or stem + ".png", logs=stem + "_logs")
+def default_stem(kind: str) -> str:
+    """results/benchmark_<kind>_<date>_<time>_<pid>_<random>: no two runs share it (claim_paths makes sure)."""
+    return os.path.join("results", f"benchmark_{kind}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}_"
+                                   f"{secrets.token_hex(2)}")
+
+
+def output_paths(args, stem: str) -> Paths:
+    """--output_csv / --output_json / --output_plot, each defaulting to `stem` (the CSV's, when given) + extension."""
+    stem = os.path.splitext(args.output_csv)[0] if args.output_csv else stem
+    return Paths(csv=args.output_csv or stem + ".csv", json=args.output_json or stem + ".json",
+                 plot=args.output_plot or stem + ".png", logs=stem + "_logs")
+
+
+def written(paths: Paths, kind: str) -> dict[str, str]:
+    """What a run writes, by the option (or the description) that names it; the logs are never replaced."""
+    out = {"--output_csv": paths.csv, "--output_json": paths.json, "--output_plot": paths.plot}
+    if kind == "profile":
+        stem = os.path.splitext(paths.csv)[0]
+        out.update({"the profile comparison": stem + "_profile.json", "the profile timeline": stem + "_timeline.png"})
+    return out
+
+
+def plot_formats() -> tuple[str, ...]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    return tuple(FigureCanvasAgg.get_supported_filetypes())
+
+
+def check_paths(args, kind: str) -> None:
+    """Before anything runs: the outputs are distinct files, none from an earlier run unless --overwrite,
+    their directories can be created and written, and the plot's extension is a format matplotlib writes."""
+    paths = output_paths(args, default_stem(kind))
+    named = written(paths, kind)
+    seen: dict[str, str] = {}
+    for what, path in named.items():
+        key = os.path.realpath(path)
+        if key in seen:
+            raise ConfigError(f"{seen[key]} and {what} name the same file; got {path}")
+        seen[key] = what
+    ext = os.path.splitext(paths.plot)[1].lstrip(".").lower()
+    if ext not in plot_formats():
+        raise ConfigError(f"--output_plot must end in a format matplotlib writes ({', '.join(plot_formats())}); "
+                          f"got {paths.plot}")
+    for what, path in named.items():
+        if os.path.isdir(path):
+            raise ConfigError(f"{what} is a directory; got {path}")
+        if os.path.lexists(path) and not args.overwrite:
+            raise ConfigError(f"{what} exists (an earlier run's result); got {path}: name another file or pass "
+                              f"--overwrite")
+        check_directory(what, os.path.dirname(os.path.abspath(path)))
+    if os.path.exists(paths.logs) and not os.path.isdir(paths.logs):
+        raise ConfigError(f"the cells' log directory is a file; got {paths.logs}")
+    check_directory("the cells' logs", paths.logs)
+
+
+def check_directory(what: str, directory: str) -> None:
+    """`directory` exists or can be made (its nearest existing ancestor is a writable directory)."""
+    here = directory
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise ConfigError(f"cannot create the directory of {what}: {here} is a file; got {directory}")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {what}: directory {here} is not writable; got {directory}")
+
+
+def claim_paths(args, kind: str) -> Paths:
+    """The run's paths, directories made. A default stem is claimed by creating its log directory,
+    which fails if another run took it (then another stem is drawn)."""
+    if args.output_csv:
+        paths = output_paths(args, "")
+        os.makedirs(paths.logs, exist_ok=True)
+    else:
+        while True:
+            paths = output_paths(args, default_stem(kind))
+            os.makedirs(os.path.dirname(paths.logs), exist_ok=True)
+            try:
+                os.mkdir(paths.logs)
+                break
+            except FileExistsError:
+                continue
     for p in (paths.csv, paths.json, paths.plot):
         os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
-    os.makedirs(paths.logs, exist_ok=True)
     return paths
 
 
@@ -66,31 +144,45 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+OOM = re.compile(r"OutOfMemoryError|out of memory|can't allocate memory|Cannot allocate memory|MemoryError",
+                 re.IGNORECASE)
+
+
 def fail(row: dict, error: BaseException) -> None:
-    oom = isinstance(error, MemoryError) or "out of memory" in str(error).lower() or \
-        type(error).__name__ == "OutOfMemoryError"
+    oom = isinstance(error, MemoryError) or bool(OOM.search(f"{type(error).__name__}: {error}"))
     row["status"], row["reason"] = ("oom" if oom else "failed"), one_line(error)
 
 
 ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:?\s*)?([\w.]*(?:Error|Exception)\b.*)$")
+# torchrun's summary of a failed job names the first rank that failed ("Root Cause"), its exit
+# code and, for a rank killed by a signal, which one.
+ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*?(?:\((SIG\w+)\))?\s*$",
+                        re.DOTALL | re.MULTILINE)
 
 
 def failure_from_log(log: str, code: int) -> tuple[str, str]:
-    """(status, reason) of a cell whose ranks failed: the last `SomethingError: ...` line of its log."""
+    """(status, reason) of a cell whose ranks failed: a rank killed by a signal when torchrun names one as
+    the first failure (not the error its peers raised on losing it), else the last `SomethingError: ...`
+    line of its log; oom when that is an out-of-memory error (CUDA or CPU allocator)."""
     try:
         with open(log, errors="replace") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except OSError:
-        lines = []
-    errors = [m.group(1).strip() for m in map(ERROR_LINE.match, lines) if m]
-    errors = [e for e in errors if not e.startswith(("torch.distributed.elastic", "ChildFailedError"))] or errors
-    reason = errors[-1] if errors else f"exit code {code}"
-    oom = any("OutOfMemoryError" in e or "out of memory" in e.lower() for e in errors)
+        text = ""
+    cause = ROOT_CAUSE.search(text)
+    if cause and int(cause.group(2)) < 0:
+        signal_name = cause.group(3) or f"signal {-int(cause.group(2))}"
+        return "failed", f"rank {cause.group(1)} was killed by {signal_name} (log: {log})"
+    errors = [m.group(1).strip() for m in map(ERROR_LINE.match, text.splitlines()) if m]
+    errors = [e for e in errors if not e.startswith(("torch.distributed.elastic", "ChildFailedError"))]
+    reason = errors[-1] if errors else f"rank {cause.group(1)} exited with code {cause.group(2)}" if cause else \
+        f"exit code {code}"
+    oom = any(OOM.search(e) for e in errors)
     return ("oom" if oom else "failed"), f"{reason[:300]} (log: {log})"
 
 
 def compare_with_previous(row: dict, done: list[dict]) -> None:
-    """Deltas against the mode run just before at the same swept value (the seed's tables)."""
+    """Deltas against the mode run just before at the same swept value (the book's tables)."""
     prev = next((r for r in reversed(done) if r["value"] == row["value"]), None)
     if prev is None or prev["status"] != "ok" or row["status"] != "ok":
         return
@@ -145,25 +237,22 @@ class Table:
         return line.rstrip()
 
 
-def _atomic_write(path: str, write) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        write(f)
-    os.replace(tmp, path)
+def csv_value(v):
+    """Ten significant digits: what a reader recomputes from the CSV (tokens/s from step ms) agrees to 1e-9."""
+    return "" if v is None else format(v, ".10g") if isinstance(v, float) else v
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
-    def write(f):
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
-        w.writerows({k: "" if v is None else round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
-                    for r in rows)
-    _atomic_write(path, write)
+        w.writerows({k: csv_value(v) for k, v in r.items()} for r in rows)
 
 
 def write_json(path: str, rows: list[dict], meta: dict) -> None:
     """{"command": ..., "kind": ..., "device": ..., "swept": ..., "rows": [one per finished cell]}"""
-    _atomic_write(path, lambda f: json.dump({**meta, "rows": rows}, f, indent=1))
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1)
 
 
 def write_plot(path: str, rows: list[dict], swept: str) -> None:
@@ -200,5 +289,6 @@ def write_plot(path: str, rows: list[dict], swept: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower())
     plt.close(fig)

@@ -5,11 +5,18 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 
 import torch.distributed as dist
 
+from .. import launcher
+from ..config import ConfigError
+from ..files import atomic_path
 from ..groups import ProcessGroups
-from ..options import Parser, add_model_args, apply_mode, check_common, model_config, parallel_config
+from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_number,
+                       check_resources, collective_timeout, model_config, parallel_config, split_argv)
 from ..training import DTYPES
 from ..validation import compare_with_dense, failures, format_report
 from .task import Task
@@ -28,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=None, help="relative-L2 tolerance (default by dtype)")
     p.add_argument("--perturb", default=None, metavar="PARAM",
                    help="fault injection: add 1e-2 to this parameter's shard on TP rank 0 (checks the checker)")
+    # Launcher -> worker plumbing: where rank 0 writes the verdict; not for users.
+    p.add_argument("--verdict_json", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -36,14 +45,47 @@ def check(launch, args) -> None:
     apply_mode(args, args.mode)
     steps = (f" with --optimizer_steps {args.optimizer_steps}: use bfloat16, or --optimizer_steps 0"
              if args.optimizer_steps > 0 else None)
-    check_common(launch, args, [(args, parallel_config(launch, args))], steps=steps,
-                 sizes=("micro_batch_size", "num_microbatches", "seq_len"))
+    check_at_least(args, 0, ("optimizer_steps",))
+    check_at_least(args, 1, ("log_interval",))
+    for name in ("atol", "rtol"):
+        check_number(args, name, minimum=0.0)
+    runs = [(args, parallel_config(launch, args))]
+    check_common(launch, args, runs, steps=steps, sizes=("micro_batch_size", "num_microbatches", "seq_len"))
+    check_perturb(args, runs[0][1])
+    check_resources(launch, runs)
+
+
+def check_perturb(args, par) -> None:
+    """--perturb names a parameter of the parallel model (as it is named on its pipeline stage)."""
+    if args.perturb is None:
+        return
+    from ..memory import parameter_shapes
+    names = {n for stage in range(par.pp) for n in parameter_shapes(model_config(args), par, stage)}
+    if args.perturb not in names:
+        examples = ", ".join(sorted(n for n in names if ".layers." not in n))
+        raise ConfigError(f"--perturb must name a parameter of the model (model.layers.<i>.self_attn.q_proj.weight, "
+                          f"{examples}, ...); got --perturb {args.perturb}")
+
+
+def launch_validate(launch, args, argv: list[str]) -> int:
+    """One torchrun job; rank 0 writes the verdict, so a failed comparison is the report and its last
+    line (exit 1), not a failed job."""
+    par = parallel_config(launch, args)
+    with tempfile.TemporaryDirectory() as tmp:
+        verdict_path = os.path.join(tmp, "verdict.json")
+        head, tail = split_argv(argv)
+        code = launcher.run_torchrun(launch, par.world_size, [*head, "--", *tail, "--verdict_json", verdict_path],
+                                     async_communication=args.async_communication)
+        if code != 0 or not os.path.exists(verdict_path):
+            return code or 1
+        with open(verdict_path) as f:
+            return 0 if json.load(f)["passed"] else 1
 
 
 def run_rank(launch, args, device) -> int:
     apply_mode(args, args.mode)
     config, par = model_config(args), parallel_config(launch, args)
-    groups = ProcessGroups.build(par)
+    groups = ProcessGroups.build(par, timeout=collective_timeout(launch))
     dtype = DTYPES[args.dtype]
     rows = compare_with_dense(config, par, groups, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                               num_microbatches=args.num_microbatches, pp_schedule=args.pp_schedule,
@@ -58,7 +100,12 @@ def run_rank(launch, args, device) -> int:
               f"layers={config.num_hidden_layers} seq={args.seq_len} steps={args.optimizer_steps}")
         print(format_report(rows))
         print(f"validate: {'FAILED' if bad else 'PASSED'} ({len(rows) - len(bad)} of {len(rows)} items within tolerance)")
+        if args.verdict_json:
+            with atomic_path(args.verdict_json) as tmp, open(tmp, "w") as f:
+                json.dump({"passed": not bad}, f)
+    if args.verdict_json:  # the launcher reports the verdict
+        return 0
     return 1 if bad else 0
 
 
-TASK = Task(name="validate", parser=parser, check=check, run_rank=run_rank)
+TASK = Task(name="validate", parser=parser, check=check, launch=launch_validate, run_rank=run_rank)

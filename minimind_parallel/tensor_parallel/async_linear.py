@@ -1,4 +1,5 @@
-"""`LinearWithAsyncCommunication`: the column-parallel linear of seed 4.3.1 / 4.3.2.
+"""`LinearWithAsyncCommunication`: the column-parallel linear of the MiniMind Parallelism Book,
+sections 4.3.1 and 4.3.2.
 
 One Function serves one linear or several linears that read the same input (q/k/v, gate/up
 with --shared_sp_gather): the input enters the TP region once, and backward sums their dgrads

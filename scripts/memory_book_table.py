@@ -1,7 +1,7 @@
-"""The seed's two memory derivations (chapter 4.2.2 and 4.4.2), from --estimate and the analytic
-model, next to the seed's measured numbers. Prints a markdown table (used in docs/memory.md).
+"""The book's two memory derivations (chapter 4.2.2 and 4.4.2), from --estimate and the analytic
+model, next to the book's measured numbers. Prints a markdown table (used in docs/memory.md).
 
-    python scripts/memory_seed_table.py [--max_layers 64]
+    python scripts/memory_book_table.py [--max_layers 64]
 """
 from __future__ import annotations
 

@@ -1,0 +1,165 @@
+"""A save directory on disk: complete checkpoints, the `latest` marker, and the checks the launcher
+runs before any rank starts.
+
+    save_dir/
+      latest                    one line: the name of the newest complete checkpoint
+      step_00000010/            a complete checkpoint
+        .metadata               DCP's index of every tensor and chunk (written last by DCP)
+        __0_0.distcp ...        the tensor data, one file per writing rank
+        meta.json               step, model config, layout, optimizer hyper-parameters, extra
+      .tmp-step_00000020-<id>/  a save in progress (or killed): never named by `latest`
+
+A checkpoint is complete when it holds both `.metadata` and `meta.json`. A save writes into a
+fresh temporary directory, renames it to `step_{step:08d}` and only then rewrites `latest`
+(unique temporary file, fsync, `os.replace`), so a run killed at any moment leaves `latest`
+naming the previous complete checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+from ..config import ConfigError, MiniMindConfig
+from ..files import atomic_path
+
+MARKER = "latest"
+META = "meta.json"
+DCP_INDEX = ".metadata"
+TMP_PREFIX = ".tmp-"
+PREVIOUS_SUFFIX = ".previous"   # a checkpoint being replaced by a new save of the same step
+# Not part of the model: an attention kernel choice (the weights and the function are the same).
+CONFIG_FIELDS_NOT_COMPARED = ("flash_attn",)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, DCP_INDEX)) and os.path.isfile(os.path.join(path, META))
+
+
+def latest_checkpoint(save_dir: str) -> str | None:
+    """The complete checkpoint the `latest` marker of `save_dir` names, or None when there is none."""
+    try:
+        with open(os.path.join(save_dir, MARKER)) as f:
+            name = f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not name or os.sep in name or name.startswith(TMP_PREFIX):
+        return None
+    path = os.path.join(os.path.abspath(save_dir), name)
+    return path if is_complete(path) else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A complete checkpoint from `path`: the one a save directory's marker names, or `path`
+    itself when it is a complete checkpoint. ConfigError (one line) when there is none."""
+    found = latest_checkpoint(path)
+    if found is None and is_complete(path):
+        found = os.path.abspath(path)
+    if found is None:
+        raise ConfigError(f"no complete checkpoint in {path} (neither a '{MARKER}' marker naming one "
+                          f"nor a directory holding {DCP_INDEX} and {META})")
+    return found
+
+
+def write_json(path: str, obj) -> None:
+    """Write `obj` as JSON to `path` atomically and durably (unique temporary file, fsync, replace)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_meta(path: str) -> dict:
+    """meta.json of the complete checkpoint `path` resolves to."""
+    with open(os.path.join(resolve_checkpoint(path), META)) as f:
+        return json.load(f)
+
+
+def read_checkpoint_config(path: str) -> dict:
+    """The model config (field -> value) a checkpoint was saved with; no ranks needed."""
+    return read_meta(path)["config"]
+
+
+def check_checkpoint_config(path: str, config: MiniMindConfig) -> None:
+    """ConfigError naming the first model-config field whose value differs from the checkpoint's."""
+    saved = read_checkpoint_config(path)
+    for field in dataclasses.fields(config):
+        if field.name in CONFIG_FIELDS_NOT_COMPARED:
+            continue
+        now, then = getattr(config, field.name), saved.get(field.name, "<absent>")
+        if now != then:
+            raise ConfigError(f"checkpoint {resolve_checkpoint(path)} has another model config: "
+                              f"{field.name}={then!r} in the checkpoint, {field.name}={now!r} now")
+
+
+def check_save_dir(save_dir: str) -> None:
+    """ConfigError (one line) if `save_dir` cannot be created or written."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX, dir=save_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--save_dir {save_dir} cannot be written: {e.strerror or e}") from None
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or new entry in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def new_temp_dir(save_dir: str, step: int) -> str:
+    """A fresh, unique temporary directory for the save of `step`, after removing what killed saves
+    left behind."""
+    os.makedirs(save_dir, exist_ok=True)
+    for name in os.listdir(save_dir):
+        if name.startswith(TMP_PREFIX) and os.path.isdir(os.path.join(save_dir, name)):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    temp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=save_dir)
+    os.chmod(temp, 0o755)   # mkdtemp makes it private; a checkpoint is an ordinary data directory
+    return temp
+
+
+def publish(temp: str, save_dir: str, step: int) -> str:
+    """Rename the complete checkpoint `temp` to `step_{step:08d}` and point `latest` at it.
+
+    A directory of that name that `latest` does not name is a leftover (a run killed between the
+    rename and the marker) and is replaced. If `latest` names it (the same step saved again), the
+    old one is first renamed `step_{step:08d}.previous` and the marker names that, so the marker
+    names a complete checkpoint at every moment."""
+    name = step_dir_name(step)
+    final, previous = os.path.join(save_dir, name), os.path.join(save_dir, name + PREVIOUS_SUFFIX)
+    fsync_dir(temp)
+    if os.path.exists(final):
+        if latest_checkpoint(save_dir) == os.path.abspath(final):
+            shutil.rmtree(previous, ignore_errors=True)
+            os.rename(final, previous)
+            write_marker(save_dir, os.path.basename(previous))
+        else:
+            shutil.rmtree(final)
+    os.rename(temp, final)
+    fsync_dir(save_dir)
+    write_marker(save_dir, name)
+    shutil.rmtree(previous, ignore_errors=True)
+    return os.path.abspath(final)
+
+
+def write_marker(save_dir: str, name: str) -> None:
+    """Point `latest` at the checkpoint directory `name` (atomic and durable)."""
+    with atomic_path(os.path.join(save_dir, MARKER)) as tmp:
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_dir(save_dir)

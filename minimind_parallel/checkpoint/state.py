@@ -1,0 +1,176 @@
+"""Saving and loading a training state with `torch.distributed.checkpoint` (DCP): collective over
+the world, any layout in, any layout out.
+
+What one checkpoint holds (DCP keys; dense parameter names, see `placement`):
+
+    model.<name>                     every parameter, as the plan places it
+    optim.<name>.<state>             every optimizer state: AdamW's exp_avg, exp_avg_sq (placed
+                                     like the parameter) and step (a scalar every rank holds)
+    rng.rank<r>.<device type>        rank r's random generator states (cpu, and the accelerator's)
+    meta.json                        step, model config, layout, optimizer hyper-parameters, extra
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ..config import MiniMindConfig, ParallelConfig
+from ..data_parallel import unwrap
+from ..groups import ProcessGroups
+from ..plan import plan_of
+from .directory import META, check_checkpoint_config, new_temp_dir, publish, read_meta, resolve_checkpoint, write_json
+from .placement import checkpoint_key, local_part, placed, tp_mesh
+
+FORMAT_VERSION = 1
+
+
+def save_checkpoint(save_dir: str, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, extra: dict) -> str:
+    """Save the training state after `step` steps as `save_dir/step_{step:08d}` and point
+    `save_dir/latest` at it once it is complete; returns its path. Collective over the world.
+    `extra` (JSON-able: data position, ...) comes back from `load_checkpoint`."""
+    if extra.get("step", step) != step:
+        raise ValueError(f"extra['step']={extra['step']} differs from the saved step {step}")
+    temp = _broadcast_from_rank0(new_temp_dir(save_dir, step) if groups.rank == 0 else None)
+    mesh = tp_mesh(groups, _device_type(model))
+    state = {"model": _model_tensors(model, config, par, mesh),
+             "optim": _optimizer_tensors(model, optimizer, config, par, mesh),
+             "rng": {f"rank{groups.rank}": _rng_states(model)}}
+    dcp.save(state, checkpoint_id=temp)
+    final = None
+    if groups.rank == 0:
+        write_json(f"{temp}/{META}", _meta(step, optimizer, config, par, extra, bool(state["optim"])))
+        final = publish(temp, save_dir, step)
+    return _broadcast_from_rank0(final)
+
+
+def load_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optimizer, config: MiniMindConfig,
+                    par: ParallelConfig, groups: ProcessGroups) -> dict:
+    """Load the checkpoint `path` (a checkpoint, or a save directory's latest) into this rank's
+    shard of the model and its optimizer, whatever layout saved it (DCP reshards). The RNG states
+    are restored when the layout is the saved one. Returns the saved extra with its "step".
+    Collective over the world; ConfigError if the checkpoint's model config differs."""
+    path = resolve_checkpoint(path)
+    check_checkpoint_config(path, config)
+    meta = read_meta(path)
+    mesh = tp_mesh(groups, _device_type(model))
+    params = dict(unwrap(model).named_parameters())
+    state = {"model": {checkpoint_key(n, config): placed(torch.empty_like(p), n, config, par, mesh)
+                       for n, p in params.items()}}
+    if meta["optimizer_state"]:
+        state["optim"] = _empty_optimizer_tensors(path, params, config, par, mesh)
+    same_layout = meta["layout"] == dataclasses.asdict(par)
+    if same_layout:
+        state["rng"] = {f"rank{groups.rank}": {k: torch.empty_like(v) for k, v in _rng_states(model).items()}}
+    dcp.load(state, checkpoint_id=path)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(local_part(state["model"][checkpoint_key(name, config)]))
+    optimizer.state.clear()   # saved before the first step: no state, as then
+    if meta["optimizer_state"]:
+        _load_optimizer(optimizer, params, state["optim"], meta["param_groups"], config)
+    if same_layout:
+        _set_rng_states(model, state["rng"][f"rank{groups.rank}"])
+    return meta["extra"]
+
+
+def _model_tensors(model, config, par, mesh) -> dict:
+    return {checkpoint_key(n, config): placed(p.detach(), n, config, par, mesh)
+            for n, p in unwrap(model).named_parameters()}
+
+
+def _optimizer_tensors(model, optimizer, config, par, mesh) -> dict:
+    """{key: {state: tensor}} of every parameter with optimizer state ({} before the first step)."""
+    out = {}
+    for name, p in unwrap(model).named_parameters():
+        states = optimizer.state.get(p, {})
+        out_p = {}
+        for state, value in states.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {state!r} of {name} is not a tensor ({type(value).__name__})")
+            out_p[state] = placed(value, name, config, par, mesh) if value.shape == p.shape else value
+        if out_p:
+            out[checkpoint_key(name, config)] = out_p
+    return out
+
+
+def _empty_optimizer_tensors(path, params, config, par, mesh) -> dict:
+    """Targets for the saved optimizer states of this rank's parameters, read from DCP's index
+    (`optim.<key>.<state>`): placed like the parameter when the saved state has the dense
+    parameter's shape, else a whole tensor (a scalar such as AdamW's step)."""
+    index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    out = {}
+    for name, p in params.items():
+        key = checkpoint_key(name, config)
+        prefix = f"optim.{key}."
+        saved = {fqn[len(prefix):]: info for fqn, info in index.items()
+                 if fqn.startswith(prefix) and "." not in fqn[len(prefix):]}
+        if not saved:
+            raise ValueError(f"checkpoint {path} has no optimizer state for {key}")
+        out[key] = {state: placed(torch.empty_like(p, dtype=info.properties.dtype), name, config, par, mesh)
+                    if tuple(info.size) == plan_of(name).shape(config)
+                    else torch.empty(tuple(info.size), dtype=info.properties.dtype)
+                    for state, info in saved.items()}
+    return out
+
+
+def _load_optimizer(optimizer, params, loaded, saved_groups, config) -> None:
+    """Hand the loaded states to the optimizer through its own `load_state_dict` (which creates the
+    state of a fresh optimizer), with the saved hyper-parameters of each param group."""
+    index_of = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state = {index_of[id(p)]: {k: local_part(v) for k, v in loaded[checkpoint_key(n, config)].items()}
+             for n, p in params.items()}
+    groups = []
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        restored = {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group}
+        groups.append({**group, **restored, "params": [index_of[id(p)] for p in group["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _meta(step, optimizer, config, par, extra, has_optimizer_state) -> dict:
+    return {"format_version": FORMAT_VERSION, "step": step, "config": dataclasses.asdict(config),
+            "layout": dataclasses.asdict(par), "optimizer_state": has_optimizer_state,
+            "param_groups": [{k: v for k, v in g.items() if k != "params" and _json_scalar(v)}
+                             for g in optimizer.param_groups],
+            "extra": dict(extra, step=step)}
+
+
+def _json_scalar(value) -> bool:
+    """Whether a param-group hyper-parameter goes to meta.json (a tensor learning rate does not)."""
+    if isinstance(value, (tuple, list)):
+        return all(_json_scalar(v) for v in value)
+    return value is None or isinstance(value, (bool, numbers.Real, str))
+
+
+def _device_type(model: nn.Module) -> str:
+    return next(unwrap(model).parameters()).device.type
+
+
+def _rng_states(model) -> dict:
+    """The generator states of this rank: the CPU's, and the accelerator's when the model is on one."""
+    states = {"cpu": torch.get_rng_state()}
+    device = _device_type(model)
+    if device != "cpu":
+        states[device] = torch.get_device_module(device).get_rng_state()
+    return states
+
+
+def _set_rng_states(model, states: dict) -> None:
+    torch.set_rng_state(states["cpu"])
+    device = _device_type(model)
+    if device != "cpu":
+        torch.get_device_module(device).set_rng_state(states[device])
+
+
+def _broadcast_from_rank0(value):
+    """Rank 0's `value` on every rank (the world; no-op without a process group)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

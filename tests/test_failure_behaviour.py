@@ -1,0 +1,231 @@
+"""However a job ends -- it finishes, a rank fails, a peer stops, the cell times out, the rendezvous
+never completes, SIGINT or SIGTERM reaches the launcher -- no process of it is left a few seconds
+later, and what finished is kept (docs/failure_behaviour.md).
+
+Each test starts the real command line with real gloo ranks, marked by a unique variable in the
+environment that every process of the job inherits, and then looks for any process still
+carrying the mark."""
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from minimind_parallel import cli, memory, processes
+
+MARK = "MINIMIND_PARALLEL_TEST_MARK"
+TINY = ["--hidden_size", "32", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "64",
+        "--seq_len", "8", "--num_hidden_layers", "1"]
+# A benchmark cell that runs far longer than any test waits for it (each step is real work).
+LONG_CELL = [*TINY, "--modes", "tp", "--warmup_iters", "0", "--benchmark_iters", "1000000"]
+
+
+def marked(mark: str) -> dict[int, str]:
+    """pid -> command line of every live process carrying `mark`."""
+    found = {}
+    for pid, env in processes_with(MARK, mark).items():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[pid] = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+    return found
+
+
+def processes_with(name: str, value: str) -> dict[int, bytes]:
+    needle = f"{name}={value}".encode()
+    out = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            out[int(entry)] = env
+    return out
+
+
+def assert_none_left(mark: str, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while (left := marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of the job outlived it: {left}"
+
+
+def start(*argv, mark: str) -> subprocess.Popen:
+    """The launcher in a process group of its own, as a shell runs a foreground job."""
+    return subprocess.Popen([sys.executable, "-m", "evaluation.parallel", *argv], env={**os.environ, MARK: mark},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_ranks(mark: str, n: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until `n` ranks run (torchrun started them), then a moment for them to be inside the task."""
+    deadline = time.monotonic() + timeout
+    while sum("minimind_parallel.worker" in c and "torch.distributed.run" not in c
+              for c in marked(mark).values()) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.1)
+    time.sleep(1.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_on_failure(proc: subprocess.Popen, mark: str) -> None:
+    """Cleanup for a test whose assertions failed: nothing of it may stay behind."""
+    if proc.poll() is None:
+        proc.kill()
+    processes.kill(marked(mark))
+
+
+@pytest.fixture
+def mark():
+    value = uuid.uuid4().hex
+    yield value
+    processes.kill(marked(value))
+
+
+# ---------------------------------------------------------------- signals to the launcher
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_validate_ends_every_rank_and_prints_one_line(signum, mark):
+    proc = start("validate", "--tp_size", "2", "--", *TINY, "--optimizer_steps", "1000000", mark=mark)
+    wait_for_ranks(mark, 2, proc)
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground process group
+    else:
+        proc.send_signal(signal.SIGTERM)  # kill, timeout(1), a scheduler: the launcher's pid only
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, out + err
+    assert err.strip().splitlines() == [f"validate: interrupted by {signum.name}; every process of the job was ended"]
+    assert "PASSED" not in out and "Traceback" not in out + err
+    assert_none_left(mark)
+
+
+def test_ctrl_c_during_a_sweep_records_the_cell_as_interrupted_and_keeps_finished_rows(mark, tmp_path):
+    csv_path = tmp_path / "b.csv"
+    proc = start("benchmark", "--tp_size", "2", "--", *TINY, "--modes", "ddp", "tp", "--warmup_iters", "0",
+                 "--benchmark_iters", "1", "--output_csv", str(csv_path), mark=mark)
+    try:
+        deadline = time.monotonic() + 120
+        while not (csv_path.exists() and len(list(csv.DictReader(open(csv_path)))) == 1):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # the second cell (tp) is starting or running
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_on_failure(proc, mark)
+    assert proc.returncode == 130, out + err
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [(r["mode"], r["status"]) for r in rows] == [("ddp", "ok"), ("tp", "interrupted")], out + err
+    assert float(rows[0]["step_ms"]) > 0 and "interrupted by SIGINT" in rows[1]["reason"]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == \
+        "benchmark: interrupted by SIGINT; every process of the job was ended"
+    assert (tmp_path / "b.json").exists() and (tmp_path / "b.png").exists()
+    assert_none_left(mark)
+
+
+def test_sigterm_during_an_estimate_records_the_cell_as_interrupted(monkeypatch, tmp_path, capsys):
+    """--estimate runs in the launcher's process: no ranks, but the same record of the cell."""
+    real, before = memory.estimate_step_memory, signal.getsignal(signal.SIGTERM)
+    calls = []
+
+    def estimate_then_terminated(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the second cell: the signal arrives while it is measured
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        return real(*a, **k)
+    monkeypatch.setattr("minimind_parallel.memory.estimate_step_memory", estimate_then_terminated)
+    code = cli.main(["benchmark", "--tp_size", "2", "--", *TINY, "--modes", "ddp", "tp", "--estimate",
+                     "--num_hidden_layers", "1", "--output_csv", str(tmp_path / "b.csv")])
+    assert code == 128 + signal.SIGTERM
+    rows = list(csv.DictReader(open(tmp_path / "b.csv")))
+    assert [(r["mode"], r["status"]) for r in rows] == [("ddp", "ok"), ("tp", "interrupted")]
+    assert signal.getsignal(signal.SIGTERM) == before  # the launcher's handler is gone again
+    assert "benchmark: interrupted by SIGTERM" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- timeouts
+
+def test_a_cell_timeout_kills_every_rank_of_the_cell(mark, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "benchmark", "--tp_size", "2", "--", *LONG_CELL,
+                        "--cell_timeout", "8", "--output_csv", str(tmp_path / "b.csv")],
+                       env={**os.environ, MARK: mark}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = list(csv.DictReader(open(tmp_path / "b.csv")))
+    assert [(x["mode"], x["status"]) for x in rows] == [("tp", "timeout")]
+    assert_none_left(mark, within=2.0)
+
+
+def test_a_stopped_peer_ends_the_job_after_the_collective_timeout(mark):
+    """Rank 1 stops (alive, silent): rank 0's collective gives up after --collective_timeout and says so."""
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "validate", "--tp_size", "2",
+                        "--collective_timeout", "4", "--inject_fault", "stop:1", "--", *TINY],
+                       env={**os.environ, MARK: mark}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "CollectiveTimeoutError: rank 0: a collective did not complete within --collective_timeout 4 s" in r.stderr
+    assert_none_left(mark)
+
+
+def test_a_rank_that_dies_silently_ends_the_job(mark):
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "validate", "--tp_size", "2",
+                        "--inject_fault", "exit:1", "--", *TINY],
+                       env={**os.environ, MARK: mark}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "exitcode  : 3" in r.stderr
+    assert_none_left(mark)
+
+
+def test_a_multi_node_job_says_what_it_waits_for_and_gives_up_after_the_rendezvous_timeout(mark):
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "validate", "--tp_size", "2", "--nnodes", "2",
+                        "--master_port", str(port), "--rdzv_timeout", "3", "--", *TINY],
+                       env={**os.environ, MARK: mark}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == f"launcher: node 0 of 2 waits for the other nodes at 127.0.0.1:{port} (--rdzv_timeout 3 s)"
+    assert lines[-1].startswith(f"error: rendezvous timed out after --rdzv_timeout 3 s: node 0 waited at "
+                                f"127.0.0.1:{port} and not all 2 nodes joined")
+    assert len(lines) == 2, r.stderr
+    assert_none_left(mark)
+
+
+# ---------------------------------------------------------------- the launcher's own process tree
+
+def test_a_launcher_killed_outright_takes_the_job_along(mark):
+    """SIGKILL cannot be handled: torchrun dies with the launcher, the ranks with torchrun."""
+    proc = start("validate", "--tp_size", "2", "--", *TINY, "--optimizer_steps", "1000000", mark=mark)
+    try:
+        wait_for_ranks(mark, 2, proc)
+        proc.kill()
+        proc.communicate(timeout=30)
+        assert_none_left(mark, within=30.0)  # as in test_a_rank_dies_with_torchrun
+    finally:
+        kill_on_failure(proc, mark)
+
+
+def test_a_rank_dies_with_torchrun(mark):
+    """torchrun SIGKILLed (the kernel's out-of-memory killer, kill -9): its ranks go with it, whether
+    they were still starting (their parent is not of the job) or running (PR_SET_PDEATHSIG)."""
+    env = {**os.environ, MARK: mark, processes.JOB_ENV: processes.new_job_id(), "OMP_NUM_THREADS": "1"}
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 "-m", "minimind_parallel.worker", "benchmark", "--tp_size", "2", "--", *LONG_CELL],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_ranks(mark, 2, torchrun)
+        torchrun.kill()
+        torchrun.wait()
+        # a rank still importing torch notices when it gets to die_with_parent: seconds on a busy machine
+        assert_none_left(mark, within=30.0)
+    finally:
+        kill_on_failure(torchrun, mark)
