@@ -69,7 +69,8 @@ from ..config import MiniMindConfig, ParallelConfig, check_layout
 from ..plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .tracker import CATEGORIES
 
-BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp")
+BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp",
+               "checkpoint_input")
 MODEL_KINDS = ("embedding", "final_norm", "head_input", "logits_loss")
 
 
@@ -124,16 +125,21 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         column = 5 * b * n * hid
     else:
         column = 2 * b * n * hid
+    lean = par.recompute != "none"
     block = {
-        "norm_fp32": 2 * (2 * f * nn_ * hid + f * nn_),
+        # lean: the input in the model dtype and the fp32 rsqrt per row, not the two fp32 copies
+        "norm_fp32": 2 * (b * nn_ * hid + f * nn_) if lean else 2 * (2 * f * nn_ * hid + f * nn_),
         "column_input": column,
-        "qk_norm_fp32": (heads + kv) * n * (2 * f * d + f),
+        "qk_norm_fp32": (heads + kv) * n * (b * d + f) if lean else (heads + kv) * n * (2 * f * d + f),
         "attention_q": b * n * heads * d,
         # repeat_kv copies k, v to h heads -- unless this rank holds one kv head: then the repeat
-        # is a stride-0 view of it
-        "attention_kv": 2 * b * n * (heads if kv > 1 else kv) * d,
+        # is a stride-0 view of it; lean (enable_gqa): k after RoPE and v at their own heads
+        "attention_kv": 2 * b * n * (heads if kv > 1 and not lean else kv) * d,
         "attention_out": b * n * heads * d + 4 * n * heads,
-        "mlp": 4 * b * n * inter,
+        "mlp": (2 if lean else 4) * b * n * inter,       # lean: gate and up
+        # full: what a block keeps between its forward and its backward (the kinds above are then
+        # what the block re-creates while its backward runs)
+        "checkpoint_input": b * nn_ * hid if par.recompute == "full" else 0,
     }
     if vp:
         head_input = b * (n // t) * hid if (sp and par.async_communication) else b * n * hid
@@ -143,7 +149,10 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         head_input = b * n * hid
         loss = b * n * c.vocab_size + target_copy(micro_batch_size, n) + b
         embedding = 8 * n
-    model = {"embedding": embedding, "final_norm": 2 * f * nn_ * hid + f * nn_,
+    if par.loss_chunks > 1:   # the head's whole input, the lse per row, the targets, the count
+        head_input, loss = b * n * hid, f * n + target_copy(micro_batch_size, n) + 8
+    final_norm = b * nn_ * hid + f * nn_ if lean else 2 * f * nn_ * hid + f * nn_
+    model = {"embedding": embedding, "final_norm": final_norm,
              "head_input": head_input, "logits_loss": loss}
     return {**{f"block.{k}": v for k, v in block.items()}, **{f"model.{k}": v for k, v in model.items()}}
 
@@ -236,7 +245,9 @@ class _Stage:
         """Not saved for backward, so temporaries to the tracker: the received input (the first
         norm saves its fp32 copy instead) and the sent output, deallocated to one element."""
         b = self.b
-        return (b * self.nn * self.hid if not self.first and b != self.f else 0) + (0 if self.last else b)
+        # the lean norm saves the received input itself (an activation, in its kind)
+        upcast_only = b != self.f and self.par.recompute == "none"
+        return (b * self.nn * self.hid if not self.first and upcast_only else 0) + (0 if self.last else b)
 
     @property
     def held(self) -> int:
@@ -321,6 +332,9 @@ def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
 def _final_norm_backward(s: _Stage) -> tuple[int, int, int]:
     """The final RMSNorm's fp32 temporaries (5 f Nn H)."""
     f, nn_, hid = s.f, s.nn, s.hid
+    if s.par.recompute != "none":   # lean: its input and rsqrt still saved; 3 f Nn H, the row means, dw
+        return (s.head_grads, _top_block_acts(s) + s.kinds["model.final_norm"],
+                3 * f * nn_ * hid + f * nn_ + s.b * hid + s.waiting)
     return s.head_grads, _top_block_acts(s) + f * nn_ * hid, 5 * f * nn_ * hid + s.waiting
 
 
@@ -330,8 +344,10 @@ def _top_block_acts(s: _Stage) -> int:
     if not s.last:
         return s.held
     k, f, nn_, hid = s.kinds, s.f, s.nn, s.hid
-    return (s.held - s.weight - k["model.logits_loss"] - k["model.head_input"] - (f * nn_ * hid + f * nn_)
-            - f * nn_ * hid)
+    head = s.held - s.weight - k["model.logits_loss"] - k["model.head_input"]
+    if s.par.recompute != "none":
+        return head - k["model.final_norm"]
+    return head - (f * nn_ * hid + f * nn_) - f * nn_ * hid
 
 
 def _down_backward(s: _Stage) -> tuple[int, int, int]:
@@ -359,6 +375,31 @@ def _post_norm_backward(s: _Stage) -> tuple[int, int, int]:
     return (s.head_grads + 3 * s.mlp_w_grad + b * hid,
             _top_block_acts(s) - 4 * s.mlp_out - gate_up_input - (f * nn_ * hid + f * nn_),
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting)
+
+
+def _swiglu_backward(s: _Stage) -> tuple[int, int, int]:
+    """Lean MLP (`recompute.swiglu_linear`): inside its backward, down's output grad (gathered
+    under SP) and the residual grad in, down's weight grad made, three [N, I/T] live (the grad of
+    the product, reused in place, dup and dgate); gate and up still saved."""
+    b, hid = s.b, s.hid
+    gathered = b * s.n * hid if s.par.sequence_parallel else 0
+    return s.head_grads, _top_block_acts(s), gathered + b * s.nn * hid + 3 * s.mlp_out + s.mlp_w_grad + s.waiting
+
+
+def _lean_post_norm_backward(s: _Stage) -> tuple[int, int, int]:
+    """Lean post-attention RMSNorm (`recompute.lean_rms_norm`) at its largest: the recomputed
+    normed input, g w and their product (3 f Nn H), the row means (f Nn) and its weight grad
+    (b H), the grads of its output and of the residual stream ([Nn, H] each); the MLP's grads
+    in, its activations and its share of the column inputs freed, the norm's own input and rsqrt
+    still saved."""
+    par, b, f, nn_, hid = s.par, s.b, s.f, s.nn, s.hid
+    column = s.kinds["block.column_input"]
+    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
+    gate_up_input = column * 2 // 5 if basic_sp else column // 2
+    # under SP one more [H] grad is in by then (measured with the tracker, not derived)
+    return (s.head_grads + 3 * s.mlp_w_grad + (b * hid if par.sequence_parallel else 0),
+            _top_block_acts(s) - 2 * s.mlp_out - gate_up_input,
+            3 * f * nn_ * hid + f * nn_ + b * hid + 2 * b * nn_ * hid + s.waiting)
 
 
 def _in_first_block(s: _Stage, moment: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -393,8 +434,11 @@ def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
     if s.last:
         inner.update(head_backward=_head_backward(s), head_mm_backward=_head_mm_backward(s),
                      final_norm_backward=_final_norm_backward(s))
-    top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
-           "post_norm_backward": _post_norm_backward(s)}
+    if s.par.recompute != "none":
+        top = {"swiglu_backward": _swiglu_backward(s), "post_norm_backward": _lean_post_norm_backward(s)}
+    else:
+        top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
+               "post_norm_backward": _post_norm_backward(s)}
     inner.update(top)
     if s.layers > 1:
         inner.update({f"{name}(first block)": _in_first_block(s, moment) for name, moment in top.items()})

@@ -36,11 +36,14 @@ class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rsqrt = ctx.saved_tensors
-        xf, g = _upcast(x), _upcast(grad)
-        normed = xf * rsqrt                                               # recomputed
+        g = _upcast(grad)
+        normed = _upcast(x) * rsqrt                                       # recomputed [..., D] fp32
         dweight = (g * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
         gw = g * weight
-        dx = rsqrt * (gw - normed * (gw * normed).mean(-1, keepdim=True))
+        del g
+        dot = (gw * normed).mean(-1, keepdim=True)                        # [..., 1]
+        dx = normed.mul_(dot).neg_().add_(gw).mul_(rsqrt)                 # r (gw - n mean(gw n)), in place
+        del gw
         return dx.to(x.dtype), dweight, None
 
 

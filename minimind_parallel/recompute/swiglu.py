@@ -34,8 +34,9 @@ class _SwiGLULinear(torch.autograd.Function):
         dweight = grad.reshape(-1, grad.shape[-1]).t() @ product.reshape(-1, product.shape[-1])
         del product
         dproduct = grad.matmul(weight)                                      # [S, B, I/T]
-        dgate = torch.ops.aten.silu_backward(dproduct * up, gate)
         dup = dproduct * silu
+        del silu
+        dgate = torch.ops.aten.silu_backward(dproduct.mul_(up), gate)       # at most three [S, B, I/T] live
         return dgate, dup, dweight
 
 
