@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass
 
 
+# The context-parallel attention paths (`--cp_comm_type`, see context_parallel/attention.py).
+CP_COMM_TYPES = ("all_gather", "a2a", "ring")
+
 # What a block keeps for backward (`--recompute`, see minimind_parallel/recompute/).
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -59,6 +62,8 @@ class ParallelConfig:
     vocab_parallel: bool = False
     recompute: str = "none"         # none | selective (lean norms, GQA, SwiGLU) | full (+ per-block checkpoint)
     loss_chunks: int = 1            # lm_head + cross entropy over this many token chunks
+    cp_comm_type: str = "all_gather"    # how attention crosses the CP group: all_gather | a2a | ring
+    cp_load_balance: bool = True       # 2C chunks, rank i holding i and 2C-1-i (else C contiguous)
 
     @property
     def world_size(self) -> int:
@@ -109,6 +114,7 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         raise ConfigError("--async_communication needs tensor parallelism; got tp_size=1")
     if par.shared_sp_gather and not par.sequence_parallel:
         raise ConfigError("--shared_sp_gather shares the sequence-parallel all-gather and needs --sequence_parallel")
+    check_context_parallel(model, par)
     check_recompute(par)
     if model.num_hidden_layers % par.pp:
         raise ConfigError(f"num_hidden_layers must be divisible by pp_size; "
@@ -133,3 +139,31 @@ def check_recompute(par: ParallelConfig) -> None:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {par.recompute!r}")
     if par.loss_chunks < 1:
         raise ConfigError(f"loss_chunks must be >= 1; got loss_chunks={par.loss_chunks}")
+        check_context_split(par, seq_len)
+
+
+def check_context_parallel(model: MiniMindConfig, par: ParallelConfig) -> None:
+    """The comm type, and a2a's heads: every TP rank's query and kv heads split over the CP group."""
+    if par.cp_comm_type not in CP_COMM_TYPES:
+        raise ConfigError(f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}; got {par.cp_comm_type!r}")
+    if par.cp > 1 and par.cp_comm_type == "a2a":
+        heads, kv = model.num_attention_heads // par.tp, model.num_key_value_heads // par.tp
+        if heads % par.cp or kv % par.cp:
+            raise ConfigError(f"--cp_comm_type a2a needs the query and kv heads of each TP rank divisible by "
+                              f"cp_size; got {heads} query and {kv} kv heads per TP rank "
+                              f"(num_attention_heads={model.num_attention_heads}, "
+                              f"num_key_value_heads={model.num_key_value_heads}, tp_size={par.tp}), "
+                              f"cp_size={par.cp}")
+
+
+def check_context_split(par: ParallelConfig, seq_len: int) -> None:
+    """The sequence cut into 2C chunks (C without load balance), each CP rank's tokens over TP under SP."""
+    if par.cp == 1:
+        return
+    chunks = 2 * par.cp if par.cp_load_balance else par.cp
+    shards = par.tp if par.sequence_parallel else 1
+    if seq_len % (chunks * shards):
+        what = f"{chunks} chunks (2 x cp_size)" if par.cp_load_balance else f"{chunks} chunks (cp_size, no load balance)"
+        sp = f" x tp_size={par.tp} under --sequence_parallel" if shards > 1 else ""
+        raise ConfigError(f"seq_len must be divisible by {chunks * shards}: {what}{sp}; "
+                          f"got seq_len={seq_len}, cp_size={par.cp}")

@@ -1,7 +1,10 @@
-"""Data parallelism: DistributedDataParallel over the DP group, and the model inside it.
+"""Data parallelism: DistributedDataParallel over the DP x CP group, and the model inside it.
 
-Gradients are averaged by DDP during backward when there is no pipeline; under PP
-`training.finalize_grads` all-reduces them once, after the last microbatch.
+Every parameter is replicated over DP and over CP, so its grads are reduced over both in one
+group (as Megatron-LM and picotron do): DDP averages over the DP x CP ranks, and the schedule
+scales the loss by C so the CP ranks' parts of one replica's loss add up. Gradients are reduced
+by DDP during backward when there is no pipeline; under PP `training.finalize_grads` all-reduces
+them once, after the last microbatch.
 """
 from __future__ import annotations
 
@@ -14,18 +17,18 @@ from .groups import ProcessGroups
 
 
 def wrap_data_parallel(model: nn.Module, groups: ProcessGroups) -> nn.Module:
-    """DDP over the DP group (gradients averaged during backward); a no-op for dp = 1.
+    """DDP over the DP x CP group (gradients averaged during backward); a no-op for dp = cp = 1.
 
     Under PP the model stays unwrapped: DDP reduces in the backward that follows a synced forward,
     but a pipeline interleaves forwards and backwards of different microbatches, so
     `finalize_grads` all-reduces the DP grads itself, once, after the last microbatch."""
-    if groups.dp is None or groups.par.pp > 1:
+    if groups.dp_cp is None or groups.par.pp > 1:
         return model
     # RoPE tables are identical everywhere: no need to broadcast buffers each step.
     no_sync = ({"forward_sync_buffers": False}
                if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                else {"broadcast_buffers": False})
-    return DistributedDataParallel(model, process_group=groups.dp, **no_sync)
+    return DistributedDataParallel(model, process_group=groups.dp_cp, **no_sync)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -6,6 +6,7 @@ needs it. `ProcessGroups.single()` stands in for a one-rank layout (no communica
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,12 @@ def groups_along(grid: torch.Tensor, axis: int) -> list[list[int]]:
     return moved.reshape(-1, grid.shape[axis]).tolist()
 
 
+def groups_across(grid: torch.Tensor, axes: tuple[int, ...]) -> list[list[int]]:
+    """All rank lists that vary only along `axes` of the grid (e.g. DP and CP together)."""
+    moved = grid.movedim(axes, tuple(range(-len(axes), 0)))
+    return moved.reshape(-1, math.prod(grid.shape[a] for a in axes)).tolist()
+
+
 @dataclass
 class ProcessGroups:
     par: ParallelConfig
@@ -39,6 +46,7 @@ class ProcessGroups:
     dp: dist.ProcessGroup | None = None
     pp_ranks: list[int] | None = None    # global ranks of this rank's pipeline, stage order
     embed: dist.ProcessGroup | None = None  # first + last stage (tied embeddings span them); None if pp = 1
+    dp_cp: dist.ProcessGroup | None = None  # DP x CP: every replica of a parameter (gradient reduction)
 
     @property
     def tp_rank(self) -> int:
@@ -47,6 +55,10 @@ class ProcessGroups:
     @property
     def tp_size(self) -> int:
         return self.par.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
 
     @property
     def dp_rank(self) -> int:
@@ -101,4 +113,10 @@ class ProcessGroups:
             group = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if len(ranks) > 1 else None
             if rank in (ranks[0], ranks[-1]):
                 out.embed = group
+        # Parameters are replicated over CP as over DP: their grads are reduced over both at once
+        # (Megatron-LM's and picotron's data-parallel x context-parallel group).
+        for ranks in groups_across(grid, (AXES.index("dp"), AXES.index("cp"))):
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                out.dp_cp = group
         return out

@@ -7,7 +7,7 @@ import argparse
 import datetime
 import math
 
-from .config import RECOMPUTE_MODES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
+from .config import CP_COMM_TYPES, RECOMPUTE_MODES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 # What one CPU rank holds before any model: a Python process with torch and gloo (about 230 MiB
@@ -31,6 +31,11 @@ MODES = {
                                      loss_chunks=8),
     "pp": dict(),     # stages from --pp_size, schedule from --pp_schedule
     "tp_pp": dict(),  # plain TP inside each stage (add --sequence_parallel etc. as wanted)
+    # context parallelism (need --cp --cp_size C; the path from --cp_comm_type)
+    "cp": dict(),
+    "tp_cp": dict(),
+    "pp_cp": dict(),
+    "tp_cp_pp": dict(),
 }
 
 
@@ -72,6 +77,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "every block (keep its input only)")
     p.add_argument("--loss_chunks", type=int, default=1,
                    help="lm_head and cross entropy over this many token chunks (the logits never whole)")
+    p.add_argument("--cp_comm_type", choices=CP_COMM_TYPES, default="all_gather",
+                   help="context-parallel attention: gather K/V, all-to-all heads (Ulysses) or ring (p2p)")
+    p.add_argument("--cp_load_balance", action=argparse.BooleanOptionalAction, default=True,
+                   help="2C chunks, CP rank i holding chunks i and 2C-1-i (--no-cp_load_balance: C contiguous)")
     p.add_argument("--flash_attn", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=1234)
 
@@ -97,6 +106,7 @@ def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = Non
                           dp=launch.dp_size if dp is None else dp,
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
                           shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel,
+                          cp_comm_type=args.cp_comm_type, cp_load_balance=args.cp_load_balance,
                           recompute=args.recompute, loss_chunks=args.loss_chunks)
 
 
@@ -129,7 +139,7 @@ def check_common(launch, args, runs: list, *, steps: str | None, kernels: bool =
 
 
 def check_launcher(launch) -> None:
-    """The launcher's own arguments (context parallelism comes with its own task work)."""
+    """The launcher's own arguments."""
     if launch.nnodes < 1:
         raise ConfigError(f"nnodes must be >= 1; got nnodes={launch.nnodes}")
     if not 0 <= launch.node_rank < launch.nnodes:
@@ -140,14 +150,15 @@ def check_launcher(launch) -> None:
         check_number(launch, name, minimum=0.0, exclusive=True, unit=" seconds")
     if launch.cp_size > 1 and not launch.cp:
         raise ConfigError(f"--cp_size {launch.cp_size} needs --cp")
-    if launch.cp and launch.cp_size > 1:
-        raise ConfigError(f"context parallelism is not implemented yet; got --cp --cp_size {launch.cp_size}")
 
 
-def check_modes(modes: list[str]) -> None:
+def check_modes(modes: list[str], launch=None) -> None:
+    """Known presets; a context-parallel one (`cp` in its name) needs the launcher's --cp."""
     for mode in modes:
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}; expected one of: {', '.join(MODES)}")
+        if launch is not None and "cp" in mode.split("_") and not launch.cp:
+            raise ConfigError(f"mode {mode} is context-parallel and needs --cp --cp_size C; got no --cp")
 
 
 def check_at_least(args, minimum: int, names: tuple[str, ...]) -> None:

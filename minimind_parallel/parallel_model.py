@@ -8,6 +8,11 @@ Parameter names are MiniMind's state-dict keys; each rank holds its shard of the
            q/k/v, gate/up: column-parallel [.., N/T];  o/down: row-parallel, partial -> sum
     final norm -> lm_head: replicated [S, B, V], or column-parallel [S, B, V/T] with --vocab_parallel
 
+Under context parallelism (C ranks) every layout above holds this CP rank's S/C tokens instead of
+S (its chunks of the `ContextLayout`, load-balanced by default): RoPE reads each token's global
+position and attention crosses the CP group (`context_parallel_attention`, `--cp_comm_type`);
+everything else is token-wise and runs unchanged on the local tokens.
+
 `--recompute selective` swaps in the lean pieces of `recompute/` (RMSNorm saving its input and
 rsqrt, GQA attention without repeat_kv copies, SwiGLU recompute); `full` also checkpoints every
 block; `--loss_chunks K` computes the head and the loss over K token chunks.
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MiniMindConfig, ParallelConfig
+from .context_parallel import ContextLayout, context_parallel_attention
 from .groups import ProcessGroups
 from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope_tables
 from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, is_lean, make_rms_norm,
@@ -35,11 +41,12 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPara
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, cp_group=None):
         super().__init__()
         t = par.tp
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
         self.flash, self.shared, self.lean = c.flash_attn, par.shared_sp_gather, is_lean(par.recompute)
+        self.cp_group, self.cp_comm_type = cp_group, par.cp_comm_type
         col = dict(group=group, sequence_parallel=par.sequence_parallel, async_communication=par.async_communication)
         self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_attention_heads * c.head_dim, **col)
         self.k_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, **col)
@@ -50,8 +57,8 @@ class ParallelAttention(nn.Module):
         self.q_norm = make_rms_norm(c.head_dim, c.rms_norm_eps, lean=self.lean)
         self.k_norm = make_rms_norm(c.head_dim, c.rms_norm_eps, lean=self.lean)
 
-    def forward(self, x, cos, sin):
-        # x: [S/T, B, H] under SP, else [S, B, H]
+    def forward(self, x, cos, sin, layout: ContextLayout | None = None):
+        # x: [S/T, B, H] under SP, else [S, B, H]; under CP S is this rank's S/C tokens (`layout`)
         projs = [self.q_proj, self.k_proj, self.v_proj]
         q, k, v = column_parallel(projs, x) if self.shared else [p(x) for p in projs]  # [S, B, heads/T * d]
         s, b = q.shape[:2]
@@ -60,6 +67,10 @@ class ParallelAttention(nn.Module):
         v = v.view(s, b, self.n_kv, self.head_dim)
         q = apply_rope(self.q_norm(q), cos[:, None], sin[:, None])
         k = apply_rope(self.k_norm(k), cos[:, None], sin[:, None])
+        if self.cp_group is not None:                               # [S/C, B, h, d] -> [S/C, B, h, d]
+            out = context_parallel_attention(q, k, v, group=self.cp_group, layout=layout,
+                                             comm_type=self.cp_comm_type)
+            return self.o_proj(out.reshape(s, b, -1))
         q = q.permute(1, 2, 0, 3)                                   # [B, h, S, d]
         if self.lean:                                               # kv heads read in place: [B, k, S, d]
             out = causal_attention_gqa(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), flash=self.flash)
@@ -91,29 +102,31 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, cp_group=None):
         super().__init__()
-        self.self_attn = ParallelAttention(c, par, group)
+        self.self_attn = ParallelAttention(c, par, group, cp_group)
         lean = is_lean(par.recompute)
         self.input_layernorm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=lean)
         self.post_attention_layernorm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=lean)
         self.mlp = ParallelMLP(c, par, group)
 
-    def forward(self, h, cos, sin):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h, cos, sin, layout: ContextLayout | None = None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layout)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class ParallelMiniMindModel(nn.Module):
     """The layers `layers` (global indices) of the decoder, the embedding when `embedding` (the
-    first pipeline stage) and the final norm when `final_norm` (the last)."""
+    first pipeline stage) and the final norm when `final_norm` (the last). Under CP (`cp_group`)
+    the rank holds the tokens of CP rank `cp_rank`."""
 
     def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, *, layers: range, embedding: bool,
-                 final_norm: bool):
+                 final_norm: bool, cp_group=None, cp_rank: int = 0):
         super().__init__()
         self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
         self.seq_shards = par.tp if par.sequence_parallel else 1
         self.checkpoint = par.recompute == "full"
+        self.par, self.cp_rank = par, cp_rank
         self.embed_tokens = None
         if embedding and par.vocab_parallel:
             self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group,
@@ -121,7 +134,7 @@ class ParallelMiniMindModel(nn.Module):
         elif embedding:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
-        self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group) for i in layers})
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group, cp_group) for i in layers})
         self.norm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=is_lean(par.recompute)) if final_norm else None
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)
@@ -135,11 +148,19 @@ class ParallelMiniMindModel(nn.Module):
                 h = scatter_to_sequence_parallel_region(h, self.group)  # [S, B, H] -> [S/T, B, H]
         else:
             h = hidden_states
-        s = h.shape[0] * self.seq_shards
-        cos, sin = self.freqs_cos[:s], self.freqs_sin[:s]
+        cos, sin, layout = self._rope(h.shape[0] * self.seq_shards)
         for layer in self.layers.values():
-            h = checkpoint_block(layer, h, cos, sin) if self.checkpoint else layer(h, cos, sin)
+            h = checkpoint_block(layer, h, cos, sin, layout) if self.checkpoint else layer(h, cos, sin, layout)
         return self.norm(h) if self.norm is not None else h         # [S/T, B, H] (SP) or [S, B, H]
+
+
+    def _rope(self, local: int):
+        """RoPE tables [local, d] of this rank's tokens (`local` = S, or S/C under CP) and the CP layout."""
+        if self.par.cp == 1:
+            return self.freqs_cos[:local], self.freqs_sin[:local], None
+        layout = ContextLayout.of(self.par, local * self.par.cp)
+        positions = layout.positions(self.cp_rank, device=self.freqs_cos.device)   # global, local order
+        return self.freqs_cos[positions], self.freqs_sin[positions], layout
 
 
 class ParallelMiniMindForCausalLM(nn.Module):
@@ -167,7 +188,8 @@ class ParallelMiniMindForCausalLM(nn.Module):
 
         self.model = ParallelMiniMindModel(config, par, groups.tp, layers=layers,
                                            embedding=holds("model.embed_tokens.weight"),
-                                           final_norm=holds("model.norm.weight"))
+                                           final_norm=holds("model.norm.weight"), cp_group=groups.cp,
+                                           cp_rank=groups.cp_rank)
         self.lm_head = None
         if holds("lm_head.weight") and par.vocab_parallel:
             self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, group=groups.tp,
@@ -190,7 +212,9 @@ class ParallelMiniMindForCausalLM(nn.Module):
 
     def forward(self, input_ids=None, targets=None, hidden_states=None):
         """targets: the next token of every position (`data.batches`), -100 where none; the loss
-        runs over all S positions."""
+        runs over all S positions. Under CP ids and targets are this rank's [B, S/C] tokens
+        (`data.batches.cp_tokens`), the logits too, and the loss is the mean over its targets
+        (the schedule weights it by its share of the targets of every CP rank)."""
         h = self.model(input_ids, hidden_states)
         if not self.last:
             return h                                                 # to the next stage

@@ -34,13 +34,15 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
        (norms on sequence shards, q_norm/k_norm on this rank's heads);
     2. PP with tied embeddings: sum the first stage's embedding grad and the last stage's
        lm_head grad over the embedding group, so both copies take the same step;
-    3. DP when not done by DDP (pipelines): average every grad over the DP replicas."""
+    3. DP x CP when not done by DDP (pipelines): average every grad over the DP x CP group (the
+       CP ranks' losses were scaled by C in backward, so this sums over CP and averages over DP)."""
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
     _all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], groups.tp)
     _all_reduce_grads([p for p in params if getattr(p, "shared_embedding", False)], groups.embed)
-    if not isinstance(model, DistributedDataParallel) and groups.dp is not None:
+    if not isinstance(model, DistributedDataParallel) and groups.dp_cp is not None:
+        replicas = groups.par.dp * groups.par.cp
         for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak
-            comm.all_reduce(p.grad, groups.dp).div_(groups.par.dp)
+            comm.all_reduce(p.grad, groups.dp_cp).div_(replicas)
 
 
 def _all_reduce_grads(params: list, group) -> None:

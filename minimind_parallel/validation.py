@@ -9,6 +9,10 @@ Under pipeline parallelism the dense model sees the whole global batch (M microb
 micro_batch_size x dp) in one forward; the pipeline runs its schedule over the M microbatches.
 Each stage reports the gradients and parameters it holds; the loss and the logits exist only
 on the last stage and are compared there.
+
+Under context parallelism each CP rank feeds its tokens of the same rows (`data.batches.cp_tokens`)
+and compares its logits with the same tokens of the dense logits (`ContextLayout.split` along the
+sequence); the loss is the global one (summed over CP by the schedule).
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import MiniMindConfig, ParallelConfig
-from .data.batches import Batch, dp_rows, random_batch, split_microbatches
+from .context_parallel import ContextLayout
+from .data.batches import Batch, cp_tokens, dp_rows, random_batch, split_microbatches
 from .data_parallel import unwrap, wrap_data_parallel
 from .groups import ProcessGroups
 from .model import MiniMindForCausalLM
@@ -82,6 +87,7 @@ class _Pair:
     groups: ProcessGroups
     batch: Batch                     # the global batch [dp * M * b, S]
     mine: slice                      # this DP rank's rows of it
+    layout: ContextLayout            # which tokens of each row this CP rank holds
     microbatches: list
     schedule: str
     backward: bool
@@ -112,7 +118,10 @@ class _Pair:
         if not out.logits:   # --loss_chunks: the logits never exist whole (loss and grads still compared)
             return rows
         logits = torch.cat(out.logits)                                  # [M*b, S, V(/T)]
-        want = logits_slice(ref.logits[self.mine], par, self.groups.tp_rank)
+        want = ref.logits[self.mine]                                    # [M*b, S, V]
+        if par.cp > 1:
+            want = self.layout.split(want, self.groups.cp_rank, dim=1)  # -> [M*b, S/C, V]
+        want = logits_slice(want, par, self.groups.tp_rank)
         return rows + [Row(f"step {step} logits", *error(logits, want), self.atol, rtol)]
 
     def shard_rows(self, item: str, of, rtol: float) -> list[Row]:
@@ -141,9 +150,11 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
         _perturb(model, perturb, config, groups)
     local = micro_batch_size * num_microbatches                     # rows of this DP rank
     batch = random_batch(seed + 1, local * par.dp, seq_len, config.vocab_size, device)
+    layout = ContextLayout.of(par, seq_len)
+    rows = cp_tokens(dp_rows(batch, groups.dp_rank, par.dp), layout, groups.cp_rank)   # [M*b, S/C]
     pair = _Pair(dense=dense, model=wrap_data_parallel(model, groups), groups=groups, batch=batch,
-                 mine=slice(groups.dp_rank * local, (groups.dp_rank + 1) * local),
-                 microbatches=split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), num_microbatches),
+                 mine=slice(groups.dp_rank * local, (groups.dp_rank + 1) * local), layout=layout,
+                 microbatches=split_microbatches(*rows, num_microbatches),
                  schedule=pp_schedule, backward=check_backward or optimizer_steps > 0, atol=atol, rtol=rtol,
                  later_rtol=max(rtol, PARAM_RTOL[dtype]))
     opt_dense, opt_par = make_optimizer(dense, lr), make_optimizer(pair.model, lr)

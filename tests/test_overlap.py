@@ -94,3 +94,18 @@ def test_peer_wait_splits_a_span_into_waiting_for_the_late_rank_and_transfer():
     assert got == pytest.approx((30 + 30) * 1e-3 / 2)  # rank 0 waited 2 x 30 us, rank 1 none; mean of ranks
     r1["spans"] = [("all_gather", 30, 50), ("reduce_scatter", 130, 150)]  # sequences differ: no pairing
     assert "peer_wait_ms" not in mean_over_ranks([r0, r1])["collectives"]["all_gather"]
+
+
+def test_ring_transfers_are_in_flight_from_issue_to_wait_and_overlap_the_block():
+    """Ring attention (context_parallel/ring.py): the K/V batch is issued (comm:ring_kv with its
+    c10d send/recv), the block is computed, then the batch is waited on. The transfer counts as
+    in flight over all of it, so the block's 80 us are its overlap; the send/recv ops inside its
+    issue are not counted again as a pipeline send_recv."""
+    r = report_of(rng("comm:ring_kv", 0, 10), ev("c10d::send", 1, 4), ev("c10d::recv_", 5, 4),
+                  rng("ring.block_forward", 10, 80), ev("aten::bmm", 10, 80),
+                  rng("wait:ring_kv", 90, 10))
+    assert set(r["collectives"]) == {"ring_kv"}
+    c = r["collectives"]["ring_kv"]
+    assert c["count"] == 1 and c["time_ms"] == pytest.approx(0.100)
+    assert c["overlap"] == pytest.approx(0.8) and c["wait_ms"] == pytest.approx(0.010)
+    assert (r["compute_ms"], r["exposed_comm_ms"], r["idle_ms"]) == pytest.approx((0.080, 0.020, 0.0))

@@ -272,11 +272,11 @@ def test_validate_pp_end_to_end():
 
 
 def test_a_stage_that_raises_ends_the_job_with_its_error():
-    # Only stage 0 looks the name up; stage 1 would wait for its activation forever on its own.
-    r = run_cli("validate", "--pp_size", "2", "--", *TINY_CLI, "--mode", "pp", "--perturb", "no.such.parameter",
+    # Stage 0 raises before its first send; stage 1 would wait for its activation forever on its own.
+    r = run_cli("validate", "--pp_size", "2", "--inject_fault", "raise:0", "--", *TINY_CLI, "--mode", "pp",
                 timeout=120)
     assert r.returncode != 0
-    assert "KeyError" in r.stderr and "no.such.parameter" in r.stderr
+    assert "RuntimeError" in r.stderr and "injected fault on rank 0" in r.stderr
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 
 from ..config import ConfigError, MiniMindConfig
-from ..files import atomic_path
+from ..files import atomic_path, fsync
 
 MARKER = "latest"
 META = "meta.json"
@@ -110,15 +110,6 @@ def check_save_dir(save_dir: str) -> None:
         raise ConfigError(f"--save_dir {save_dir} cannot be written: {e.strerror or e}") from None
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename or new entry in directory `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def new_temp_dir(save_dir: str, step: int) -> str:
     """A fresh, unique temporary directory for the save of `step`, after removing what killed saves
     left behind."""
@@ -140,7 +131,7 @@ def publish(temp: str, save_dir: str, step: int) -> str:
     names a complete checkpoint at every moment."""
     name = step_dir_name(step)
     final, previous = os.path.join(save_dir, name), os.path.join(save_dir, name + PREVIOUS_SUFFIX)
-    fsync_dir(temp)
+    fsync(temp)
     if os.path.exists(final):
         if latest_checkpoint(save_dir) == os.path.abspath(final):
             shutil.rmtree(previous, ignore_errors=True)
@@ -149,7 +140,7 @@ def publish(temp: str, save_dir: str, step: int) -> str:
         else:
             shutil.rmtree(final)
     os.rename(temp, final)
-    fsync_dir(save_dir)
+    fsync(save_dir)
     write_marker(save_dir, name)
     shutil.rmtree(previous, ignore_errors=True)
     return os.path.abspath(final)
@@ -157,9 +148,6 @@ def publish(temp: str, save_dir: str, step: int) -> str:
 
 def write_marker(save_dir: str, name: str) -> None:
     """Point `latest` at the checkpoint directory `name` (atomic and durable)."""
-    with atomic_path(os.path.join(save_dir, MARKER)) as tmp:
+    with atomic_path(os.path.join(save_dir, MARKER)) as tmp:   # flushed, renamed, directory synced
         with open(tmp, "w") as f:
             f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    fsync_dir(save_dir)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from ..config import CP_COMM_TYPES as COMM_TYPES
 from ..distributed import comm
 from .blockwise import ChunkedAttention
 from .layout import ContextLayout
 from .mappings import gather_kv, heads_to_sequence, sequence_to_heads
 from .ring import RingAttention
-
-COMM_TYPES = ("all_gather", "a2a", "ring")
 
 
 def heads_first(x: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -51,6 +51,11 @@ class ContextLayout:
         parts = x.chunk(self.num_chunks, dim=dim)
         return torch.cat([parts[c] for c in self.chunks(rank)], dim=dim)
 
+    @classmethod
+    def of(cls, par, seq_len: int) -> "ContextLayout":
+        """The layout of a ParallelConfig (`cp`, `cp_load_balance`) for sequences of `seq_len`."""
+        return cls(seq_len=seq_len, cp=par.cp, load_balance=par.cp_load_balance)
+
     def merge(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
         """Inverse of `split`: every rank's tokens (rank order) -> the whole sequence along `dim`."""
         ordered: dict[int, torch.Tensor] = {}

@@ -29,6 +29,9 @@ from .blockwise import chunked_backward, chunked_forward, finish, work_dtype
 from .layout import ContextLayout
 
 KV_TAG, DKV_TAG = 1, 2   # two exchanges may be in flight between the same peers
+# profiler names of the two transfers (`comm:<kind>` at issue, `wait:<kind>` when waited on): the
+# overlap report measures each from its issue to the end of its wait, its time in flight
+KINDS = {KV_TAG: "ring_kv", DKV_TAG: "ring_dkv"}
 
 
 class _Ring:
@@ -48,7 +51,7 @@ class _Ring:
         """Send `buf` to the next rank, receive its like from the previous: -> (received, handle)."""
         incoming = torch.empty_like(buf)
         handle = comm.send_recv(self.group, sends=[(buf, self.next)], recvs=[(incoming, self.prev)], tag=tag,
-                                async_op=True)
+                                async_op=True, kind=KINDS[tag])
         return incoming, handle
 
 
@@ -67,7 +70,7 @@ class RingAttention(torch.autograd.Function):
             with span("ring.block_forward"):
                 acc = chunked_forward(qw, kv[0].to(w), kv[1].to(w), mine, layout.chunks(ring.owner(step)), acc)
             if step < ring.size - 1:
-                with span("wait:send_recv"):
+                with span("wait:ring_kv"):
                     handle.wait()
                 kv = incoming
         out, lse = finish(acc)
@@ -94,14 +97,14 @@ class RingAttention(torch.autograd.Function):
             dq += gq
             dkv = torch.stack([gk, gv])                         # [2, B, kv, 1, S/C, d], this rank's share
             if dkv_handle is not None:
-                with span("wait:send_recv"):
+                with span("wait:ring_dkv"):
                     dkv_handle.wait()
                 dkv += dkv_in                                   # the shares of the ranks before
             dkv_in, dkv_handle = ring.pass_on(dkv, DKV_TAG)     # on to the next rank; home after C steps
             if step < ring.size - 1:
-                with span("wait:send_recv"):
+                with span("wait:ring_kv"):
                     kv_handle.wait()
                 kv = incoming
-        with span("wait:send_recv"):
+        with span("wait:ring_dkv"):
             dkv_handle.wait()
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None

@@ -13,8 +13,8 @@ schedule), and the batch makers below give every row the same number of targets,
 over DP replicas is the global mean too.
 
 Where the rest plugs in: a real dataset hands MiniMind-style labels to `shift_labels` (or its own
-targets) and its rows to `dp_rows`; a context-parallel split of the sequence dim belongs beside
-`dp_rows`, applied to both tensors of a batch alike.
+targets) and its rows to `dp_rows`, then the rank's tokens to `cp_tokens` (context parallelism:
+both tensors split alike along the sequence, so every target stays beside its position).
 """
 from __future__ import annotations
 
@@ -79,3 +79,12 @@ def split_microbatches(input_ids: torch.Tensor, targets: torch.Tensor, num_micro
     if input_ids.shape[0] % num_microbatches:
         raise ValueError(f"batch {input_ids.shape[0]} is not divisible by num_microbatches={num_microbatches}")
     return [Batch(i, t) for i, t in zip(input_ids.chunk(num_microbatches), targets.chunk(num_microbatches))]
+
+
+def cp_tokens(batch: Batch, layout, cp_rank: int) -> Batch:
+    """Context-parallel rank `cp_rank`'s tokens of every row: [b, S] -> [b, S/C], ids and targets
+    split alike by the `context_parallel.ContextLayout` (load-balanced: chunks i and 2C-1-i), as
+    their own tensors. A chunk's last position keeps its target (the next chunk's first token)."""
+    if layout.cp == 1:
+        return batch
+    return Batch(*(layout.split(t, cp_rank, dim=1) for t in batch))

@@ -147,20 +147,22 @@ class _Batch:
         with _observed():
             for work in self._works:
                 work.wait()
+        self._works = []   # a work keeps its tensors: once done, let the sent buffer go at once
         return True
 
 
-def send_recv(group, *, sends=(), recvs=(), tag: int = 0, async_op: bool = False):
+def send_recv(group, *, sends=(), recvs=(), tag: int = 0, async_op: bool = False, kind: str = "send_recv"):
     """One batch of point-to-point transfers within `group`: sends [(tensor, global peer rank)],
     recvs [(preallocated tensor, global peer rank)], all posted together, then every work
     waited on (posting both directions at once is what keeps exchanges deadlock-free).
     async_op: return a handle instead of waiting (its wait() waits for the whole batch).
-    `tag` keeps two batches in flight between the same peers apart."""
+    `tag` keeps two batches in flight between the same peers apart; `kind` names the profiler
+    range (`comm:<kind>`; the caller that waits on an async batch opens `wait:<kind>`)."""
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs]
     if not ops:
         return _Done() if async_op else None
-    with collective("send_recv"):
+    with collective(kind):
         works = dist.batch_isend_irecv(ops)
         if not async_op:             # a blocking exchange: its wait is part of its range
             for work in works:

@@ -180,7 +180,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     there). The prediction of every stage is in `per_stage`."""
     c = model_config
     if par.cp > 1:
-        raise NotImplementedError("predict_memory: context parallelism not modelled yet")
+        raise NotImplementedError(f"predict_memory: context parallelism (cp={par.cp}) is not modelled analytically; "
+                                  f"--estimate measures it (the tracker on fake tensors)")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     if par.recompute == "full" or par.loss_chunks > 1:

@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..config import MiniMindConfig, ParallelConfig, check_layout
-from ..data.batches import shift_labels
+from ..context_parallel import ContextLayout
+from ..data.batches import Batch, cp_tokens, shift_labels
 from ..groups import ProcessGroups
 from ..parallel_model import ParallelMiniMindForCausalLM
 from ..training import make_optimizer, train_step
@@ -66,11 +67,9 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
     """Peak memory of `iters` training steps, each of `num_microbatches` microbatches of
     `micro_batch_size` sequences, on one rank of pipeline stage `stage`, without kernels.
     warmup: the optimizer states exist before the window, as after the warm-up steps of a real run.
-    Every TP/DP rank of a stage holds the same shapes, so the stage's first rank stands in for the
-    worst one. Under PP the fake backend answers every receive at once (an empty buffer of the
+    Every TP/DP rank of a stage holds the same shapes (and every CP rank: S/C tokens, the same
+    buffers in every comm type), so the stage's first rank stands in for the worst one. Under PP the fake backend answers every receive at once (an empty buffer of the
     boundary's shape), so a stage runs its schedule alone, in the order of a real run."""
-    if par.cp > 1:
-        raise NotImplementedError("estimate_step_memory: context parallelism not supported yet")
     if not 0 <= stage < par.pp:
         raise ValueError(f"stage must be in [0, pp); got stage={stage}, pp={par.pp}")
     check_layout(model_config, par, seq_len=seq_len)
@@ -85,9 +84,11 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
         with FakeTensorMode():
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
             optimizer = make_optimizer(model, lr=1e-3)
-            buckets = ddp_gradient_buckets(model) if par.dp > 1 and par.pp == 1 else []  # no DDP under PP
+            # DDP over DP x CP; none under PP
+            buckets = ddp_gradient_buckets(model) if par.dp * par.cp > 1 and par.pp == 1 else []
             ids = torch.randint(0, model_config.vocab_size, (micro_batch_size * num_microbatches, seq_len))
-            targets = shift_labels(ids)
+            ids, targets = cp_tokens(Batch(ids, shift_labels(ids)), ContextLayout.of(par, seq_len),
+                                     groups.cp_rank)                     # [M B, S/C]
             if warmup:
                 _create_optimizer_states(model, optimizer)
             meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets))

@@ -8,8 +8,13 @@ Each stage runs its schedule on its own; the p2p calls line the stages up. The l
 microbatch (a mean over its target tokens) is scaled by its share of this replica's target
 tokens before its backward -- 1/M when all microbatches have as many -- so the accumulated
 grads and the reported loss are those of the mean over all target tokens of the batch, exactly
-as the dense model averages. DP and tied-embedding grads are summed once, after the last
-microbatch, by `training.finalize_grads`.
+as the dense model averages. Under context parallelism each CP rank holds a part of every
+microbatch's tokens: its loss (a mean over its own targets) is weighted by its share of the
+targets of all CP ranks, so the CP ranks' weighted losses add up to the global mean (the sum and
+count reduced over CP); the reported loss is summed over CP. Gradient reduction averages over the
+DP x CP group, as Megatron-LM's, so the backward runs on the loss times C (its sum over CP).
+DP, CP and tied-embedding grads are reduced once, after the last microbatch, by
+`training.finalize_grads` (or DDP over DP x CP without a pipeline).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..data.batches import count_targets
 from ..data_parallel import unwrap
+from ..distributed import comm
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
 from . import p2p
@@ -65,7 +71,9 @@ class _Stage:
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
         # targets per microbatch, kept on the device (no host sync; works on fake tensors too)
         counts = torch.stack([count_targets(targets) for _, targets in microbatches])
-        self.loss_weights = counts / counts.sum().clamp(min=1)                           # [M], sums to 1
+        total = comm.all_reduce(counts.sum(), groups.cp)                              # every CP rank's targets
+        self.loss_weights = counts / total.clamp(min=1)          # [M]; summed over M and CP ranks: 1
+        self.grad_scale = par.cp     # grads are averaged over DP x CP but the CP ranks' losses add up
         self.held: list = []        # (input, output) of microbatches awaiting their backward, oldest first
         self.losses, self.logits = [], []
         self.max_in_flight, self.busy = 0, 0.0
@@ -86,7 +94,7 @@ class _Stage:
         self.losses.append(loss.detach())
         if self.collect_logits and out.logits is not None:   # --loss_chunks: no whole logits
             self.logits.append(out.logits.detach())
-        return loss
+        return loss * self.grad_scale if self.grad_scale != 1 else loss
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -124,6 +132,8 @@ class _Stage:
 
     def result(self, wall_s: float) -> StepResult:
         loss = torch.stack(self.losses).sum() if self.losses else None
+        if loss is not None:
+            loss = comm.all_reduce(loss, self.groups.cp)          # the CP ranks' parts of the mean
         return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s)
 
 

@@ -31,7 +31,11 @@ from __future__ import annotations
 import json
 
 Interval = tuple[float, float]
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "barrier", "broadcast", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "barrier", "broadcast", "all_to_all",
+         "ring_kv", "ring_dkv")
+# Asynchronous p2p batches that name their own ranges (context_parallel/ring.py): in flight from
+# their `comm:<kind>` issue to the end of the matching `wait:<kind>` (the n-th issue with the n-th wait).
+IN_FLIGHT = ("ring_kv", "ring_dkv")
 PHASES = ("forward", "backward", "finalize_grads", "optimizer")
 WGRAD, DGRAD = "async_linear.wgrad", "async_linear.dgrad"
 
@@ -137,11 +141,26 @@ def collectives(events: list[dict], main_tid) -> list[dict]:
             out.append(dict(kind=issue["kind"], span=_span(w), issue=issue["issue"]))
     # send/recv run inline on the caller: the c10d op, stretched to an enclosing comm:send/recv range
     ranges = [_span(e) for e in main if e["name"].startswith(("comm:send", "comm:recv"))]
+    in_flight = in_flight_transfers(main)
+    issued_async = [c["issue_span"] for c in in_flight]
+    out += [dict(kind=c["kind"], span=c["span"], issue=c["issue"]) for c in in_flight]
     for i in issues:
-        if i["kind"] == "send_recv":
+        if i["kind"] == "send_recv" and not any(a <= i["issue"] <= b for a, b in issued_async):
             a, b = i["span"]
             b = max([b] + [d for c, d in ranges if c <= a <= d])
             out.append(dict(kind="send_recv", span=(a, b), issue=a))
+    return out
+
+
+def in_flight_transfers(main: list[dict]) -> list[dict]:
+    """[{kind, span, issue, issue_span}] of the asynchronous p2p batches of IN_FLIGHT kinds on
+    the main thread (`main`, in time order): each from its issue to the end of its wait."""
+    out = []
+    for kind in IN_FLIGHT:
+        issued = [_span(e) for e in main if e["name"] == f"comm:{kind}"]
+        waited = [_span(e) for e in main if e["name"] == f"wait:{kind}"]
+        for (a, b), (_, end) in zip(issued, waited):
+            out.append(dict(kind=kind, span=(a, max(b, end)), issue=a, issue_span=(a, b)))
     return out
 
 

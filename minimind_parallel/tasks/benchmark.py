@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from .. import launcher
 from ..config import ConfigError, ParallelConfig
-from ..data.batches import broadcast_batch, dp_rows
+from ..context_parallel import ContextLayout
+from ..data.batches import broadcast_batch, cp_tokens, dp_rows
 from ..device_sync import synchronize
 from ..files import atomic_path, new_file
 from ..groups import ProcessGroups
@@ -156,7 +157,7 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
     if args.num_microbatches > 1 and launch.pp_size == 1:
         raise ConfigError(f"num_microbatches > 1 needs pipeline parallelism; got num_microbatches="
                           f"{args.num_microbatches}, pp_size={launch.pp_size}")
-    check_modes(args.modes)
+    check_modes(args.modes, launch)
     cells = plan(args)
     each_args = [cell_args(args, cell) for cell in cells]
     runs = [(a, cell_parallel(launch, a, cell.mode)) for a, cell in zip(each_args, cells)]
@@ -216,7 +217,9 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
             record(row)
     except Interrupted as e:  # the cell's processes are gone (launcher.run_torchrun); keep what finished
         interrupted = e
-        if row is not None and not any(r is row for r in results):  # it was running
+        if len(results) < len(cells):  # the cell running, or about to start, when the signal came
+            if row is None or any(r is row for r in results):
+                row = new_cell_row(launch, args, kind, cells[len(results)])
             row["status"], row["reason"] = "interrupted", f"{e}; the cell's processes were ended"
             record(row)
     bar.close()
@@ -341,8 +344,9 @@ def run_cell(launch, args, device) -> int:
     model = wrap_data_parallel(model, groups)
     optimizer = make_optimizer(model, args.learning_rate)
     # M microbatches of `per_replica` rows per DP replica (M = 1 without a pipeline)
-    ids, labels = dp_rows(broadcast_batch(per_replica * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
-                                          args.seed + 1, device), groups.dp_rank, par.dp)  # labels: shifted targets
+    batch = dp_rows(broadcast_batch(per_replica * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
+                                    args.seed + 1, device), groups.dp_rank, par.dp)  # labels: shifted targets
+    ids, labels = cp_tokens(batch, ContextLayout.of(par, a.seq_len), groups.cp_rank)  # [rows, S/C]
     result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
     global_tokens = per_replica * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)

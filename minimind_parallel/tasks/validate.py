@@ -15,7 +15,7 @@ from .. import launcher
 from ..config import ConfigError
 from ..files import atomic_path
 from ..groups import ProcessGroups
-from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_number,
+from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes, check_number,
                        check_resources, collective_timeout, model_config, parallel_config, split_argv)
 from ..training import DTYPES
 from ..validation import compare_with_dense, failures, format_report
@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
 
 def check(launch, args) -> None:
     """Every constraint of a validate run (its mode's flags applied)."""
+    if args.mode is not None:
+        check_modes([args.mode], launch)
     apply_mode(args, args.mode)
     steps = (f" with --optimizer_steps {args.optimizer_steps}: use bfloat16, or --optimizer_steps 0"
              if args.optimizer_steps > 0 else None)
@@ -96,7 +98,8 @@ def run_rank(launch, args, device) -> int:
     if dist.get_rank() == 0:
         print(f"validate: dp={par.dp} pp={par.pp} schedule={args.pp_schedule} microbatches={args.num_microbatches} "
               f"tp={par.tp} sp={par.sequence_parallel} async={par.async_communication} "
-              f"shared_gather={par.shared_sp_gather} vp={par.vocab_parallel} dtype={args.dtype} "
+              f"shared_gather={par.shared_sp_gather} vp={par.vocab_parallel} cp={par.cp} "
+              f"cp_comm_type={par.cp_comm_type} cp_load_balance={par.cp_load_balance} dtype={args.dtype} "
               f"layers={config.num_hidden_layers} seq={args.seq_len} steps={args.optimizer_steps}")
         print(format_report(rows))
         print(f"validate: {'FAILED' if bad else 'PASSED'} ({len(rows) - len(bad)} of {len(rows)} items within tolerance)")
