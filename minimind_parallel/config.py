@@ -131,6 +131,7 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         if par.loss_chunks > seq_len:
             raise ConfigError(f"loss_chunks must be <= seq_len (a chunk of at least one position per sequence); "
                               f"got loss_chunks={par.loss_chunks}, seq_len={seq_len}")
+        check_context_split(par, seq_len)
 
 
 def check_recompute(par: ParallelConfig) -> None:
@@ -139,7 +140,6 @@ def check_recompute(par: ParallelConfig) -> None:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {par.recompute!r}")
     if par.loss_chunks < 1:
         raise ConfigError(f"loss_chunks must be >= 1; got loss_chunks={par.loss_chunks}")
-        check_context_split(par, seq_len)
 
 
 def check_context_parallel(model: MiniMindConfig, par: ParallelConfig) -> None:

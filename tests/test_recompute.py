@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minimind_parallel import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 from minimind_parallel.memory import StorageTracker
 from minimind_parallel.model import RMSNorm, causal_attention, next_token_cross_entropy, repeat_kv
 from minimind_parallel.recompute import LeanRMSNorm, causal_attention_gqa, chunked_head_loss, swiglu_linear
@@ -157,3 +158,14 @@ def test_chunked_head_loss_keeps_no_logits():
     # few [N/K] vectors), never the whole [N, V]
     grads_and_inputs = 2 * (h.nbytes + w.nbytes) + y.nbytes
     assert t.peak_bytes - grads_and_inputs <= 3 * 4 * (n // chunks) * vocab
+
+
+@pytest.mark.parametrize("par,message", [
+    (ParallelConfig(recompute="some"), "recompute must be one of none, selective, full; got 'some'"),
+    (ParallelConfig(loss_chunks=0), "loss_chunks must be >= 1; got loss_chunks=0"),
+    (ParallelConfig(loss_chunks=40), "loss_chunks must be <= seq_len"),
+])
+def test_bad_recompute_input_is_one_line(par, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:
+        check_layout(MiniMindConfig(), par, seq_len=32)
+    assert "\n" not in str(err.value)

@@ -33,6 +33,8 @@ CASES = {  # id -> (layout, layers, tied, schedule, microbatches)
     "tp2_sp_async_pp2_full_vp_chunks4_1f1b": (ParallelConfig(tp=2, pp=2, sequence_parallel=True,
                                                              async_communication=True, vocab_parallel=True,
                                                              recompute="full", loss_chunks=4), 4, True, "1f1b", 3),
+    "cp2_tp2_sp_async_full_chunks2": (ParallelConfig(cp=2, tp=2, sequence_parallel=True, async_communication=True,
+                                                     recompute="full", loss_chunks=2), 2, False, "1f1b", 1),
     "pp2_dp2_selective_gpipe": (ParallelConfig(pp=2, dp=2, recompute="selective", loss_chunks=2), 4, False,
                                 "gpipe", 2),
 }
