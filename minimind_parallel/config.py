@@ -12,6 +12,9 @@ from dataclasses import dataclass
 # The context-parallel attention paths (`--cp_comm_type`, see context_parallel/attention.py).
 CP_COMM_TYPES = ("all_gather", "a2a", "ring")
 
+# What a block keeps for backward (`--recompute`, see minimind_parallel/recompute/).
+RECOMPUTE_MODES = ("none", "selective", "full")
+
 
 class ConfigError(ValueError):
     """A size or flag constraint that a configuration breaks (one line, names the values)."""
@@ -57,6 +60,8 @@ class ParallelConfig:
     async_communication: bool = False
     shared_sp_gather: bool = False
     vocab_parallel: bool = False
+    recompute: str = "none"         # none | selective (lean norms, GQA, SwiGLU) | full (+ per-block checkpoint)
+    loss_chunks: int = 1            # lm_head + cross entropy over this many token chunks
     cp_comm_type: str = "all_gather"    # how attention crosses the CP group: all_gather | a2a | ring
     cp_load_balance: bool = True       # 2C chunks, rank i holding i and 2C-1-i (else C contiguous)
 
@@ -110,6 +115,7 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
     if par.shared_sp_gather and not par.sequence_parallel:
         raise ConfigError("--shared_sp_gather shares the sequence-parallel all-gather and needs --sequence_parallel")
     check_context_parallel(model, par)
+    check_recompute(par)
     if model.num_hidden_layers % par.pp:
         raise ConfigError(f"num_hidden_layers must be divisible by pp_size; "
                           f"got num_hidden_layers={model.num_hidden_layers}, pp_size={par.pp}")
@@ -122,7 +128,18 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         if par.sequence_parallel and seq_len % t:
             raise ConfigError(f"seq_len must be divisible by tp_size with --sequence_parallel; "
                               f"got seq_len={seq_len}, tp_size={t}")
+        if par.loss_chunks > seq_len:
+            raise ConfigError(f"loss_chunks must be <= seq_len (a chunk of at least one position per sequence); "
+                              f"got loss_chunks={par.loss_chunks}, seq_len={seq_len}")
         check_context_split(par, seq_len)
+
+
+def check_recompute(par: ParallelConfig) -> None:
+    """--recompute names a mode; --loss_chunks is a count."""
+    if par.recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {par.recompute!r}")
+    if par.loss_chunks < 1:
+        raise ConfigError(f"loss_chunks must be >= 1; got loss_chunks={par.loss_chunks}")
 
 
 def check_context_parallel(model: MiniMindConfig, par: ParallelConfig) -> None:

@@ -7,7 +7,7 @@ import argparse
 import datetime
 import math
 
-from .config import CP_COMM_TYPES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
+from .config import CP_COMM_TYPES, RECOMPUTE_MODES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 # What one CPU rank holds before any model: a Python process with torch and gloo (about 230 MiB
@@ -24,6 +24,11 @@ MODES = {
     "tp_sp_async_shared": dict(sequence_parallel=True, async_communication=True, shared_sp_gather=True),
     "tp_vp": dict(vocab_parallel=True),
     "tp_sp_async_vp": dict(sequence_parallel=True, async_communication=True, vocab_parallel=True),
+    # what a block keeps for backward (`--recompute`, minimind_parallel/recompute/)
+    "tp_sp_async_lean": dict(sequence_parallel=True, async_communication=True, recompute="selective"),
+    "tp_sp_async_full": dict(sequence_parallel=True, async_communication=True, recompute="full"),
+    "tp_sp_async_lean_chunked": dict(sequence_parallel=True, async_communication=True, recompute="selective",
+                                     loss_chunks=8),
     "pp": dict(),     # stages from --pp_size, schedule from --pp_schedule
     "tp_pp": dict(),  # plain TP inside each stage (add --sequence_parallel etc. as wanted)
     # context parallelism (need --cp --cp_size C; the path from --cp_comm_type)
@@ -67,6 +72,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab_parallel", action="store_true")
     p.add_argument("--pp_schedule", choices=("gpipe", "1f1b"), default="1f1b",
                    help="pipeline schedule over --num_microbatches (with one stage: gradient accumulation)")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                   help="selective: lean norms, GQA without copies, SwiGLU recompute; full: also checkpoint "
+                        "every block (keep its input only)")
+    p.add_argument("--loss_chunks", type=int, default=1,
+                   help="lm_head and cross entropy over this many token chunks (the logits never whole)")
     p.add_argument("--cp_comm_type", choices=CP_COMM_TYPES, default="all_gather",
                    help="context-parallel attention: gather K/V, all-to-all heads (Ulysses) or ring (p2p)")
     p.add_argument("--cp_load_balance", action=argparse.BooleanOptionalAction, default=True,
@@ -96,7 +106,8 @@ def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = Non
                           dp=launch.dp_size if dp is None else dp,
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
                           shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel,
-                          cp_comm_type=args.cp_comm_type, cp_load_balance=args.cp_load_balance)
+                          cp_comm_type=args.cp_comm_type, cp_load_balance=args.cp_load_balance,
+                          recompute=args.recompute, loss_chunks=args.loss_chunks)
 
 
 def collective_timeout(launch) -> datetime.timedelta:

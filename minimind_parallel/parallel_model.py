@@ -13,6 +13,10 @@ S (its chunks of the `ContextLayout`, load-balanced by default): RoPE reads each
 position and attention crosses the CP group (`context_parallel_attention`, `--cp_comm_type`);
 everything else is token-wise and runs unchanged on the local tokens.
 
+`--recompute selective` swaps in the lean pieces of `recompute/` (RMSNorm saving its input and
+rsqrt, GQA attention without repeat_kv copies, SwiGLU recompute); `full` also checkpoints every
+block; `--loss_chunks K` computes the head and the loss over K token chunks.
+
 Under pipeline parallelism (P stages) a rank builds only its stage: layers
 [p*L/P, (p+1)*L/P), the embedding on stage 0, the final norm and lm_head on stage P-1. Which
 stage builds what, and which grads are partial over TP or shared between stages, is read from
@@ -26,11 +30,13 @@ from torch import nn
 from .config import MiniMindConfig, ParallelConfig
 from .context_parallel import ContextLayout, context_parallel_attention
 from .groups import ProcessGroups
-from .model import CausalLMOutput, RMSNorm, apply_rope, causal_attention, repeat_kv, rope_tables
+from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope_tables
+from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, is_lean, make_rms_norm,
+                        swiglu_linear)
 from .plan import (grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage, stage_layers,
                    stage_of)
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel,
-                              gather_from_sequence_parallel_region, mark_partial_grad,
+                              copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, mark_partial_grad,
                               scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
 
@@ -39,7 +45,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         t = par.tp
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
-        self.flash, self.shared = c.flash_attn, par.shared_sp_gather
+        self.flash, self.shared, self.lean = c.flash_attn, par.shared_sp_gather, is_lean(par.recompute)
         self.cp_group, self.cp_comm_type = cp_group, par.cp_comm_type
         col = dict(group=group, sequence_parallel=par.sequence_parallel, async_communication=par.async_communication)
         self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_attention_heads * c.head_dim, **col)
@@ -47,8 +53,9 @@ class ParallelAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, **col)
         self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, group=group,
                                         sequence_parallel=par.sequence_parallel)
-        self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)   # each rank normalises only its own heads
-        self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        # each rank normalises only its own heads
+        self.q_norm = make_rms_norm(c.head_dim, c.rms_norm_eps, lean=self.lean)
+        self.k_norm = make_rms_norm(c.head_dim, c.rms_norm_eps, lean=self.lean)
 
     def forward(self, x, cos, sin, layout: ContextLayout | None = None):
         # x: [S/T, B, H] under SP, else [S, B, H]; under CP S is this rank's S/C tokens (`layout`)
@@ -64,11 +71,14 @@ class ParallelAttention(nn.Module):
             out = context_parallel_attention(q, k, v, group=self.cp_group, layout=layout,
                                              comm_type=self.cp_comm_type)
             return self.o_proj(out.reshape(s, b, -1))
-        rep = self.n_heads // self.n_kv
         q = q.permute(1, 2, 0, 3)                                   # [B, h, S, d]
-        k = repeat_kv(k.transpose(0, 1), rep).transpose(1, 2)       # [B, h, S, d]
-        v = repeat_kv(v.transpose(0, 1), rep).transpose(1, 2)
-        out = causal_attention(q, k, v, flash=self.flash)           # [B, h, S, d]
+        if self.lean:                                               # kv heads read in place: [B, k, S, d]
+            out = causal_attention_gqa(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), flash=self.flash)
+        else:
+            rep = self.n_heads // self.n_kv
+            k = repeat_kv(k.transpose(0, 1), rep).transpose(1, 2)   # [B, h, S, d]
+            v = repeat_kv(v.transpose(0, 1), rep).transpose(1, 2)
+            out = causal_attention(q, k, v, flash=self.flash)       # [B, h, S, d]
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)             # [S, B, h*d]
         return self.o_proj(out)                                     # [S/T, B, H] (SP) or [S, B, H]
 
@@ -76,7 +86,7 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
         super().__init__()
-        self.shared = par.shared_sp_gather
+        self.shared, self.lean = par.shared_sp_gather, is_lean(par.recompute)
         col = dict(group=group, sequence_parallel=par.sequence_parallel, async_communication=par.async_communication)
         self.gate_proj = ColumnParallelLinear(c.hidden_size, c.intermediate_size, **col)
         self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, group=group,
@@ -86,6 +96,8 @@ class ParallelMLP(nn.Module):
     def forward(self, x):
         projs = [self.gate_proj, self.up_proj]
         gate, up = column_parallel(projs, x) if self.shared else [p(x) for p in projs]  # [S, B, I/T]
+        if self.lean:                                               # keeps gate and up only
+            return self.down_proj.leave_region(swiglu_linear(gate, up, self.down_proj.weight))
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -93,8 +105,9 @@ class ParallelBlock(nn.Module):
     def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, cp_group=None):
         super().__init__()
         self.self_attn = ParallelAttention(c, par, group, cp_group)
-        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        lean = is_lean(par.recompute)
+        self.input_layernorm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=lean)
+        self.post_attention_layernorm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=lean)
         self.mlp = ParallelMLP(c, par, group)
 
     def forward(self, h, cos, sin, layout: ContextLayout | None = None):
@@ -112,6 +125,7 @@ class ParallelMiniMindModel(nn.Module):
         super().__init__()
         self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
         self.seq_shards = par.tp if par.sequence_parallel else 1
+        self.checkpoint = par.recompute == "full"
         self.par, self.cp_rank = par, cp_rank
         self.embed_tokens = None
         if embedding and par.vocab_parallel:
@@ -121,7 +135,7 @@ class ParallelMiniMindModel(nn.Module):
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
         self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group, cp_group) for i in layers})
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps) if final_norm else None
+        self.norm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=is_lean(par.recompute)) if final_norm else None
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
@@ -136,7 +150,7 @@ class ParallelMiniMindModel(nn.Module):
             h = hidden_states
         cos, sin, layout = self._rope(h.shape[0] * self.seq_shards)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, layout)
+            h = checkpoint_block(layer, h, cos, sin, layout) if self.checkpoint else layer(h, cos, sin, layout)
         return self.norm(h) if self.norm is not None else h         # [S/T, B, H] (SP) or [S, B, H]
 
 
@@ -204,6 +218,8 @@ class ParallelMiniMindForCausalLM(nn.Module):
         h = self.model(input_ids, hidden_states)
         if not self.last:
             return h                                                 # to the next stage
+        if targets is not None and self.par.loss_chunks > 1:         # the logits never exist whole
+            return CausalLMOutput(logits=None, loss=self._chunked_loss(h, targets.t()))
         if self.par.vocab_parallel:
             logits = self.lm_head(h)                                 # enters the TP region: [S, B, V/T]
         else:
@@ -222,6 +238,18 @@ class ParallelMiniMindForCausalLM(nn.Module):
             else:
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
         return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)
+
+
+    def _chunked_loss(self, h, y):
+        """--loss_chunks K: the head's input enters the head's region once ([S/T, B, H] -> [S, B, H]
+        under SP), then lm_head and the loss run chunk by chunk (`recompute.chunked_head_loss`).
+        y: targets [S, B], as the hidden states."""
+        group = self.group if self.par.vocab_parallel else None
+        if self.par.sequence_parallel:   # VP: partial input grads, reduce-scattered; replicated: own slice
+            h = gather_from_sequence_parallel_region(h, self.group, grad_is_partial=self.par.vocab_parallel)
+        elif self.par.vocab_parallel:
+            h = copy_to_tensor_parallel_region(h, self.group)        # bwd: all-reduce the partial input grads
+        return chunked_head_loss(h, self.lm_head.weight, y, chunks=self.par.loss_chunks, group=group)
 
 
 def mark_shared_embedding(param: nn.Parameter) -> nn.Parameter:

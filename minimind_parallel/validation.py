@@ -113,14 +113,16 @@ class _Pair:
         if self.groups.dp is not None:  # the global-batch loss is the mean over DP replicas
             dist.all_reduce(loss, group=self.groups.dp)
             loss /= par.dp
+        rtol = self.rtol if step == 0 else self.later_rtol
+        rows = [Row(f"step {step} loss", *error(loss, ref.loss), self.atol, rtol)]
+        if not out.logits:   # --loss_chunks: the logits never exist whole (loss and grads still compared)
+            return rows
         logits = torch.cat(out.logits)                                  # [M*b, S, V(/T)]
         want = ref.logits[self.mine]                                    # [M*b, S, V]
         if par.cp > 1:
             want = self.layout.split(want, self.groups.cp_rank, dim=1)  # -> [M*b, S/C, V]
         want = logits_slice(want, par, self.groups.tp_rank)
-        rtol = self.rtol if step == 0 else self.later_rtol
-        return [Row(f"step {step} loss", *error(loss, ref.loss), self.atol, rtol),
-                Row(f"step {step} logits", *error(logits, want), self.atol, rtol)]
+        return rows + [Row(f"step {step} logits", *error(logits, want), self.atol, rtol)]
 
     def shard_rows(self, item: str, of, rtol: float) -> list[Row]:
         """One row per parameter: `of(param)` of each shard against the same slice of the dense

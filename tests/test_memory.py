@@ -15,6 +15,7 @@ from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
 from minimind_parallel.memory import (MemoryMeter, StorageTracker, estimate_step_memory, parameter_shapes,
                                       predict_memory)
+from minimind_parallel.memory.analytic import activations_by_kind
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
@@ -31,6 +32,7 @@ MODES = {
     "tp_sp_async": ParallelConfig(tp=T, sequence_parallel=True, async_communication=True),
     "tp_sp_shared": ParallelConfig(tp=T, sequence_parallel=True, shared_sp_gather=True),
     "tp_sp_async_vp": ParallelConfig(tp=T, sequence_parallel=True, async_communication=True, vocab_parallel=True),
+    "tp_sp_async_lean": ParallelConfig(tp=T, sequence_parallel=True, async_communication=True, recompute="selective"),
     "ddp": ParallelConfig(dp=T),
 }
 
@@ -310,3 +312,78 @@ def test_random_layouts_are_predicted_to_the_byte(seed):
         case = sweep.draw(rng, 2)
     c, par, sizes = case
     _check_model(predict_memory(c, par, **sizes), estimate_step_memory(c, par, iters=1, **sizes), f"{par} {sizes}")
+
+
+# ---------------------------------------------------------------- --recompute selective
+
+SELECTIVE_LAYOUTS = [dict(tp=2), dict(tp=2, sequence_parallel=True), dict(tp=2, sequence_parallel=True,
+                     async_communication=True), dict(tp=2, sequence_parallel=True, shared_sp_gather=True),
+                     dict(tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True),
+                     dict(tp=2, vocab_parallel=True), dict(dp=2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [128, 512])   # 128: peaks in the blocks' backward; 512: in the head's
+@pytest.mark.parametrize("flags", SELECTIVE_LAYOUTS, ids=lambda f: "_".join(f"{k}{v}" for k, v in f.items()))
+def test_selective_recompute_is_predicted_to_the_byte(flags, vocab, dtype):
+    c = replace(TINY, vocab_size=vocab)
+    par = ParallelConfig(recompute="selective", **flags)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype)
+    _check_model(predict_memory(c, par, **kw), estimate_step_memory(c, par, iters=1, **kw), str(par))
+
+
+@pytest.mark.parametrize("par,schedule,m,dtype,tied", [
+    (ParallelConfig(pp=2, recompute="selective"), "1f1b", 3, torch.bfloat16, False),
+    (ParallelConfig(pp=4, recompute="selective"), "gpipe", 4, torch.bfloat16, False),
+    (ParallelConfig(pp=2, dp=2, recompute="selective"), "1f1b", 3, torch.float32, True),
+    (ParallelConfig(pp=2, tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True,
+                    recompute="selective"), "1f1b", 5, torch.bfloat16, True),
+])
+def test_selective_recompute_pipeline_stages_are_predicted_to_the_byte(par, schedule, m, dtype, tied):
+    c = replace(PIPE, tie_word_embeddings=tied)
+    for stage in range(par.pp):
+        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=m, schedule=schedule)
+        _check_model(predict_memory(c, par, stage=stage, **kw), estimate_step_memory(c, par, iters=1, stage=stage, **kw),
+                     f"stage {stage}")
+
+
+def _block_activations(par, **kw):
+    pred = activations_by_kind(MiniMindConfig(num_hidden_layers=2, **SEED), par, **kw)
+    return sum(v for k, v in pred.items() if k.startswith("block."))
+
+
+def test_selective_recompute_per_block_at_the_book_section_4_4_configuration():
+    """B 4, S 2048, H 768, T 2, bf16: tp_sp_async keeps 196.34 MiB per block; selective keeps
+    89.34 MiB (0.455x): norms 12.03, column inputs 12, q/k norms 9.19, q 6, k/v 6, attention
+    output 6.06, gate/up 38. The issue's target was <= 0.45x (88 MiB): missed by 1.34 MiB."""
+    kw = dict(seq_len=2048, micro_batch_size=4, dtype=torch.bfloat16)
+    base = dict(tp=2, sequence_parallel=True, async_communication=True)
+    today = _block_activations(ParallelConfig(**base), **kw)
+    lean = _block_activations(ParallelConfig(**base, recompute="selective"), **kw)
+    n, nn_, hid, inter, d = 8192, 4096, 768, 1216, 96
+    assert today == 2 * (2 * 4 * nn_ * hid + 4 * nn_) + 2 * 2 * nn_ * hid + 6 * n * (2 * 4 * d + 4) + \
+        2 * n * 4 * d + 2 * 2 * n * 4 * d + 2 * n * 4 * d + 4 * n * 4 + 4 * 2 * n * inter
+    assert lean == 2 * (2 * nn_ * hid + 4 * nn_) + 2 * 2 * nn_ * hid + 6 * n * (2 * d + 4) + \
+        2 * n * 4 * d + 2 * 2 * n * 2 * d + 2 * n * 4 * d + 4 * n * 4 + 2 * 2 * n * inter
+    assert round(today / MiB, 2) == 196.34 and round(lean / MiB, 2) == 89.34
+
+
+def test_full_recompute_keeps_one_input_per_block_and_chunked_loss_cuts_the_loss_memory():
+    """At the book's section 4.4 sizes with 2 layers (the estimate): full recompute holds one
+    [S/T, B, H] input per block between forward and backward; --loss_chunks 8 cuts what the head
+    and loss hold at the peak (the saved log-softmax or softmax and the two [N, V] grads) by > 4x."""
+    c = MiniMindConfig(num_hidden_layers=2, **SEED)
+    kw = dict(seq_len=2048, micro_batch_size=4, dtype=torch.bfloat16, iters=1)
+    base = dict(tp=2, sequence_parallel=True, async_communication=True)
+    lean = estimate_step_memory(c, ParallelConfig(**base, recompute="selective"), **kw)
+    full = estimate_step_memory(c, ParallelConfig(**base, recompute="full"), **kw)
+    lean_block = _block_activations(ParallelConfig(**base, recompute="selective"), seq_len=2048, micro_batch_size=4,
+                                    dtype=torch.bfloat16)
+    # both peak in the head's backward, every block's activations held: full holds b S/T B H each
+    held = lean.breakdown["activations"] - full.breakdown["activations"]
+    assert held == 2 * (lean_block - 2 * 1024 * 4 * 768)
+    chunked = estimate_step_memory(c, ParallelConfig(**base, recompute="selective", loss_chunks=8), **kw)
+    n, vocab = 8192, 6400
+    loss_memory = 3 * 2 * n * vocab          # log-softmax [N, V] saved + its two grads at head_backward
+    saved = lean.peak_bytes - chunked.peak_bytes
+    assert loss_memory - saved <= loss_memory / 4, (saved / MiB, loss_memory / MiB)

@@ -50,8 +50,8 @@ accumulates into all of them. Within one microbatch's backward:
                          the stage adds the head's grad that waited in autograd's buffer)
 and at the end of a forward: the last stage's loss (replicated head: its scaling; VP: inside the
 loss, with the fp32 copy of the logits), an earlier stage's last residual add. Around them: the
-last stage's loss per finished forward and the backward's seed; 1F1B's loop keeps the grads it
-received and sent last and the previous loss (whose graph keeps that microbatch's input). Last,
+last stage's loss per finished forward and the backward's seed (1F1B's loop drops each received
+grad, sent input grad and finished loss as soon as it is dead). Last,
 the optimizer step: all grads, and AdamW's sqrt and denom of the largest parameter while the
 previous parameter's denom is still bound.
 
@@ -69,7 +69,8 @@ from ..config import MiniMindConfig, ParallelConfig, check_layout
 from ..plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .tracker import CATEGORIES
 
-BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp")
+BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp",
+               "checkpoint_input")
 MODEL_KINDS = ("embedding", "final_norm", "head_input", "logits_loss")
 
 
@@ -124,16 +125,21 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         column = 5 * b * n * hid
     else:
         column = 2 * b * n * hid
+    lean = par.recompute != "none"
     block = {
-        "norm_fp32": 2 * (2 * f * nn_ * hid + f * nn_),
+        # lean: the input in the model dtype and the fp32 rsqrt per row, not the two fp32 copies
+        "norm_fp32": 2 * (b * nn_ * hid + f * nn_) if lean else 2 * (2 * f * nn_ * hid + f * nn_),
         "column_input": column,
-        "qk_norm_fp32": (heads + kv) * n * (2 * f * d + f),
+        "qk_norm_fp32": (heads + kv) * n * (b * d + f) if lean else (heads + kv) * n * (2 * f * d + f),
         "attention_q": b * n * heads * d,
         # repeat_kv copies k, v to h heads -- unless this rank holds one kv head: then the repeat
-        # is a stride-0 view of it
-        "attention_kv": 2 * b * n * (heads if kv > 1 else kv) * d,
+        # is a stride-0 view of it; lean (enable_gqa): k after RoPE and v at their own heads
+        "attention_kv": 2 * b * n * (heads if kv > 1 and not lean else kv) * d,
         "attention_out": b * n * heads * d + 4 * n * heads,
-        "mlp": 4 * b * n * inter,
+        "mlp": (2 if lean else 4) * b * n * inter,       # lean: gate and up
+        # full: what a block keeps between its forward and its backward (the kinds above are then
+        # what the block re-creates while its backward runs)
+        "checkpoint_input": b * nn_ * hid if par.recompute == "full" else 0,
     }
     if vp:
         head_input = b * (n // t) * hid if (sp and par.async_communication) else b * n * hid
@@ -143,7 +149,10 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         head_input = b * n * hid
         loss = b * n * c.vocab_size + target_copy(micro_batch_size, n) + b
         embedding = 8 * n
-    model = {"embedding": embedding, "final_norm": 2 * f * nn_ * hid + f * nn_,
+    if par.loss_chunks > 1:   # the head's whole input, the lse per row, the targets, the count
+        head_input, loss = b * n * hid, f * n + target_copy(micro_batch_size, n) + 8
+    final_norm = b * nn_ * hid + f * nn_ if lean else 2 * f * nn_ * hid + f * nn_
+    model = {"embedding": embedding, "final_norm": final_norm,
              "head_input": head_input, "logits_loss": loss}
     return {**{f"block.{k}": v for k, v in block.items()}, **{f"model.{k}": v for k, v in model.items()}}
 
@@ -175,6 +184,10 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
                                   f"--estimate measures it (the tracker on fake tensors)")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
+    if par.recompute == "full" or par.loss_chunks > 1:
+        # their saved kinds are in activations_by_kind; the moments of their backward are not yet
+        raise NotImplementedError("predict_memory: the peak of --recompute full and --loss_chunks > 1 is not "
+                                  "modelled yet (use --estimate)")
     check_layout(c, par, seq_len=seq_len)
     stages = [_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                              num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device)
@@ -225,7 +238,7 @@ class _Stage:
     @property
     def loss_scalar(self) -> int:
         """The last stage keeps one loss per forward (the report)."""
-        return 4 if self.par.vocab_parallel else self.b
+        return 4 if (self.par.vocab_parallel or self.par.loss_chunks > 1) else self.b
 
     @property
     def weight(self) -> int:
@@ -237,7 +250,9 @@ class _Stage:
         """Not saved for backward, so temporaries to the tracker: the received input (the first
         norm saves its fp32 copy instead) and the sent output, deallocated to one element."""
         b = self.b
-        return (b * self.nn * self.hid if not self.first and b != self.f else 0) + (0 if self.last else b)
+        # the lean norm saves the received input itself (an activation, in its kind)
+        upcast_only = b != self.f and self.par.recompute == "none"
+        return (b * self.nn * self.hid if not self.first and upcast_only else 0) + (0 if self.last else b)
 
     @property
     def held(self) -> int:
@@ -322,6 +337,9 @@ def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
 def _final_norm_backward(s: _Stage) -> tuple[int, int, int]:
     """The final RMSNorm's fp32 temporaries (5 f Nn H)."""
     f, nn_, hid = s.f, s.nn, s.hid
+    if s.par.recompute != "none":   # lean: its input and rsqrt still saved; 3 f Nn H, the row means, dw
+        return (s.head_grads, _top_block_acts(s) + s.kinds["model.final_norm"],
+                3 * f * nn_ * hid + f * nn_ + s.b * hid + s.waiting)
     return s.head_grads, _top_block_acts(s) + f * nn_ * hid, 5 * f * nn_ * hid + s.waiting
 
 
@@ -331,8 +349,10 @@ def _top_block_acts(s: _Stage) -> int:
     if not s.last:
         return s.held
     k, f, nn_, hid = s.kinds, s.f, s.nn, s.hid
-    return (s.held - s.weight - k["model.logits_loss"] - k["model.head_input"] - (f * nn_ * hid + f * nn_)
-            - f * nn_ * hid)
+    head = s.held - s.weight - k["model.logits_loss"] - k["model.head_input"]
+    if s.par.recompute != "none":
+        return head - k["model.final_norm"]
+    return head - (f * nn_ * hid + f * nn_) - f * nn_ * hid
 
 
 def _down_backward(s: _Stage) -> tuple[int, int, int]:
@@ -360,6 +380,31 @@ def _post_norm_backward(s: _Stage) -> tuple[int, int, int]:
     return (s.head_grads + 3 * s.mlp_w_grad + b * hid,
             _top_block_acts(s) - 4 * s.mlp_out - gate_up_input - (f * nn_ * hid + f * nn_),
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting)
+
+
+def _swiglu_backward(s: _Stage) -> tuple[int, int, int]:
+    """Lean MLP (`recompute.swiglu_linear`): inside its backward, down's output grad (gathered
+    under SP) and the residual grad in, down's weight grad made, three [N, I/T] live (the grad of
+    the product, reused in place, dup and dgate); gate and up still saved."""
+    b, hid = s.b, s.hid
+    gathered = b * s.n * hid if s.par.sequence_parallel else 0
+    return s.head_grads, _top_block_acts(s), gathered + b * s.nn * hid + 3 * s.mlp_out + s.mlp_w_grad + s.waiting
+
+
+def _lean_post_norm_backward(s: _Stage) -> tuple[int, int, int]:
+    """Lean post-attention RMSNorm (`recompute.lean_rms_norm`) at its largest: the recomputed
+    normed input, g w and their product (3 f Nn H), the row means (f Nn) and its weight grad
+    (b H), the grads of its output and of the residual stream ([Nn, H] each); the MLP's grads
+    in, its activations and its share of the column inputs freed, the norm's own input and rsqrt
+    still saved."""
+    par, b, f, nn_, hid = s.par, s.b, s.f, s.nn, s.hid
+    column = s.kinds["block.column_input"]
+    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
+    gate_up_input = column * 2 // 5 if basic_sp else column // 2
+    # under SP one more [H] grad is in by then (measured with the tracker, not derived)
+    return (s.head_grads + 3 * s.mlp_w_grad + (b * hid if par.sequence_parallel else 0),
+            _top_block_acts(s) - 2 * s.mlp_out - gate_up_input,
+            3 * f * nn_ * hid + f * nn_ + b * hid + 2 * b * nn_ * hid + s.waiting)
 
 
 def _in_first_block(s: _Stage, moment: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -394,8 +439,11 @@ def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
     if s.last:
         inner.update(head_backward=_head_backward(s), head_mm_backward=_head_mm_backward(s),
                      final_norm_backward=_final_norm_backward(s))
-    top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
-           "post_norm_backward": _post_norm_backward(s)}
+    if s.par.recompute != "none":
+        top = {"swiglu_backward": _swiglu_backward(s), "post_norm_backward": _lean_post_norm_backward(s)}
+    else:
+        top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
+               "post_norm_backward": _post_norm_backward(s)}
     inner.update(top)
     if s.layers > 1:
         inner.update({f"{name}(first block)": _in_first_block(s, moment) for name, moment in top.items()})
@@ -437,24 +485,18 @@ def _batch_saved(s: _Stage) -> int:
     return (8 * s.n * s.mb if s.first and not vp else 0) + (8 * s.n * s.mb if s.last and not vp and s.bsz == 1 else 0)
 
 
-def _forward_moment(s: _Stage, n_held: int, n_bwd: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
-    """The end of a forward, `n_held` microbatches held before it, `n_bwd` backwards done."""
-    b, f, nn_, hid = s.b, s.f, s.nn, s.hid
+def _forward_moment(s: _Stage, n_held: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
+    """The end of a forward, `n_held` microbatches held before it. The schedule's loop binds
+    nothing of earlier microbatches (it drops each received grad, sent input grad and loss once
+    dead: pipeline_parallel.schedules.one_f_one_b)."""
+    b = s.b
     if not s.last:
-        # 1F1B's loop still binds the grad it received last; this microbatch's output is not sent
-        # yet (no one-element stand-in for it)
+        # this microbatch's output is not sent yet (no one-element stand-in for it)
         acts, temps = _earlier_forward_end(s)
-        previous_grad = b * nn_ * hid if (n_bwd and not s.gpipe) else 0
-        return (grads, saved + (n_held + 1) * acts,
-                extra + (n_held + 1) * s.held_temps - b + temps + previous_grad)
-    # 1F1B's loop still binds the previous loss: its graph keeps that microbatch's input (saved
-    # for backward, so an activation, when the first norm's upcast is itself)
+        return grads, saved + (n_held + 1) * acts, extra + (n_held + 1) * s.held_temps - b + temps
     acts, temps = _last_forward_end(s)
-    previous = b * nn_ * hid if (n_bwd and not s.first and not s.gpipe) else 0
-    previous_acts = previous if b == f else 0
     moved = (n_held + 1) * s.held_temps
-    return (grads, saved + n_held * s.held + acts - moved + previous_acts,
-            extra + temps + previous - previous_acts + moved)
+    return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
 
 
 def _replay_schedule(s: _Stage, stage: int, schedule: str) -> tuple[dict, dict]:
@@ -466,13 +508,11 @@ def _replay_schedule(s: _Stage, stage: int, schedule: str) -> tuple[dict, dict]:
         grads = s.param_bytes if n_bwd else 0      # after the first backward every grad exists
         # the fp32 loss weights are filed as activations once a loss scaling saves them
         saved = batch_saved + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
-        # the last stage's losses so far (and a backward's seed, d loss / d loss); 1F1B keeps the
-        # input grad it sent last until the next backward replaces it
+        # the last stage's losses so far (and a backward's seed, d loss / d loss)
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
         extra += s.loss_scalar if kind == "B" and s.last else 0
-        extra += s.b * s.nn * s.hid if (n_bwd and not s.first and not s.gpipe) else 0
         if kind == "F":
-            moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, n_bwd, grads, saved, extra)
+            moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             continue

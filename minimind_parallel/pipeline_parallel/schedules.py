@@ -95,7 +95,7 @@ class _Stage:
             return out
         loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
-        if self.collect_logits:
+        if self.collect_logits and out.logits is not None:   # --loss_chunks: no whole logits
             self.logits.append(out.logits.detach())
         # what backward sees: the CP ranks' losses add up (grad_scale), a loss scaler's factor
         # (loss_scale, a float or a 0-dim tensor); the reported loss is neither
@@ -122,7 +122,10 @@ class _Stage:
         with span("backward"):
             torch.autograd.backward(out, grad_tensors=grad)
         self.busy += time.perf_counter() - start
-        return None if x is None else x.grad
+        if x is None:
+            return None
+        input_grad, x.grad = x.grad, None    # the input itself dies here, its grad goes upstream
+        return input_grad
 
     def send_forward(self, out) -> None:
         p2p.send_forward(out, self.groups)
@@ -168,12 +171,16 @@ def one_f_one_b(stage: _Stage) -> None:
     for i in range(warmup, m):
         out = stage.forward(i, x)
         stage.hold(x, out)
+        x = None                    # held by the stage until its backward, which frees it
         grad = stage.send_forward_recv_backward(out)
+        out = None                  # the previous loss's graph would keep its input alive
         input_grad = stage.backward(grad)
+        grad = None                 # dead once backward has used it
         if i == m - 1:
             p2p.send_backward(input_grad, groups)
         else:
             x = p2p.send_backward_recv_forward(input_grad, groups, like)
+        input_grad = None           # sent: dead
     for _ in range(warmup):
         grad = p2p.recv_backward(groups, like)
         p2p.send_backward(stage.backward(grad), groups)

@@ -82,7 +82,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)       # [..., N] -> [..., N/T]
-        y = F.linear(x, self.weight)                                    # partial sum over ranks
+        return self.leave_region(F.linear(x, self.weight))              # partial sum over ranks
+
+    def leave_region(self, y):
+        """This rank's partial product y = X W^T (made here, or by a fused Function such as
+        `recompute.swiglu_linear`) -> the summed output (+ bias)."""
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # [S, B, H] -> [S/T, B, H]
         else:
