@@ -63,13 +63,16 @@ def _create_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer)
 
 def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
                          micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: bool = True,
-                         num_microbatches: int = 1, schedule: str = "1f1b", stage: int = 0) -> MemoryReport:
+                         num_microbatches: int = 1, schedule: str = "1f1b", stage: int = 0,
+                         tracker_type=None, on_step=None) -> MemoryReport:
     """Peak memory of `iters` training steps, each of `num_microbatches` microbatches of
     `micro_batch_size` sequences, on one rank of pipeline stage `stage`, without kernels.
     warmup: the optimizer states exist before the window, as after the warm-up steps of a real run.
     Every TP/DP rank of a stage holds the same shapes (and every CP rank: S/C tokens, the same
     buffers in every comm type), so the stage's first rank stands in for the worst one. Under PP the fake backend answers every receive at once (an empty buffer of the
-    boundary's shape), so a stage runs its schedule alone, in the order of a real run."""
+    boundary's shape), so a stage runs its schedule alone, in the order of a real run.
+    tracker_type / on_step(tracker), called after each step: to watch more than the report
+    (memory/allocator.py records the allocation sequence this way)."""
     if not 0 <= stage < par.pp:
         raise ValueError(f"stage must be in [0, pp); got stage={stage}, pp={par.pp}")
     check_layout(model_config, par, seq_len=seq_len)
@@ -91,11 +94,13 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
                                      groups.cp_rank)                     # [M B, S/C]
             if warmup:
                 _create_optimizer_states(model, optimizer)
-            meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets))
+            meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets), tracker_type=tracker_type)
             with meter:
                 for _ in range(iters):
                     train_step(model, optimizer, groups, ids, targets, num_microbatches=num_microbatches,
                                schedule=schedule)
+                    if on_step is not None:
+                        on_step(meter.tracker)
         return meter.report()
     finally:
         dist.destroy_process_group()

@@ -23,12 +23,16 @@ class MemoryMeter:
     tracker_type = StorageTracker   # a subclass may watch more (scripts/cuda_memory_gap.py)
 
     def __init__(self, device, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 also_alive: tuple[torch.Tensor, ...] = (), detail: bool = False):
+                 also_alive: tuple[torch.Tensor, ...] = (), detail: bool = False, tracker_type=None):
         """also_alive: tensors alive through the window that no op touches (counted as
-        temporaries); detail: see StorageTracker. Each `with meter:` is a fresh measurement."""
+        temporaries); detail: see StorageTracker; tracker_type: a StorageTracker subclass that
+        also watches something (memory/allocator.py records the allocation sequence). Each
+        `with meter:` is a fresh measurement."""
         self.device = torch.device(device)
         self.model, self.optimizer = model, optimizer
         self.also_alive, self.detail = also_alive, detail
+        if tracker_type is not None:
+            self.tracker_type = tracker_type
         self.tracker = self.tracker_type(detail=detail)
         self._handles = []
         self._cuda_peak = None

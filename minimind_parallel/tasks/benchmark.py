@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -66,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output_json", default=None, help="default: beside the CSV")
     p.add_argument("--output_plot", default=None, help="default: beside the CSV (PNG)")
     p.add_argument("--estimate", action="store_true", help="memory under FakeTensorMode, in-process, no kernels")
+    p.add_argument("--cuda_capability", default="9.0", metavar="MAJOR.MINOR",
+                   help="with --estimate --device cuda: the GPU generation whose allocator peak is predicted "
+                        "(cuBLAS workspace size; default 9.0, H100/H200)")
     p.add_argument("--cell_timeout", type=float, default=None, metavar="SECONDS",
                    help="kill a cell's ranks after this long and record it as timed out (default: no limit)")
     p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run of the same name")
@@ -151,6 +155,8 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
     """Every constraint of every cell, before anything launches; -> the cells."""
     if args.estimate and kind != "memory":
         raise ConfigError(f"--estimate measures memory without running kernels; got --kind {kind}")
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", args.cuda_capability):
+        raise ConfigError(f"--cuda_capability is MAJOR.MINOR (e.g. 9.0); got {args.cuda_capability!r}")
     check_at_least(args, 1, ("benchmark_iters",))
     check_at_least(args, 0, ("warmup_iters",))
     check_number(args, "cell_timeout", minimum=0.0, exclusive=True, unit=" seconds")
@@ -190,7 +196,7 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     paths = outputs.claim_paths(args, kind)
     if kind == "throughput" and args.batch_policy == "fixed_per_rank":
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
-    device = "cpu (estimate)" if args.estimate else resolve_device(launch)
+    device = estimate_device(launch, args) if args.estimate else resolve_device(launch)
     meta = dict(command=["python", "-m", "evaluation.parallel", *argv], kind=kind, device=device,
                 swept=cells[0].swept, batch_policy=batch_policy(kind, args))
     print(f"benchmark: kind={kind} device={device} modes={' '.join(args.modes)} "
@@ -273,10 +279,36 @@ def run_one(launch, args, argv, cell: Cell, row: dict, paths) -> None:
             worst = max(reports, key=lambda r: r.peak_bytes)
             outputs.fill_memory(row, worst.peak_bytes, worst.breakdown)
             row["peak_mib_per_stage"] = " ".join(f"{r.peak_bytes / outputs.MIB:.2f}" for r in reports)
+            if launch.device == "cuda":
+                fill_cuda_allocator(row, args, config, par, sizes)
         except Exception as e:
             outputs.fail(row, e)
     else:
         launch_cell(launch, argv, cell, par, a.async_communication, row, paths, timeout=args.cell_timeout)
+
+
+def estimate_device(launch, args) -> str:
+    if launch.device == "cuda":
+        return f"cuda (estimate, allocator of compute capability {args.cuda_capability})"
+    return "cpu (estimate)"
+
+
+def fill_cuda_allocator(row: dict, args, config, par: ParallelConfig, sizes: dict) -> None:
+    """--estimate --device cuda: the predicted torch.cuda.max_memory_allocated of the worst stage
+    (memory/allocator.py: the step's allocations through the caching allocator's rules, plus the
+    cuBLAS workspaces), under this process's CUBLAS_WORKSPACE_CONFIG / PYTORCH_CUDA_ALLOC_CONF."""
+    from ..memory.allocator import CudaSetup, predict_cuda_peak
+    setup = CudaSetup.from_env(capability=parse_capability(args.cuda_capability))
+    preds = [predict_cuda_peak(config, par, setup=setup, stage=p, **sizes) for p in range(par.pp)]
+    worst = max(preds, key=lambda q: q.max_memory_allocated)
+    row["cuda_allocated_mib"] = worst.max_memory_allocated / outputs.MIB
+    row["cuda_workspace_mib"] = worst.workspace_bytes / outputs.MIB
+    row["cuda_rounding_mib"] = worst.rounding_bytes / outputs.MIB
+
+
+def parse_capability(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
 
 
 def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communication: bool, row: dict, paths, *,

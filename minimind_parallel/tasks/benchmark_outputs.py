@@ -22,7 +22,9 @@ COLUMNS = ("kind", "mode", "swept", "value", "num_hidden_layers", "seq_len", "tp
            "step_ms", "tokens_per_s", "vs_mode", "delta_peak_mib", "delta_peak_pct", "delta_step_pct",
            # pipeline cells: per stage (space-separated, stage 0 first), and the bubble (P-1)/(M+P-1)
            "pp", "pp_schedule", "num_microbatches", "peak_mib_per_stage", "predicted_mib_per_stage", "in_flight_per_stage",
-           "idle_pct_per_stage", "bubble_pct", "reason")
+           "idle_pct_per_stage", "bubble_pct",
+           # --estimate --device cuda: predicted torch.cuda.max_memory_allocated and its allocator terms
+           "cuda_allocated_mib", "cuda_workspace_mib", "cuda_rounding_mib", "reason")
 
 
 @dataclass
@@ -232,6 +234,10 @@ class Table:
         elif r["predicted_mib_per_stage"] is not None and r["pp"] > 1:
             line += (f"\n    {r['pp_schedule']} pp={r['pp']} M={r['num_microbatches']}: per stage peak MiB "
                      f"{r['peak_mib_per_stage'] or '-'} (predicted {r['predicted_mib_per_stage']})")
+        if r.get("cuda_allocated_mib") is not None:
+            line += (f"\n    cuda allocator: max_memory_allocated {r['cuda_allocated_mib']:.2f} MiB = tensors "
+                     f"{r['cuda_allocated_mib'] - r['cuda_workspace_mib'] - r['cuda_rounding_mib']:.2f} + cuBLAS "
+                     f"workspaces {r['cuda_workspace_mib']:.2f} + block rounding {r['cuda_rounding_mib']:.2f}")
         if r["status"] != "ok":
             line += f"\n    {r['status']}: {r['reason']}"
         return line.rstrip()
