@@ -15,7 +15,6 @@ float64 stays float64, as in MiniMind's module here.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..model import RMSNorm
 
