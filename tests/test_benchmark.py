@@ -175,6 +175,16 @@ def test_rows_are_written_as_each_cell_finishes(monkeypatch, tmp_path):
     assert seen == [0, 1, 2]
 
 
+def test_relative_outputs_in_a_directory_not_made_yet_are_written_there(monkeypatch, tmp_path):
+    """The README's quick start on a fresh clone: `--output_csv results/x.csv` with no results/ yet."""
+    run, _ = fake_torchrun(oom_cell=None)
+    monkeypatch.setattr(launcher, "run_torchrun", run)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
+                     "--output_csv", "results/quickstart.csv"]) == 0
+    assert len(read_csv(tmp_path / "results" / "quickstart.csv")) == 1
+
+
 # ---------------------------------------------------------------- real runs
 
 def test_estimate_runs_in_process_and_launches_nothing(monkeypatch, tmp_path):

@@ -91,8 +91,8 @@ def check_paths(args, kind: str) -> None:
 
 def check_directory(what: str, directory: str) -> None:
     """`directory` exists or can be made (its nearest existing ancestor is a writable directory)."""
-    here = directory
-    while not os.path.exists(here):
+    here = os.path.abspath(directory)
+    while not os.path.exists(here):   # the root exists: this ends
         here = os.path.dirname(here)
     if not os.path.isdir(here):
         raise ConfigError(f"cannot create the directory of {what}: {here} is a file; got {directory}")
