@@ -171,14 +171,12 @@ def decode(model, forward, input_ids: torch.Tensor, *, max_new_tokens: int, temp
 
 
 def generate_text(model: MiniMindForCausalLM, tokenizer: LoadedTokenizer, prompt: str, *, max_new_tokens: int,
-                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, add_bos: bool = True,
-                  generate_ids=generate) -> str:
+                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, add_bos: bool = True) -> str:
     """Text in, text out: bos + the prompt's tokens (as in MiniMind's pretraining rows), generated until
-    eos or max_new_tokens; returns the new text only, eos and other special tokens left out.
-    `generate_ids`: `generate`, or another with its signature (`parallel_generation.generate_parallel`)."""
+    eos or max_new_tokens; returns the new text only, eos and other special tokens left out."""
     ids = prompt_ids(tokenizer, prompt, vocab_size=model.config.vocab_size, add_bos=add_bos)
-    out = generate_ids(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=temperature,
-                       top_p=top_p, seed=seed, eos_id=tokenizer.eos_id)
+    out = generate(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=temperature,
+                   top_p=top_p, seed=seed, eos_id=tokenizer.eos_id)
     return new_text(tokenizer, out[0, len(ids):].tolist())
 
 
