@@ -35,11 +35,17 @@ class KVCache:
 
     @classmethod
     def allocate(cls, model: MiniMindForCausalLM, batch: int, max_len: int) -> KVCache:
-        c, p = model.config, next(model.parameters())
-        shape = (batch, max_len, c.num_key_value_heads, c.head_dim)
+        c = model.config
+        return cls.zeros(model, batch, max_len, c.num_key_value_heads, c.head_dim)
+
+    @classmethod
+    def zeros(cls, model, batch: int, max_len: int, kv_heads: int, head_dim: int) -> KVCache:
+        """A cache for every layer of `model.config` (keys by layer index), in the dtype and on the device of
+        `model`'s parameters; `kv_heads`: the key/value heads this process holds (all, or a TP rank's)."""
+        p, shape = next(model.parameters()), (batch, max_len, kv_heads, head_dim)
 
         def zeros():
-            return [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(c.num_hidden_layers)]
+            return [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(model.config.num_hidden_layers)]
         return cls(keys=zeros(), values=zeros())
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,14 +141,22 @@ def generate(model: MiniMindForCausalLM, input_ids: torch.Tensor, *, max_new_tok
     Stops when every row has produced `eos_id` (rows that finished earlier are filled with it) or after
     max_new_tokens. Sampling draws from a generator seeded with `seed` on the model's device.
     """
+    cache = KVCache.allocate(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
+    return decode(model, lambda ids: forward_cached(model, ids, cache), input_ids, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_p=top_p, seed=seed, eos_id=eos_id)
+
+
+def decode(model, forward, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float, top_p: float,
+           seed: int, eos_id: int | None) -> torch.Tensor:
+    """The decoding loop of `generate` around `forward(ids [B, s]) -> logits of the last position [B, V]`,
+    which runs the new positions against its own KV cache (the dense model's, or a TP rank's)."""
     check_generation_args(prompt_len=input_ids.shape[1], max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, max_position_embeddings=model.config.max_position_embeddings)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    cache = KVCache.allocate(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
-    logits = forward_cached(model, input_ids, cache)  # prefill: [B, S] -> [B, V]
+    logits = forward(input_ids)  # prefill: [B, S] -> [B, V]
     out = [input_ids]
     for step in range(max_new_tokens):
         token = sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)  # [B]
@@ -152,7 +166,7 @@ def generate(model: MiniMindForCausalLM, input_ids: torch.Tensor, *, max_new_tok
         out.append(token[:, None])
         if step + 1 == max_new_tokens or bool(finished.all()):
             break
-        logits = forward_cached(model, token[:, None], cache)  # one position: [B, 1] -> [B, V]
+        logits = forward(token[:, None])  # one position: [B, 1] -> [B, V]
     return torch.cat(out, dim=1)
 
 
@@ -160,13 +174,22 @@ def generate_text(model: MiniMindForCausalLM, tokenizer: LoadedTokenizer, prompt
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, add_bos: bool = True) -> str:
     """Text in, text out: bos + the prompt's tokens (as in MiniMind's pretraining rows), generated until
     eos or max_new_tokens; returns the new text only, eos and other special tokens left out."""
-    ids = ([tokenizer.bos_id] if add_bos else []) + tokenizer.tokenizer.encode(prompt).ids
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ConfigError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the model's "
-                          f"vocab_size={model.config.vocab_size}")
+    ids = prompt_ids(tokenizer, prompt, vocab_size=model.config.vocab_size, add_bos=add_bos)
     out = generate(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, temperature=temperature,
                    top_p=top_p, seed=seed, eos_id=tokenizer.eos_id)
-    new = out[0, len(ids):].tolist()
+    return new_text(tokenizer, out[0, len(ids):].tolist())
+
+
+def prompt_ids(tokenizer: LoadedTokenizer, prompt: str, *, vocab_size: int, add_bos: bool = True) -> list[int]:
+    """bos + the prompt's token ids; ConfigError when the tokenizer has more ids than the model (`vocab_size`)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the model's "
+                          f"vocab_size={vocab_size}")
+    return ([tokenizer.bos_id] if add_bos else []) + tokenizer.tokenizer.encode(prompt).ids
+
+
+def new_text(tokenizer: LoadedTokenizer, new: list[int]) -> str:
+    """The text of generated ids, up to the first eos, special tokens left out."""
     if tokenizer.eos_id in new:
         new = new[:new.index(tokenizer.eos_id)]
     return tokenizer.tokenizer.decode(new, skip_special_tokens=True)

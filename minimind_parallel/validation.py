@@ -139,12 +139,17 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
                        micro_batch_size: int, num_microbatches: int = 1, pp_schedule: str = "1f1b",
                        dtype=torch.float32, lr: float = 1e-3, optimizer_steps: int = 3, log_interval: int = 1,
                        check_backward: bool = True, seed: int = 1234, device="cpu", perturb: str | None = None,
-                       atol: float | None = None, rtol: float | None = None) -> list[Row]:
-    """Rows of (item, max-abs error, relative-L2 error, tolerances), worst over all ranks."""
+                       atol: float | None = None, rtol: float | None = None,
+                       initial_state: dict | None = None) -> list[Row]:
+    """Rows of (item, max-abs error, relative-L2 error, tolerances), worst over all ranks. Both models
+    start from `initial_state` (a dense state dict, loaded strictly) when given, else a seeded init."""
     atol = DEFAULT_TOL[dtype][0] if atol is None else atol
     rtol = DEFAULT_TOL[dtype][1] if rtol is None else rtol
     torch.manual_seed(seed)
-    dense = MiniMindForCausalLM(config).to(device=device, dtype=dtype)
+    dense = MiniMindForCausalLM(config)
+    if initial_state is not None:
+        dense.load_state_dict(initial_state, strict=True)
+    dense = dense.to(device=device, dtype=dtype)
     model = build_parallel_model(config, par, groups, dense.state_dict(), dtype=dtype, device=device)
     if perturb is not None:
         _perturb(model, perturb, config, groups)

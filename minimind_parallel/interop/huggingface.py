@@ -64,14 +64,16 @@ def generation_config_dict(*, bos_token_id: int, eos_token_id: int, pad_token_id
     return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
 
 
-def _check_out_dir(out_dir: str, overwrite: bool) -> None:
+def check_export_folder(out_dir: str, overwrite: bool) -> None:
+    """ConfigError unless `out_dir` is absent, an empty folder, or `overwrite`."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"export folder {out_dir} exists and is not a folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConfigError(f"export folder {out_dir} exists and is not empty; pass --overwrite to replace it")
 
 
-def _load_export_tokenizer(tokenizer_dir: str, config: MiniMindConfig) -> LoadedTokenizer:
+def load_export_tokenizer(tokenizer_dir: str, config: MiniMindConfig) -> LoadedTokenizer:
+    """The tokenizer of `tokenizer_dir`; ConfigError when absent or larger than the model's vocabulary."""
     if not os.path.isdir(tokenizer_dir):
         raise ConfigError(f"tokenizer folder {tokenizer_dir} not found (it holds tokenizer.json)")
     tok = load_tokenizer(tokenizer_dir)
@@ -119,8 +121,8 @@ def export_hf(dense_state: Mapping[str, torch.Tensor], config: MiniMindConfig, o
     before anything is written. Returns `out_dir`.
     """
     _dtype_name(dtype)  # refuse an unsupported dtype before anything else
-    _check_out_dir(out_dir, overwrite)
-    tok = _load_export_tokenizer(tokenizer_dir, config) if tokenizer_dir is not None else None
+    check_export_folder(out_dir, overwrite)
+    tok = load_export_tokenizer(tokenizer_dir, config) if tokenizer_dir is not None else None
     state = dense_state_dict(dense_state, config, dtype=dtype)
     if config.tie_word_embeddings:
         del state[HEAD_KEY]  # stored once, as embed_tokens; transformers ties lm_head to it on load

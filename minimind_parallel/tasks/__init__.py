@@ -4,10 +4,11 @@ registering one is a line here. The launcher and the worker know tasks only thro
 from __future__ import annotations
 
 from ..config import ConfigError
-from . import benchmark, train, validate
+from . import benchmark, export, generate, train, validate
 from .task import Task
 
-TASKS: dict[str, Task] = {t.name: t for t in (validate.TASK, benchmark.TASK, train.TASK)}
+TASKS: dict[str, Task] = {t.name: t for t in (validate.TASK, benchmark.TASK, train.TASK, export.TASK,
+                                         generate.TASK)}
 
 
 def get(name: str) -> Task:

@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=None, help="relative-L2 tolerance (default by dtype)")
     p.add_argument("--perturb", default=None, metavar="PARAM",
                    help="fault injection: add 1e-2 to this parameter's shard on TP rank 0 (checks the checker)")
+    p.add_argument("--from_weight", default=None, metavar="PTH",
+                   help="start both models from MiniMind weights ({weight}_{hidden}.pth) instead of a random init")
     # Launcher -> worker plumbing: where rank 0 writes the verdict; not for users.
     p.add_argument("--verdict_json", default=None, help=argparse.SUPPRESS)
     return p
@@ -54,7 +56,16 @@ def check(launch, args) -> None:
     runs = [(args, parallel_config(launch, args))]
     check_common(launch, args, runs, steps=steps, sizes=("micro_batch_size", "num_microbatches", "seq_len"))
     check_perturb(args, runs[0][1])
+    initial_state(args)
     check_resources(launch, runs)
+
+
+def initial_state(args) -> dict | None:
+    """The dense state dict of --from_weight (read strictly: ConfigError naming a key or shape), or None."""
+    if args.from_weight is None:
+        return None
+    from ..interop import load_minimind_state_dict
+    return load_minimind_state_dict(args.from_weight, model_config(args))
 
 
 def check_perturb(args, par) -> None:
@@ -93,14 +104,16 @@ def run_rank(launch, args, device) -> int:
                               num_microbatches=args.num_microbatches, pp_schedule=args.pp_schedule,
                               dtype=dtype, lr=args.learning_rate, optimizer_steps=args.optimizer_steps,
                               log_interval=args.log_interval, check_backward=args.check_backward, seed=args.seed,
-                              device=device, perturb=args.perturb, atol=args.atol, rtol=args.rtol)
+                              device=device, perturb=args.perturb, atol=args.atol, rtol=args.rtol,
+                              initial_state=initial_state(args))
     bad = failures(rows)
     if dist.get_rank() == 0:
         print(f"validate: dp={par.dp} pp={par.pp} schedule={args.pp_schedule} microbatches={args.num_microbatches} "
               f"tp={par.tp} sp={par.sequence_parallel} async={par.async_communication} "
               f"shared_gather={par.shared_sp_gather} vp={par.vocab_parallel} cp={par.cp} "
               f"cp_comm_type={par.cp_comm_type} cp_load_balance={par.cp_load_balance} dtype={args.dtype} "
-              f"layers={config.num_hidden_layers} seq={args.seq_len} steps={args.optimizer_steps}")
+              f"layers={config.num_hidden_layers} seq={args.seq_len} steps={args.optimizer_steps}"
+              f"{f' weights={args.from_weight}' if args.from_weight else ''}")
         print(format_report(rows))
         print(f"validate: {'FAILED' if bad else 'PASSED'} ({len(rows) - len(bad)} of {len(rows)} items within tolerance)")
         if args.verdict_json:

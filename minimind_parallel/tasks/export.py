@@ -1,0 +1,98 @@
+"""`export`: a checkpoint of any layout as MiniMind's weight file or a Hugging Face folder.
+
+    python -m evaluation.parallel export -- --checkpoint runs/tiny --format minimind --out runs/tiny/pretrain_128.pth
+    python -m evaluation.parallel export -- --checkpoint runs/tiny --format hf --out runs/tiny/hf \\
+        --tokenizer_path data/tokenizer
+
+No ranks: the launcher process reads every saved shard into the dense state dict
+(`checkpoint.read_dense_state`) and writes it with `interop.save_minimind_state_dict` (half
+precision, both tied keys, as MiniMind's trainer writes) or `interop.export_hf` (config.json for
+Qwen3, model.safetensors, the tokenizer files). An existing output is refused unless --overwrite.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from ..config import ConfigError
+from ..options import Parser
+from .task import Task
+from .weights import add_checkpoint_arg, check_checkpoint, read_source
+
+FORMATS = ("minimind", "hf")
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="export", description="a checkpoint as MiniMind's .pth or a Hugging Face folder")
+    add_checkpoint_arg(p, required=True)
+    p.add_argument("--format", choices=FORMATS, required=True)
+    p.add_argument("--out", required=True, help="minimind: a .pth file, or a folder to write "
+                                                "{weight}_{hidden}.pth in; hf: a folder")
+    p.add_argument("--weight", default="pretrain", help="minimind, --out a folder: the file's {weight} prefix")
+    p.add_argument("--tokenizer_path", default=None, help="hf: the tokenizer folder whose files go with the model")
+    p.add_argument("--dtype", choices=tuple(HF_DTYPES), default=None,
+                   help="hf: the weights' dtype (default float32); a MiniMind .pth is half precision")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    return p
+
+
+def minimind_path(args, hidden_size: int) -> str:
+    """--out, or MiniMind's file name in --out when it is a folder."""
+    from ..interop import minimind_weight_name
+    if os.path.isdir(args.out):
+        return os.path.join(args.out, minimind_weight_name(args.weight, hidden_size))
+    return args.out
+
+
+def check_single_process(launch, task: str) -> None:
+    """A task run by the launcher process alone takes no rank grid."""
+    sizes = {"tp_size": launch.tp_size, "pp_size": launch.pp_size, "cp_size": launch.cp_size,
+             "dp_size": launch.dp_size, "nnodes": launch.nnodes}
+    given = {k: v for k, v in sizes.items() if v != 1}
+    if given:
+        raise ConfigError(f"{task} runs in one process and reads a checkpoint of any layout; got "
+                          + ", ".join(f"--{k} {v}" for k, v in given.items()))
+
+
+def check(launch, args) -> None:
+    check_single_process(launch, "export")
+    config = check_checkpoint(args.checkpoint)
+    if args.format == "minimind":
+        if args.dtype is not None or args.tokenizer_path is not None:
+            raise ConfigError(f"--format minimind writes MiniMind's half-precision .pth (no tokenizer); got "
+                              f"--dtype {args.dtype}, --tokenizer_path {args.tokenizer_path}")
+        from ..interop import minimind_weight_name
+        minimind_weight_name(args.weight, config.hidden_size)
+        path = minimind_path(args, config.hidden_size)
+        if os.path.exists(path) and not args.overwrite:
+            raise ConfigError(f"{path} already exists; pass --overwrite to replace it")
+        return
+    from ..interop.huggingface import check_export_folder, load_export_tokenizer
+    if args.tokenizer_path is None:
+        raise ConfigError("--format hf writes the tokenizer files with the model: give --tokenizer_path DIR")
+    check_export_folder(args.out, args.overwrite)
+    load_export_tokenizer(args.tokenizer_path, config)
+
+
+def launch_export(launch, args, argv: list[str]) -> int:
+    """Read the checkpoint whole and write the export, here in the launcher process."""
+    from ..interop import export_hf, save_minimind_state_dict
+    config, dense = read_source(args)
+    if args.format == "minimind":
+        out = save_minimind_state_dict(dense, minimind_path(args, config.hidden_size), config=config,
+                                       overwrite=args.overwrite)
+    else:
+        out = export_hf(dense, config, args.out, tokenizer_dir=args.tokenizer_path, overwrite=args.overwrite,
+                        dtype=HF_DTYPES[args.dtype or "float32"])
+    print(f"export: {args.format} {out} from {args.checkpoint}")
+    return 0
+
+
+def run_rank(launch, args, device) -> int:
+    raise RuntimeError("export runs in the launcher process; it starts no ranks")
+
+
+TASK = Task(name="export", parser=parser, check=check, launch=launch_export, run_rank=run_rank)

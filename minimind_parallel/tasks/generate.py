@@ -1,0 +1,115 @@
+"""`generate`: text in, text out, from a checkpoint of any layout or MiniMind's weight file.
+
+    python -m evaluation.parallel generate [--tp_size T] -- (--checkpoint DIR | --from_weight PATH.pth) \\
+        --tokenizer_path DIR --prompt TEXT --max_new_tokens N [--temperature 0 --top_p 1 --seed 0]
+
+Greedy at temperature 0, else temperature + top-p sampling, with a KV cache (`generation.py`). With
+--tp_size 1 the launcher process runs the dense model; with T > 1 it starts T ranks under torchrun,
+each holding its TP shard of the same weights (`parallel_generation.py`), and rank 0 prints. The
+model is the checkpoint's (its saved config) or, for a .pth, the one the model arguments describe.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..options import Parser, add_model_args, check_world
+from ..training import DTYPES
+from .task import Task, launch_once
+from .weights import add_source_args, check_source, read_source
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="generate", description="generate text from a checkpoint or MiniMind weights")
+    add_model_args(p)   # the model of --from_weight (a checkpoint carries its own)
+    p.add_argument("--num_hidden_layers", type=int, default=8)
+    add_source_args(p)
+    p.add_argument("--tokenizer_path", required=True, help="directory with MiniMind's tokenizer.json")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top_p", type=float, default=1.0, help="sample from the smallest set of tokens of this mass")
+    p.set_defaults(seed=0)
+    return p
+
+
+def _prompt(args, config):
+    """(tokenizer, bos + the prompt's ids)."""
+    from ..data.tokenizer import load_tokenizer
+    from ..generation import prompt_ids
+    tok = load_tokenizer(args.tokenizer_path)
+    return tok, prompt_ids(tok, args.prompt, vocab_size=config.vocab_size)
+
+
+def check(launch, args) -> None:
+    from ..config import check_layout
+    from ..generation import check_generation_args
+    from ..options import parallel_config
+    from ..parallel_generation import check_generation_layout, generation_layout
+    check_generation_layout(parallel_config(launch, args))
+    config = check_source(args)
+    _, ids = _prompt(args, config)
+    check_layout(config, generation_layout(launch.tp_size))
+    check_generation_args(prompt_len=len(ids), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, max_position_embeddings=config.max_position_embeddings)
+    check_world(launch, launch.tp_size, args.dtype)
+
+
+def sample_args(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def generate_dense(args, device) -> list[int]:
+    """The new token ids (eos included when drawn) from the dense model in this process."""
+    from ..generation import generate
+    from ..model import MiniMindForCausalLM
+    config, dense = read_source(args)
+    model = MiniMindForCausalLM(config)
+    model.load_state_dict(dense, strict=True)
+    model = model.to(device=device, dtype=DTYPES[args.dtype]).eval()
+    tok, ids = _prompt(args, config)
+    out = generate(model, torch.tensor([ids]), eos_id=tok.eos_id, **sample_args(args))
+    return out[0, len(ids):].tolist()
+
+
+def generate_on_rank(launch, args, device) -> list[int]:
+    """The new token ids from this TP rank's shard (every rank returns the same ids)."""
+    from ..groups import ProcessGroups
+    from ..options import collective_timeout
+    from ..parallel_generation import build_generation_model, generate_parallel, generation_layout
+    config, dense = read_source(args)
+    groups = ProcessGroups.build(generation_layout(launch.tp_size), timeout=collective_timeout(launch))
+    model = build_generation_model(config, groups, dense, dtype=DTYPES[args.dtype], device=device)
+    tok, ids = _prompt(args, config)
+    out = generate_parallel(model, torch.tensor([ids]), eos_id=tok.eos_id, **sample_args(args))
+    return out[0, len(ids):].tolist()
+
+
+def show(args, new_ids: list[int]) -> None:
+    """The prompt and its continuation, as text."""
+    from ..data.tokenizer import load_tokenizer
+    from ..generation import new_text
+    print(args.prompt + new_text(load_tokenizer(args.tokenizer_path), new_ids))
+    sys.stdout.flush()
+
+
+def launch_generate(launch, args, argv: list[str]) -> int:
+    """One rank: here, on the dense model; T ranks: one torchrun job of the TP model."""
+    if launch.tp_size > 1:
+        return launch_once(launch, args, argv)
+    from ..options import resolve_device
+    show(args, generate_dense(args, torch.device(resolve_device(launch))))
+    return 0
+
+
+def run_rank(launch, args, device) -> int:
+    new_ids = generate_on_rank(launch, args, device)
+    if dist.get_rank() == 0:
+        show(args, new_ids)
+    return 0
+
+
+TASK = Task(name="generate", parser=parser, check=check, launch=launch_generate, run_rank=run_rank)
