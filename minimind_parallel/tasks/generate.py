@@ -1,7 +1,7 @@
 """`generate`: text in, text out, from a checkpoint of any layout or MiniMind's weight file.
 
     python -m evaluation.parallel generate [--tp_size T] -- (--checkpoint DIR | --from_weight PATH.pth) \\
-        --tokenizer_path DIR --prompt TEXT --max_new_tokens N [--temperature 0 --top_p 1 --seed 0]
+        --tokenizer_path DIR --prompt TEXT --max_new_tokens N [--temperature 0 --top_p 1 --seed=0]
 
 Greedy at temperature 0, else temperature + top-p sampling, with a KV cache (`generation.py`). With
 --tp_size 1 the launcher process runs the dense model; with T > 1 it starts T ranks under torchrun,
