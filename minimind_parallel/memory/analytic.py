@@ -66,12 +66,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MiniMindConfig, ParallelConfig, check_layout
+from ..context_parallel.blockwise import visible_pairs
 from ..plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .tracker import CATEGORIES
 
 BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp",
                "checkpoint_input")
-MODEL_KINDS = ("embedding", "final_norm", "head_input", "logits_loss")
+MODEL_KINDS = ("embedding", "final_norm", "head_input", "logits_loss", "rope")
 
 
 @dataclass
@@ -115,7 +116,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
     b = torch.empty((), dtype=dtype).element_size()
     f = max(b, 4)
     t, sp, vp = par.tp, par.sequence_parallel, par.vocab_parallel
-    n, hid = seq_len * micro_batch_size, c.hidden_size
+    n, hid = seq_len // par.cp * micro_batch_size, c.hidden_size     # under CP: this rank's S/C tokens
     nn_ = n // t if sp else n
     heads, kv, d = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
     inter = c.intermediate_size // t
@@ -131,11 +132,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         "norm_fp32": 2 * (b * nn_ * hid + f * nn_) if lean else 2 * (2 * f * nn_ * hid + f * nn_),
         "column_input": column,
         "qk_norm_fp32": (heads + kv) * n * (b * d + f) if lean else (heads + kv) * n * (2 * f * d + f),
-        "attention_q": b * n * heads * d,
-        # repeat_kv copies k, v to h heads -- unless this rank holds one kv head: then the repeat
-        # is a stride-0 view of it; lean (enable_gqa): k after RoPE and v at their own heads
-        "attention_kv": 2 * b * n * (heads if kv > 1 and not lean else kv) * d,
-        "attention_out": b * n * heads * d + 4 * n * heads,
+        **_attention_kinds(par, b=b, f=f, n=n, heads=heads, kv=kv, d=d, lean=lean),
         "mlp": (2 if lean else 4) * b * n * inter,       # lean: gate and up
         # full: what a block keeps between its forward and its backward (the kinds above are then
         # what the block re-creates while its backward runs)
@@ -151,10 +148,37 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         embedding = 8 * n
     if par.loss_chunks > 1:   # the head's whole input, the lse per row, the targets, the count
         head_input, loss = b * n * hid, f * n + target_copy(micro_batch_size, n) + 8
+    if par.cp > 1 and not vp and par.loss_chunks == 1:
+        loss += 8               # the target count the sum is divided by (int64, saved by the division)
     final_norm = b * nn_ * hid + f * nn_ if lean else 2 * f * nn_ * hid + f * nn_
     model = {"embedding": embedding, "final_norm": final_norm,
-             "head_input": head_input, "logits_loss": loss}
+             "head_input": head_input, "logits_loss": loss,
+             # CP: RoPE's cos/sin of this rank's global positions, gathered from the tables (saved
+             # by RoPE's multiplications, shared by every block); without CP views of the tables
+             "rope": 2 * b * (seq_len // par.cp) * d if par.cp > 1 else 0}
     return {**{f"block.{k}": v for k, v in block.items()}, **{f"model.{k}": v for k, v in model.items()}}
+
+
+def _attention_kinds(par: ParallelConfig, *, b: int, f: int, n: int, heads: int, kv: int, d: int,
+                     lean: bool) -> dict[str, int]:
+    """What attention saves for one block, n = this rank's tokens.
+
+    Without CP: SDPA's q after RoPE, k and v (repeat_kv's copies at h heads, unless this rank
+    holds one kv head: the repeat is a stride-0 view; lean, enable_gqa: at their own heads), its
+    output (also o_proj's input: a view) and fp32 logsumexp.
+    CP (context_parallel/attention.py): the attention Function saves q, k, v, its output and
+    the lse (work dtype, f), and o_proj saves the output brought back to sequence-first [S/C, B,
+    h*d] (a copy). all_gather: k and v of the whole sequence (C n tokens, kv heads, one gathered
+    storage); a2a: q, k, v of the whole sequence at h/C, kv/C heads (one all-to-all output, the
+    same bytes as the local q, k, v); ring: the local q, k and v at their kv heads."""
+    if par.cp == 1:
+        return {"attention_q": b * n * heads * d,
+                "attention_kv": 2 * b * n * (heads if kv > 1 and not lean else kv) * d,
+                "attention_out": b * n * heads * d + 4 * n * heads}
+    kv_tokens = n * par.cp if par.cp_comm_type == "all_gather" else n
+    return {"attention_q": b * n * heads * d,
+            "attention_kv": 2 * b * kv_tokens * kv * d,
+            "attention_out": 2 * b * n * heads * d + f * n * heads}
 
 
 def schedule_order(pp: int, stage: int, num_microbatches: int, schedule: str) -> list[tuple[str, int]]:
@@ -179,9 +203,6 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
     there). The prediction of every stage is in `per_stage`."""
     c = model_config
-    if par.cp > 1:
-        raise NotImplementedError(f"predict_memory: context parallelism (cp={par.cp}) is not modelled analytically; "
-                                  f"--estimate measures it (the tracker on fake tensors)")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     if par.recompute == "full" or par.loss_chunks > 1:
@@ -219,6 +240,10 @@ class _Stage:
     kinds: dict                # activations_by_kind
     layers: int                # layers on this stage
     block_params: int          # the parameters of one block
+    heads: int = 0             # h, kv: attention / kv heads on this rank; d: head_dim
+    kv_heads: int = 0
+    head_dim: int = 0
+    chunk_len: int = 0         # CP: tokens of one sequence chunk (context_parallel.ContextLayout)
 
     @property
     def param_bytes(self) -> int:
@@ -252,13 +277,15 @@ class _Stage:
         b = self.b
         # the lean norm saves the received input itself (an activation, in its kind)
         upcast_only = b != self.f and self.par.recompute == "none"
-        return (b * self.nn * self.hid if not self.first and upcast_only else 0) + (0 if self.last else b)
+        # the last stage under CP: the loss scaled by cp for backward (the schedule's grad_scale)
+        sent = (self.loss_scalar if self.par.cp > 1 else 0) if self.last else b
+        return (b * self.nn * self.hid if not self.first and upcast_only else 0) + sent
 
     @property
     def held(self) -> int:
         """What one microbatch keeps from the end of its forward to its backward."""
         k = self.kinds
-        held = self.layers * self.block + self.held_temps
+        held = self.layers * self.block + self.held_temps + k["model.rope"]
         if self.first and self.par.vocab_parallel:
             held += 9 * self.n              # local ids and out-of-range mask (the ids are in `batch`)
         if self.last:
@@ -292,13 +319,13 @@ class _Stage:
     @property
     def ddp_buckets(self) -> int:
         """DDP's flat gradient buckets (no DDP under a pipeline)."""
-        return self.param_bytes if self.par.dp > 1 and self.par.pp == 1 else 0
+        return self.param_bytes if self.par.dp * self.par.cp > 1 and self.par.pp == 1 else 0
 
 
 def _stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                  num_microbatches: int, schedule: str, dtype) -> _Stage:
     b = torch.empty((), dtype=dtype).element_size()
-    t, n = par.tp, seq_len * micro_batch_size
+    t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     shapes = stage_parameters(c, par, stage)
     layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
@@ -310,7 +337,9 @@ def _stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len:
                   tied_here=c.tie_word_embeddings and first and last, shapes=shapes,
                   kinds=activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype),
                   layers=len(layers_at),
-                  block_params=b * sum(_numel(s) for k, s in shapes.items() if k.startswith(top)))
+                  block_params=b * sum(_numel(s) for k, s in shapes.items() if k.startswith(top)),
+                  heads=c.num_attention_heads // t, kv_heads=c.num_key_value_heads // t, head_dim=c.head_dim,
+                  chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp))
 
 
 # One microbatch's backward at its largest moments, each (grads it adds, its activations, temporaries).
@@ -320,8 +349,9 @@ def _head_backward(s: _Stage) -> tuple[int, int, int]:
     b, f, n, v = s.b, s.f, s.n, s.vocab
     if s.par.vocab_parallel:   # the fp32 softmax clone and its cast to the model dtype; the count released
         return 0, s.held - 8 - s.weight, f * n * v + (b * n * v if b != f else 0) + 4
-    # grads of log-softmax and logits [N, V]; target copy and weight released
-    return 0, s.held - target_copy(s.bsz, n) - b - s.weight, 2 * b * n * v
+    # grads of log-softmax and logits [N, V]; target copy and weight (CP: the target count) released
+    count = 8 if s.par.cp > 1 else 0
+    return 0, s.held - target_copy(s.bsz, n) - b - s.weight - count, 2 * b * n * v
 
 
 def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
@@ -407,6 +437,59 @@ def _lean_post_norm_backward(s: _Stage) -> tuple[int, int, int]:
             3 * f * nn_ * hid + f * nn_ + b * hid + 2 * b * nn_ * hid + s.waiting)
 
 
+def _attention_grads_acts(s: _Stage) -> tuple[int, int]:
+    """Grads and activations when the top block's attention begins its backward: the MLP's,
+    the post-attention norm's and o_proj's grads in; their activations freed (o_proj's input
+    included, a copy under CP)."""
+    par, b = s.par, s.b
+    column = s.kinds["block.column_input"]
+    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
+    gate_up_input = column * 2 // 5 if basic_sp else column // 2
+    o_proj_input = b * s.n * s.heads * s.head_dim
+    grads = s.head_grads + 3 * s.mlp_w_grad + b * s.hid + b * s.hid * s.heads * s.head_dim
+    acts = (_top_block_acts(s) - s.kinds["block.mlp"] - s.kinds["block.norm_fp32"] // 2 - gate_up_input
+            - o_proj_input)
+    return grads, acts
+
+
+def _block_backward_peak(s: _Stage, h_fn: int, kv_fn: int, pairs: int) -> int:
+    """The largest moment of `blockwise.block_backward` (work dtype, f) on a block of Lc query
+    and Lc key tokens at h_fn query and kv_fn kv heads: at the ds subtraction three score-sized
+    tensors and the block's dv, or at dk's head sum two of them, dv, dq, dk's matmul and its sum.
+    From the second visible block on, the previous block's gq, gk, gv are still bound."""
+    f, lc, d, bsz = s.f, s.chunk_len, s.head_dim, s.bsz
+    score, q_blk, kv_blk = f * bsz * h_fn * lc * lc, f * bsz * h_fn * lc * d, f * bsz * kv_fn * lc * d
+    inside = max(3 * score + kv_blk, 2 * score + kv_blk + 2 * q_blk + kv_blk)
+    return inside + (q_blk + 2 * kv_blk if pairs > 1 else 0)
+
+
+def _chunked_attention_backward(s: _Stage) -> tuple[int, int, int]:
+    """CP all_gather / a2a (`context_parallel.blockwise.ChunkedAttention`) inside a block's
+    backward (`_block_backward_peak`) beside the accumulators dq, dk, dv, delta, the incoming grad
+    and (half precision) the work-dtype copies of dout, q, k and v. all_gather: k, v of the whole
+    sequence at the kv heads; a2a: q, k, v of the whole sequence at h/C, kv/C heads."""
+    b, f, n, c = s.b, s.f, s.n, s.par.cp
+    h, kv, d = s.heads, s.kv_heads, s.head_dim
+    upcast = b != f
+    gather = s.par.cp_comm_type == "all_gather"
+    kv_elems = (c * n * kv * d) if gather else n * kv * d   # k (or v) of the Function
+    h_fn, kv_fn = (h, kv) if gather else (h // c, kv // c)
+    chunks = 2 * c if s.par.cp_load_balance else c
+    pairs = len(visible_pairs(_rank_chunks(s, 0) if gather else tuple(range(chunks)), tuple(range(chunks))))
+    work = (f * (n * h * d + 2 * kv_elems) if upcast else 0) + (f * n * h * d if upcast else 0)
+    grads_qkv = f * (n * h * d + 2 * kv_elems)          # dq, dk, dv: per chunk, then concatenated
+    last_block = f * s.bsz * s.chunk_len * d * (h_fn + 2 * kv_fn)   # the last block's gq, gk, gv
+    peak = max(_block_backward_peak(s, h_fn, kv_fn, pairs), grads_qkv + last_block)
+    grads, acts = _attention_grads_acts(s)
+    temps = b * s.nn * s.hid + b * n * h * d + work + grads_qkv + f * n * h + peak + s.waiting
+    return grads, acts, temps
+
+
+def _rank_chunks(s: _Stage, rank: int) -> tuple[int, ...]:
+    c = s.par.cp
+    return (rank, 2 * c - 1 - rank) if s.par.cp_load_balance else (rank,)
+
+
 def _in_first_block(s: _Stage, moment: tuple[int, int, int]) -> tuple[int, int, int]:
     """A moment of the top block, in the stage's first block: every block above has added its
     grads and freed its activations. The top block holds the peak unless a block's parameters
@@ -444,6 +527,8 @@ def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
     else:
         top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
                "post_norm_backward": _post_norm_backward(s)}
+    if s.par.cp > 1 and s.par.cp_comm_type != "ring":
+        top["attention_backward"] = _chunked_attention_backward(s)
     inner.update(top)
     if s.layers > 1:
         inner.update({f"{name}(first block)": _in_first_block(s, moment) for name, moment in top.items()})
