@@ -481,8 +481,39 @@ def _chunked_attention_backward(s: _Stage) -> tuple[int, int, int]:
     last_block = f * s.bsz * s.chunk_len * d * (h_fn + 2 * kv_fn)   # the last block's gq, gk, gv
     peak = max(_block_backward_peak(s, h_fn, kv_fn, pairs), grads_qkv + last_block)
     grads, acts = _attention_grads_acts(s)
-    temps = b * s.nn * s.hid + b * n * h * d + work + grads_qkv + f * n * h + peak + s.waiting
+    temps = _residual_grads(s) + b * n * h * d + work + grads_qkv + f * n * h + peak + s.waiting
     return grads, acts, temps
+
+
+def _ring_attention_backward(s: _Stage) -> tuple[int, int, int]:
+    """CP ring (`context_parallel.ring.RingAttention`) on CP rank 0, at its largest ring step:
+    beside dq, delta and (half precision) the work-dtype q and dout, the K/V block in hand and
+    the one arriving (model dtype, [2, B, kv, 1, S/C, d] each) and, from the second step on, the
+    previous step's gq, gk, gv, the dK/dV accumulator it sent and the one it received; inside
+    the step `chunked_backward` over the visible blocks (its per-chunk dq, dk, dv, then their
+    concatenation)."""
+    b, f, n, c = s.b, s.f, s.n, s.par.cp
+    h, kv, d = s.heads, s.kv_heads, s.head_dim
+    upcast = b != f
+    q_elems, kv_elems = n * h * d, n * kv * d
+    fixed = (2 * f * q_elems if upcast else 0) + f * n * h + f * q_elems + 2 * b * kv_elems
+    g = f * (q_elems + 2 * kv_elems)                       # one step's dq, dk, dv
+    mine, worst = _rank_chunks(s, 0), 0
+    for step in range(c):
+        pairs = len(visible_pairs(mine, _rank_chunks(s, (0 - step) % c)))
+        last_block = f * s.bsz * s.chunk_len * d * (h + 2 * kv) if pairs else 0
+        inner = g + max(_block_backward_peak(s, h, kv, pairs) if pairs else 0, g + last_block)
+        step_bytes = (fixed + (2 * b * kv_elems if step < c - 1 else 0) + (2 * f * kv_elems if upcast else 0)
+                      + (g + 2 * 2 * f * kv_elems if step else 0) + inner)
+        worst = max(worst, step_bytes)
+    grads, acts = _attention_grads_acts(s)
+    return grads, acts, _residual_grads(s) + b * q_elems + worst + s.waiting
+
+
+def _residual_grads(s: _Stage) -> int:
+    """The residual stream's grad [Nn, H] while a block's attention runs its backward; on an
+    earlier stage the grad received from the next stage too (bound by the schedule)."""
+    return s.b * s.nn * s.hid * (1 if s.last else 2)
 
 
 def _rank_chunks(s: _Stage, rank: int) -> tuple[int, ...]:
@@ -527,8 +558,9 @@ def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
     else:
         top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
                "post_norm_backward": _post_norm_backward(s)}
-    if s.par.cp > 1 and s.par.cp_comm_type != "ring":
-        top["attention_backward"] = _chunked_attention_backward(s)
+    if s.par.cp > 1:
+        top["attention_backward"] = (_ring_attention_backward(s) if s.par.cp_comm_type == "ring"
+                                     else _chunked_attention_backward(s))
     inner.update(top)
     if s.layers > 1:
         inner.update({f"{name}(first block)": _in_first_block(s, moment) for name, moment in top.items()})
