@@ -277,9 +277,14 @@ class _Stage:
         b = self.b
         # the lean norm saves the received input itself (an activation, in its kind)
         upcast_only = b != self.f and self.par.recompute == "none"
-        # the last stage under CP: the loss scaled by cp for backward (the schedule's grad_scale)
-        sent = (self.loss_scalar if self.par.cp > 1 else 0) if self.last else b
+        sent = self.cp_scaled_loss if self.last else b
         return (b * self.nn * self.hid if not self.first and upcast_only else 0) + sent
+
+    @property
+    def cp_scaled_loss(self) -> int:
+        """The last stage under CP: the loss scaled by cp for backward (the schedule's grad_scale),
+        held until its backward."""
+        return self.loss_scalar if self.last and self.par.cp > 1 else 0
 
     @property
     def held(self) -> int:
@@ -535,7 +540,7 @@ def _embedding_backward(s: _Stage) -> tuple[int, int, int]:
     output [N, H] (gathered from the sequence shards under SP) and the received grad."""
     b, hid = s.b, s.hid
     emb_w_grad = b * s.vocab * hid
-    acts = (9 * s.n if s.par.vocab_parallel else 0) + (0 if s.last else b)
+    acts = (9 * s.n if s.par.vocab_parallel else 0) + s.held_temps   # (the first stage's: the sent output)
     return (s.param_bytes - emb_w_grad, acts,
             emb_w_grad + b * s.n * hid + s.waiting + (0 if s.last else b * s.nn * hid))
 
@@ -544,7 +549,7 @@ def _tied_grad_sum(s: _Stage) -> tuple[int, int, int]:
     """A weight tied within the stage adds the waiting head grad to the embedding's: three [V, H]
     (the VP masks freed)."""
     emb_w_grad = s.b * s.vocab * s.hid
-    return s.param_bytes - emb_w_grad, 0, 3 * emb_w_grad
+    return s.param_bytes - emb_w_grad, s.cp_scaled_loss, 3 * emb_w_grad
 
 
 def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
@@ -581,8 +586,9 @@ def _last_forward_end(s: _Stage) -> tuple[int, int]:
     b, f, n, v, par = s.b, s.f, s.n, s.vocab, s.par
     if par.vocab_parallel:
         local_h = b * s.nn * s.hid if par.sequence_parallel and not par.async_communication else 0
+        # (this microbatch's loss is not scaled yet: its held_temps are counted as moved)
         return (s.held - s.weight - s.kinds["model.logits_loss"],
-                b * n * v + f * n * v + 30 * n + target_copy(s.bsz, n) + local_h)
+                b * n * v + f * n * v + 30 * n + target_copy(s.bsz, n) + local_h - s.cp_scaled_loss)
     return s.held - s.weight, b * n * v + 2 * b + s.weight
 
 
