@@ -72,7 +72,7 @@ def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
     chunks = 2 * cp if par.cp_load_balance else cp
     seqs = [s for s in (16, 32, 64, 128) if s % chunks == 0 and s * sizes["micro_batch_size"]
             >= min_tokens_per_hidden * c.hidden_size * cp] or [256]
-    sizes = dict(sizes, seq_len=rng.choice(seqs), stage=rng.randrange(pp))
+    sizes = dict(sizes, seq_len=rng.choice(seqs), stage=rng.randrange(pp), cp_rank=rng.randrange(cp))
     return c, par, sizes
 
 
@@ -97,7 +97,7 @@ def main() -> int:
         print(f"{'ok ' if diff == 0 else 'BAD'} {diff:+9d} B  {pred.peak_at:28} H{c.hidden_size} L{c.num_hidden_layers} "
               f"heads {c.num_attention_heads}/{c.num_key_value_heads} V{c.vocab_size} tied {c.tie_word_embeddings:d} "
               f"S{sizes['seq_len']} B{sizes['micro_batch_size']} M{sizes['num_microbatches']} {sizes['schedule']} "
-              f"{str(sizes['dtype'])[6:]} stage {sizes['stage']}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
+              f"{str(sizes['dtype'])[6:]} stage {sizes['stage']} cp rank {sizes.get('cp_rank', 0)}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
               f"async{par.async_communication:d} shared{par.shared_sp_gather:d} vp{par.vocab_parallel:d} "
               f"cp{par.cp} {par.cp_comm_type} lb{par.cp_load_balance:d} {par.recompute}", flush=True)
     print(f"{done - bad} of {done} cases equal to the byte")

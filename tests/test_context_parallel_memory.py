@@ -94,14 +94,32 @@ CP_LAYOUTS = {   # name -> (ParallelConfig flags, schedule, microbatches)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("comm", COMM_TYPES)
 def test_model_equals_the_estimate_to_the_byte_under_cp(comm, dtype, recompute):
-    """Every layout, every pipeline stage: the model's peak and each category of its breakdown
-    are --estimate's, for the rank --estimate stands in for (CP rank 0)."""
+    """Every layout, every pipeline stage, every CP rank of the contiguous split (the balanced
+    one's are alike): the model's peak and each category of its breakdown are --estimate's."""
     for name, (flags, schedule, m) in CP_LAYOUTS.items():
         par = ParallelConfig(cp_comm_type=comm, recompute=recompute, **flags)
         for stage in range(par.pp):
-            kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=m, schedule=schedule, stage=stage)
-            _check_model(predict_memory(TINY, par, **kw), estimate_step_memory(TINY, par, iters=1, **kw),
-                         f"{comm} {name} stage {stage}")
+            for cp_rank in range(1 if par.cp_load_balance else par.cp):
+                kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=m, schedule=schedule,
+                          stage=stage, cp_rank=cp_rank)
+                _check_model(predict_memory(TINY, par, **kw), estimate_step_memory(TINY, par, iters=1, **kw),
+                             f"{comm} {name} stage {stage} cp rank {cp_rank}")
+
+
+@pytest.mark.parametrize("comm", COMM_TYPES)
+def test_the_contiguous_splits_last_cp_rank_is_the_worst_and_predicted(comm):
+    """Without load balance CP rank C-1's queries see every chunk: its attention backward holds
+    more (ring: a block at every step, not only the first) and predict_memory's default is it.
+    a2a attends over the whole sequence on every rank: all ranks alike."""
+    par = ParallelConfig(cp=4, cp_comm_type=comm, cp_load_balance=False, recompute="selective")
+    kw = dict(seq_len=2 * S, micro_batch_size=B, dtype=torch.bfloat16)
+    first, last = (estimate_step_memory(TINY, par, iters=1, cp_rank=r, **kw) for r in (0, par.cp - 1))
+    if comm == "a2a":
+        assert last.peak_bytes == first.peak_bytes
+    else:
+        assert last.peak_bytes > first.peak_bytes
+    _check_model(predict_memory(TINY, par, **kw), last, comm)
+    _check_model(predict_memory(TINY, par, cp_rank=0, **kw), first, comm)
 
 
 @pytest.mark.parametrize("flags,seq_len", [(dict(cp=2), S), (dict(cp=2, cp_load_balance=False), S),

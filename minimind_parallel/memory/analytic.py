@@ -197,11 +197,13 @@ def schedule_order(pp: int, stage: int, num_microbatches: int, schedule: str) ->
 
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1, schedule: str = "1f1b",
-                   stage: int | None = None) -> MemoryPrediction:
+                   stage: int | None = None, cp_rank: int | None = None) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
-    there). The prediction of every stage is in `per_stage`."""
+    there). The prediction of every stage is in `per_stage`. Under CP `cp_rank` picks the CP rank
+    (None: the worst; with the load-balanced split every CP rank holds the same bytes, with the
+    contiguous one the later ranks' attention sees more blocks)."""
     c = model_config
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
@@ -210,8 +212,12 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
         raise NotImplementedError("predict_memory: the peak of --recompute full and --loss_chunks > 1 is not "
                                   "modelled yet (use --estimate)")
     check_layout(c, par, seq_len=seq_len)
-    stages = [_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                             num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device)
+    if cp_rank is not None and not 0 <= cp_rank < par.cp:
+        raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
+    cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
+    stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                  num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
+                                  cp_rank=r) for r in cp_ranks), key=lambda s: s.peak_bytes)
               for p in range(par.pp)]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
     pick.per_stage = [s.peak_bytes for s in stages]
@@ -244,6 +250,7 @@ class _Stage:
     kv_heads: int = 0
     head_dim: int = 0
     chunk_len: int = 0         # CP: tokens of one sequence chunk (context_parallel.ContextLayout)
+    cp_rank: int = 0           # CP: this rank's place in the CP group (which chunks it holds)
 
     @property
     def param_bytes(self) -> int:
@@ -328,7 +335,7 @@ class _Stage:
 
 
 def _stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
-                 num_microbatches: int, schedule: str, dtype) -> _Stage:
+                 num_microbatches: int, schedule: str, dtype, cp_rank: int = 0) -> _Stage:
     b = torch.empty((), dtype=dtype).element_size()
     t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
@@ -344,7 +351,7 @@ def _stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len:
                   layers=len(layers_at),
                   block_params=b * sum(_numel(s) for k, s in shapes.items() if k.startswith(top)),
                   heads=c.num_attention_heads // t, kv_heads=c.num_key_value_heads // t, head_dim=c.head_dim,
-                  chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp))
+                  chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank)
 
 
 # One microbatch's backward at its largest moments, each (grads it adds, its activations, temporaries).
@@ -480,7 +487,7 @@ def _chunked_attention_backward(s: _Stage) -> tuple[int, int, int]:
     kv_elems = (c * n * kv * d) if gather else n * kv * d   # k (or v) of the Function
     h_fn, kv_fn = (h, kv) if gather else (h // c, kv // c)
     chunks = 2 * c if s.par.cp_load_balance else c
-    pairs = len(visible_pairs(_rank_chunks(s, 0) if gather else tuple(range(chunks)), tuple(range(chunks))))
+    pairs = len(visible_pairs(_rank_chunks(s, s.cp_rank) if gather else tuple(range(chunks)), tuple(range(chunks))))
     work = (f * (n * h * d + 2 * kv_elems) if upcast else 0) + (f * n * h * d if upcast else 0)
     grads_qkv = f * (n * h * d + 2 * kv_elems)          # dq, dk, dv: per chunk, then concatenated
     last_block = f * s.bsz * s.chunk_len * d * (h_fn + 2 * kv_fn)   # the last block's gq, gk, gv
@@ -491,7 +498,7 @@ def _chunked_attention_backward(s: _Stage) -> tuple[int, int, int]:
 
 
 def _ring_attention_backward(s: _Stage) -> tuple[int, int, int]:
-    """CP ring (`context_parallel.ring.RingAttention`) on CP rank 0, at its largest ring step:
+    """CP ring (`context_parallel.ring.RingAttention`) at the rank's largest ring step:
     beside dq, delta and (half precision) the work-dtype q and dout, the K/V block in hand and
     the one arriving (model dtype, [2, B, kv, 1, S/C, d] each) and, from the second step on, the
     previous step's gq, gk, gv, the dK/dV accumulator it sent and the one it received; inside
@@ -503,9 +510,9 @@ def _ring_attention_backward(s: _Stage) -> tuple[int, int, int]:
     q_elems, kv_elems = n * h * d, n * kv * d
     fixed = (2 * f * q_elems if upcast else 0) + f * n * h + f * q_elems + 2 * b * kv_elems
     g = f * (q_elems + 2 * kv_elems)                       # one step's dq, dk, dv
-    mine, worst = _rank_chunks(s, 0), 0
+    mine, worst = _rank_chunks(s, s.cp_rank), 0
     for step in range(c):
-        pairs = len(visible_pairs(mine, _rank_chunks(s, (0 - step) % c)))
+        pairs = len(visible_pairs(mine, _rank_chunks(s, (s.cp_rank - step) % c)))
         last_block = f * s.bsz * s.chunk_len * d * (h + 2 * kv) if pairs else 0
         inner = g + max(_block_backward_peak(s, h, kv, pairs) if pairs else 0, g + last_block)
         step_bytes = (fixed + (2 * b * kv_elems if step < c - 1 else 0) + (2 * f * kv_elems if upcast else 0)
@@ -660,11 +667,11 @@ def _optimizer_step(s: _Stage) -> tuple[int, int, int]:
 
 
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
-                   num_microbatches: int, schedule: str, dtype, device: str) -> MemoryPrediction:
-    """One pipeline stage (or the whole model when pp = 1) over a step: every moment of the
-    schedule that can hold the peak, each a sum of what is alive then."""
+                   num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0) -> MemoryPrediction:
+    """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
+    every moment of the schedule that can hold the peak, each a sum of what is alive then."""
     s = _stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                     num_microbatches=num_microbatches, schedule=schedule, dtype=as_dtype(dtype))
+                     num_microbatches=num_microbatches, schedule=schedule, dtype=as_dtype(dtype), cp_rank=cp_rank)
     params = s.param_bytes + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
     moments, in_flight = _replay_schedule(s, stage, schedule)
