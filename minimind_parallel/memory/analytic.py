@@ -55,6 +55,11 @@ grad, sent input grad and finished loss as soon as it is dead). Last,
 the optimizer step: all grads, and AdamW's sqrt and denom of the largest parameter while the
 previous parameter's denom is still bound.
 
+Context parallelism (C ranks): N = S/C*B tokens per rank and the attention kinds of the comm
+type (`_attention_kinds`), RoPE's gathered cos/sin (model.rope), the CP loss's count and scaled
+loss, DDP over DP x CP, and one more moment, inside a block's attention backward
+(`_chunked_attention_backward`, `_ring_attention_backward`): docs/memory.md, "Context parallelism".
+
 So 1F1B's first stage holds min(P, M) microbatches at its peak and GPipe's holds M. The moments
 are those the tracker found on every configuration tried; tests/test_memory.py checks the model
 against it to the byte, peak and breakdown, stage by stage.
