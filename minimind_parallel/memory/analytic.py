@@ -212,7 +212,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     c = model_config
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
-    if par.recompute == "full" or par.loss_chunks > 1:
+    if par.recompute == "full":
         # their saved kinds are in activations_by_kind; the moments of their backward are not yet
         raise NotImplementedError("predict_memory: the peak of --recompute full and --loss_chunks > 1 is not "
                                   "modelled yet (use --estimate)")
@@ -369,6 +369,31 @@ def _head_backward(s: _Stage) -> tuple[int, int, int]:
     # grads of log-softmax and logits [N, V]; target copy and weight (CP: the target count) released
     count = 8 if s.par.cp > 1 else 0
     return 0, s.held - target_copy(s.bsz, n) - b - s.weight - count, 2 * b * n * v
+
+
+def _chunk_rows(n: int, chunks: int) -> list[int]:
+    """Rows of each chunk of `torch.tensor_split(n rows, chunks)`: the first n % chunks one longer."""
+    return [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)]
+
+
+def _chunked_loss_backward(s: _Stage) -> tuple[int, int, int]:
+    """--loss_chunks K (`recompute.chunked_loss`): the head input's grad [N, H] and the weight's
+    [V(/T), H] allocated, a chunk's recomputed logits [r, V(/T)] and their work-dtype softmax
+    while the previous chunk's logits grad (model dtype) and its target index and masks (int64,
+    two bools per row) are still bound; the target count released, the loss's grad (f) in."""
+    b, f, v = s.b, s.f, s.vocab
+    rows = _chunk_rows(s.n, s.par.loss_chunks)
+    prev_g = b if b != f else f                  # g = softmax.to(model dtype): the softmax itself in fp32
+
+    def chunk(r: int) -> int:
+        return b * r * v + (f * r * v if b != f else 0)
+
+    # fp32: the logits are the softmax, so the largest moment is the target masks' making (19 r
+    # bytes: `chunked_loss._targets`, the previous chunk's still bound)
+    masks = 19 if b == f else 0
+    worst = max([chunk(rows[0]) + masks * rows[0]]
+                + [chunk(r) + masks * r + prev_g * p * v + 10 * p for p, r in zip(rows, rows[1:])])
+    return 0, s.held - 8 - s.weight, b * s.n * s.hid + b * v * s.hid + worst + f
 
 
 def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
@@ -567,7 +592,9 @@ def _tied_grad_sum(s: _Stage) -> tuple[int, int, int]:
 def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
     """One microbatch's backward at its largest moments, in the order they happen."""
     inner = {}
-    if s.last:
+    if s.last and s.par.loss_chunks > 1:
+        inner.update(chunked_loss_backward=_chunked_loss_backward(s), final_norm_backward=_final_norm_backward(s))
+    elif s.last:
         inner.update(head_backward=_head_backward(s), head_mm_backward=_head_mm_backward(s),
                      final_norm_backward=_final_norm_backward(s))
     if s.par.recompute != "none":
@@ -604,6 +631,30 @@ def _last_forward_end(s: _Stage) -> tuple[int, int]:
     return s.held - s.weight, b * n * v + 2 * b + s.weight
 
 
+def _chunked_loss_forward(s: _Stage) -> tuple[int, int]:
+    """--loss_chunks K: inside the loss's forward (`recompute.chunked_loss`), at a chunk's logits
+    [r, V(/T)] made and cast to the work dtype (fp32: at its target masks, 19 r bytes), the
+    previous chunk's work-dtype logits, target index, masks, target logit and row max still bound,
+    the lse of the chunks so far, the running total (and the previous chunk's loss). The head's
+    input (gathered under SP: the final norm's local output still bound), the target copy and the
+    lse are not saved yet: (activations, temporaries)."""
+    b, f, v, k = s.b, s.f, s.vocab, s.kinds
+    rows = _chunk_rows(s.n, s.par.loss_chunks)
+
+    def chunk(i: int) -> int:
+        r = rows[i]
+        made = b * r * v + f * r * v if b != f else f * r * v + 19 * r
+        if i == 0:
+            return made
+        p = rows[i - 1]
+        return made + f * p * v + 10 * p + 2 * f * p + f * sum(rows[:i]) + (f if i == 1 else 2 * f)
+
+    local_h = b * s.nn * s.hid if s.par.sequence_parallel else 0
+    unsaved = k["model.head_input"] + k["model.logits_loss"] - 8 - f * s.n     # the head input and target copy
+    acts = s.held - s.weight - k["model.logits_loss"] - k["model.head_input"]
+    return acts, unsaved + local_h + max(chunk(i) for i in range(len(rows))) - s.cp_scaled_loss
+
+
 def _earlier_forward_end(s: _Stage) -> tuple[int, int]:
     """The end of an earlier stage's forward, at its last residual add: everything saved, plus
     down_proj's output, the sum, and in half precision the block's input and middle residual
@@ -629,7 +680,7 @@ def _forward_moment(s: _Stage, n_held: int, grads: int, saved: int, extra: int) 
         # this microbatch's output is not sent yet (no one-element stand-in for it)
         acts, temps = _earlier_forward_end(s)
         return grads, saved + (n_held + 1) * acts, extra + (n_held + 1) * s.held_temps - b + temps
-    acts, temps = _last_forward_end(s)
+    acts, temps = _chunked_loss_forward(s) if s.par.loss_chunks > 1 else _last_forward_end(s)
     moved = (n_held + 1) * s.held_temps
     return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
 
