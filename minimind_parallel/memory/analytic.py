@@ -409,9 +409,12 @@ def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
 def _final_norm_backward(s: _Stage) -> tuple[int, int, int]:
     """The final RMSNorm's fp32 temporaries (5 f Nn H)."""
     f, nn_, hid = s.f, s.nn, s.hid
-    if s.par.recompute != "none":   # lean: its input and rsqrt still saved; 3 f Nn H, the row means, dw
-        return (s.head_grads, _top_block_acts(s) + s.kinds["model.final_norm"],
-                3 * f * nn_ * hid + f * nn_ + s.b * hid + s.waiting)
+    if s.par.recompute != "none":
+        # lean (one Function): its input and rsqrt still saved; the incoming grad bound through
+        # its backward; 3 f Nn H, the row means and its weight grad (not yet a .grad)
+        grad_in = s.b * nn_ * hid
+        return (s.head_grads - s.b * hid, _top_block_acts(s) + s.kinds["model.final_norm"],
+                grad_in + 3 * f * nn_ * hid + f * nn_ + s.b * hid + s.waiting)
     return s.head_grads, _top_block_acts(s) + f * nn_ * hid, 5 * f * nn_ * hid + s.waiting
 
 
