@@ -387,3 +387,35 @@ def test_full_recompute_keeps_one_input_per_block_and_chunked_loss_cuts_the_loss
     loss_memory = 3 * 2 * n * vocab          # log-softmax [N, V] saved + its two grads at head_backward
     saved = lean.peak_bytes - chunked.peak_bytes
     assert loss_memory - saved <= loss_memory / 4, (saved / MiB, loss_memory / MiB)
+
+
+# ---------------------------------------------------------------- --loss_chunks K
+
+CHUNKED_LAYOUTS = [dict(), dict(tp=2), dict(tp=2, sequence_parallel=True), dict(tp=2, vocab_parallel=True),
+                   dict(tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True,
+                        recompute="selective"), dict(dp=2), dict(pp=2), dict(cp=2, cp_comm_type="ring")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("chunks", [2, 3])     # 3: uneven chunks of the N = 64 rows (22, 21, 21)
+@pytest.mark.parametrize("flags", CHUNKED_LAYOUTS, ids=lambda f: "_".join(f"{k}{v}" for k, v in f.items()) or "one")
+def test_chunked_loss_is_predicted_to_the_byte(flags, chunks, dtype):
+    """--loss_chunks K with a large vocabulary (the head's chunks hold the peak): every stage."""
+    c = replace(TINY, vocab_size=4096, num_hidden_layers=2)
+    par = ParallelConfig(loss_chunks=chunks, **flags)
+    for stage in range(par.pp):
+        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=2, stage=stage)
+        _check_model(predict_memory(c, par, **kw), estimate_step_memory(c, par, iters=1, **kw), f"{par} stage {stage}")
+
+
+@pytest.mark.parametrize("dtype,moment", [(torch.bfloat16, "forward_end"), (torch.float32, "chunked_loss_backward")])
+def test_the_chunked_loss_holds_the_peak_and_is_predicted(dtype, moment):
+    """H 32, V 8192, two chunks: in bfloat16 the peak is inside the loss's forward (a chunk's
+    logits, their fp32 copy and the previous chunk's fp32 logits), in float32 inside its backward
+    (the recomputed logits beside the previous chunk's, the input and weight grads)."""
+    c = replace(TINY, hidden_size=32, vocab_size=8192)
+    par = ParallelConfig(loss_chunks=2)
+    kw = dict(seq_len=128, micro_batch_size=2, dtype=dtype, num_microbatches=2)
+    pred = predict_memory(c, par, **kw)
+    _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), moment)
+    assert pred.peak_at.startswith(moment), pred.peak_at
