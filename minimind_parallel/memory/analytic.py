@@ -55,6 +55,9 @@ grad, sent input grad and finished loss as soon as it is dead). Last,
 the optimizer step: all grads, and AdamW's sqrt and denom of the largest parameter while the
 previous parameter's denom is still bound.
 
+--loss_chunks K: the head's moments become the chunked loss's forward and backward
+(`_chunked_loss_forward`, `_chunked_loss_backward`).
+
 Context parallelism (C ranks): N = S/C*B tokens per rank and the attention kinds of the comm
 type (`_attention_kinds`), RoPE's gathered cos/sin (model.rope), the CP loss's count and scaled
 loss, DDP over DP x CP, and one more moment, inside a block's attention backward
@@ -213,9 +216,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     if par.recompute == "full":
-        # their saved kinds are in activations_by_kind; the moments of their backward are not yet
-        raise NotImplementedError("predict_memory: the peak of --recompute full and --loss_chunks > 1 is not "
-                                  "modelled yet (use --estimate)")
+        # its saved kind is in activations_by_kind; the moments of its re-run blocks are not yet
+        raise NotImplementedError("predict_memory: the peak of --recompute full is not modelled yet (use --estimate)")
     check_layout(c, par, seq_len=seq_len)
     if cp_rank is not None and not 0 <= cp_rank < par.cp:
         raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
