@@ -2,7 +2,7 @@
 
 Each case draws a small model and a layout (TP 1/2/4, PP 1/2/4, DP 1/2, SP, async, shared gather,
 VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe or 1F1B, one stage; with --cp
-also CP 1/2/4 with every comm type and load balance on or off, --recompute none/selective and
+also CP 1/2/4 with every comm type and load balance on or off, --recompute none/selective/full and
 --loss_chunks 1/2/3/4/8)
 from a seeded generator, measures one step on fake tensors and compares the model's peak with it.
 One line per case; exit 1 if any differs.
@@ -53,7 +53,7 @@ def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = Fa
 
 def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
     """A layout with context parallelism: CP 1/2/4 x TP 1/2 x PP 1/2 x DP 1/2, any comm type, load
-    balance on or off, SP/async/VP, --recompute none or selective, --loss_chunks (smaller grids:
+    balance on or off, SP/async/VP, --recompute none/selective/full, --loss_chunks (smaller grids:
     the world is dp*pp*cp*tp)."""
     case = draw(rng, min_tokens_per_hidden)
     if case is None:
@@ -68,7 +68,7 @@ def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
     par = replace(par, tp=tp, pp=pp, cp=cp, cp_comm_type=comm, cp_load_balance=rng.random() < 0.6,
                   sequence_parallel=sp, async_communication=sp and par.async_communication,
                   shared_sp_gather=sp and par.shared_sp_gather, vocab_parallel=tp > 1 and par.vocab_parallel,
-                  recompute=rng.choice(["none", "selective"]), loss_chunks=rng.choice([1, 1, 2, 3, 4, 8]))
+                  recompute=rng.choice(["none", "selective", "full"]), loss_chunks=rng.choice([1, 1, 2, 3, 4, 8]))
     c = replace(c, num_hidden_layers=pp * rng.choice([1, 2]))
     chunks = 2 * cp if par.cp_load_balance else cp
     seqs = [s for s in (16, 32, 64, 128) if s % chunks == 0 and s * sizes["micro_batch_size"]

@@ -215,9 +215,6 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     c = model_config
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
-    if par.recompute == "full":
-        # its saved kind is in activations_by_kind; the moments of its re-run blocks are not yet
-        raise NotImplementedError("predict_memory: the peak of --recompute full is not modelled yet (use --estimate)")
     check_layout(c, par, seq_len=seq_len)
     if cp_rank is not None and not 0 <= cp_rank < par.cp:
         raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
@@ -265,8 +262,20 @@ class _Stage:
 
     @property
     def block(self) -> int:
-        """One block's activations of one microbatch."""
+        """One block's activations of one microbatch, held to its backward (full: its input)."""
+        if self.par.recompute == "full":
+            return self.kinds["block.checkpoint_input"]
         return sum(v for k, v in self.kinds.items() if k.startswith("block."))
+
+    @property
+    def recomputed(self) -> int:
+        """--recompute full: what a block's re-run forward saves again, alive in its backward
+        (kept by the checkpoint's own saved-tensor hooks: temporaries to the tracker)."""
+        if self.par.recompute != "full":
+            return 0
+        # the input norm's saved input is the block's input: the checkpoint's, already held
+        return (sum(v for k, v in self.kinds.items() if k.startswith("block.") and k != "block.checkpoint_input")
+                - self.kinds["block.checkpoint_input"])
 
     @property
     def batch(self) -> int:
@@ -459,13 +468,29 @@ def _post_norm_backward(s: _Stage) -> tuple[int, int, int]:
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting)
 
 
+def _top_block_saved(s: _Stage, freed: int) -> tuple[int, int]:
+    """In the top block's backward, `freed` bytes of its saved tensors released: (activations,
+    re-made tensors). --recompute full: the block's re-run saved them, under the checkpoint's
+    own hooks, so they are temporaries to the tracker; otherwise activations."""
+    if s.par.recompute == "full":
+        return _top_block_acts(s), s.recomputed - freed
+    return _top_block_acts(s) - freed, 0
+
+
+def _lean_post_norm_rest(s: _Stage, saved: tuple[int, int]) -> tuple[int, int]:
+    acts, redone = saved
+    f, b, nn_, hid = s.f, s.b, s.nn, s.hid
+    return acts, 3 * f * nn_ * hid + f * nn_ + b * hid + 2 * b * nn_ * hid + s.waiting + redone
+
+
 def _swiglu_backward(s: _Stage) -> tuple[int, int, int]:
     """Lean MLP (`recompute.swiglu_linear`): inside its backward, down's output grad (gathered
     under SP) and the residual grad in, down's weight grad made, three [N, I/T] live (the grad of
     the product, reused in place, dup and dgate); gate and up still saved."""
     b, hid = s.b, s.hid
     gathered = b * s.n * hid if s.par.sequence_parallel else 0
-    return s.head_grads, _top_block_acts(s), gathered + b * s.nn * hid + 3 * s.mlp_out + s.mlp_w_grad + s.waiting
+    acts, redone = _top_block_saved(s, 0)
+    return s.head_grads, acts, gathered + b * s.nn * hid + 3 * s.mlp_out + s.mlp_w_grad + s.waiting + redone
 
 
 def _lean_post_norm_backward(s: _Stage) -> tuple[int, int, int]:
@@ -480,23 +505,22 @@ def _lean_post_norm_backward(s: _Stage) -> tuple[int, int, int]:
     gate_up_input = column * 2 // 5 if basic_sp else column // 2
     # under SP one more [H] grad is in by then (measured with the tracker, not derived)
     return (s.head_grads + 3 * s.mlp_w_grad + (b * hid if par.sequence_parallel else 0),
-            _top_block_acts(s) - 2 * s.mlp_out - gate_up_input,
-            3 * f * nn_ * hid + f * nn_ + b * hid + 2 * b * nn_ * hid + s.waiting)
+            *_lean_post_norm_rest(s, _top_block_saved(s, 2 * s.mlp_out + gate_up_input)))
 
 
-def _attention_grads_acts(s: _Stage) -> tuple[int, int]:
-    """Grads and activations when the top block's attention begins its backward: the MLP's,
-    the post-attention norm's and o_proj's grads in; their activations freed (o_proj's input
-    included, a copy under CP)."""
+def _attention_grads_acts(s: _Stage) -> tuple[int, int, int]:
+    """Grads, activations and re-made tensors (full) when the top block's attention begins its
+    backward: the MLP's, the post-attention norm's and o_proj's grads in; their activations freed
+    (o_proj's input included, a copy under CP)."""
     par, b = s.par, s.b
     column = s.kinds["block.column_input"]
     basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
     gate_up_input = column * 2 // 5 if basic_sp else column // 2
     o_proj_input = b * s.n * s.heads * s.head_dim
     grads = s.head_grads + 3 * s.mlp_w_grad + b * s.hid + b * s.hid * s.heads * s.head_dim
-    acts = (_top_block_acts(s) - s.kinds["block.mlp"] - s.kinds["block.norm_fp32"] // 2 - gate_up_input
-            - o_proj_input)
-    return grads, acts
+    acts, redone = _top_block_saved(s, s.kinds["block.mlp"] + s.kinds["block.norm_fp32"] // 2 + gate_up_input
+                                    + o_proj_input)
+    return grads, acts, redone
 
 
 def _block_backward_peak(s: _Stage, h_fn: int, kv_fn: int, pairs: int) -> int:
@@ -527,8 +551,8 @@ def _chunked_attention_backward(s: _Stage) -> tuple[int, int, int]:
     grads_qkv = f * (n * h * d + 2 * kv_elems)          # dq, dk, dv: per chunk, then concatenated
     last_block = f * s.bsz * s.chunk_len * d * (h_fn + 2 * kv_fn)   # the last block's gq, gk, gv
     peak = max(_block_backward_peak(s, h_fn, kv_fn, pairs), grads_qkv + last_block)
-    grads, acts = _attention_grads_acts(s)
-    temps = _residual_grads(s) + b * n * h * d + work + grads_qkv + f * n * h + peak + s.waiting
+    grads, acts, redone = _attention_grads_acts(s)
+    temps = _residual_grads(s) + b * n * h * d + work + grads_qkv + f * n * h + peak + s.waiting + redone
     return grads, acts, temps
 
 
@@ -553,8 +577,8 @@ def _ring_attention_backward(s: _Stage) -> tuple[int, int, int]:
         step_bytes = (fixed + (2 * b * kv_elems if step < c - 1 else 0) + (2 * f * kv_elems if upcast else 0)
                       + (g + 2 * 2 * f * kv_elems if step else 0) + inner)
         worst = max(worst, step_bytes)
-    grads, acts = _attention_grads_acts(s)
-    return grads, acts, _residual_grads(s) + b * q_elems + worst + s.waiting
+    grads, acts, redone = _attention_grads_acts(s)
+    return grads, acts, _residual_grads(s) + b * q_elems + worst + s.waiting + redone
 
 
 def _residual_grads(s: _Stage) -> int:
