@@ -592,13 +592,17 @@ def _rank_chunks(s: _Stage, rank: int) -> tuple[int, ...]:
     return (rank, 2 * c - 1 - rank) if s.par.cp_load_balance else (rank,)
 
 
-def _in_first_block(s: _Stage, moment: tuple[int, int, int]) -> tuple[int, int, int]:
+def _in_first_block(s: _Stage, moment: tuple[int, int, int], received_counted: bool) -> tuple[int, int, int]:
     """A moment of the top block, in the stage's first block: every block above has added its
     grads and freed its activations. The top block holds the peak unless a block's parameters
-    outweigh one microbatch's activations of it (a few tokens per microbatch)."""
+    outweigh one microbatch's activations of it (a few tokens per microbatch, or --recompute
+    full). On an earlier stage the top block's residual grad is the received grad itself; lower
+    down it is another tensor, the received one still bound by the schedule (unless the moment
+    counts both already: `received_counted`)."""
     grads, acts, temps = moment
     deeper = s.layers - 1
-    return grads + deeper * s.block_params, acts - deeper * s.block, temps
+    received = s.b * s.nn * s.hid if not s.last and not received_counted else 0
+    return grads + deeper * s.block_params, acts - deeper * s.block, temps + received
 
 
 def _embedding_backward(s: _Stage) -> tuple[int, int, int]:
@@ -636,7 +640,8 @@ def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
                                      else _chunked_attention_backward(s))
     inner.update(top)
     if s.layers > 1:
-        inner.update({f"{name}(first block)": _in_first_block(s, moment) for name, moment in top.items()})
+        inner.update({f"{name}(first block)": _in_first_block(s, moment, name == "attention_backward")
+                      for name, moment in top.items()})
     if s.first:
         inner["embedding_backward"] = _embedding_backward(s)
     if s.first and s.tied_here:
