@@ -56,7 +56,8 @@ the optimizer step: all grads, and AdamW's sqrt and denom of the largest paramet
 previous parameter's denom is still bound.
 
 --loss_chunks K: the head's moments become the chunked loss's forward and backward
-(`_chunked_loss_forward`, `_chunked_loss_backward`).
+(`_chunked_loss_forward`, `_chunked_loss_backward`). --recompute full: a block holds its input
+(`_Stage.block`); its backward re-makes the rest (`_Stage.recomputed`, temporaries to the tracker).
 
 Context parallelism (C ranks): N = S/C*B tokens per rank and the attention kinds of the comm
 type (`_attention_kinds`), RoPE's gathered cos/sin (model.rope), the CP loss's count and scaled
