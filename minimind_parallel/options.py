@@ -259,7 +259,7 @@ def predicted_peak(args, par: ParallelConfig, device: str, rows: int) -> int | N
         return predict_memory(model_config(args), par, seq_len=args.seq_len, micro_batch_size=rows,
                               dtype=getattr(torch, args.dtype), device=device,
                               num_microbatches=args.num_microbatches, schedule=args.pp_schedule).peak_bytes
-    except NotImplementedError:  # context parallelism, the non-flash attention path
+    except NotImplementedError:  # the non-flash attention path
         return None
 
 

@@ -1,11 +1,13 @@
 """The analytic memory model against --estimate on random layouts: every byte, every stage.
 
 Each case draws a small model and a layout (TP 1/2/4, PP 1/2/4, DP 1/2, SP, async, shared gather,
-VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe or 1F1B, one stage) from a seeded
-generator, measures one step on fake tensors and compares the model's peak with it. One line per
-case; exit 1 if any differs.
+VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe or 1F1B, one stage; with --cp
+also CP 1/2/4 with every comm type and load balance on or off, --recompute none/selective/full and
+--loss_chunks 1/2/3/4/8)
+from a seeded generator, measures one step on fake tensors and compares the model's peak with it.
+One line per case; exit 1 if any differs.
 
-    python scripts/memory_model_sweep.py [--seed=0] [--cases 100] [--min_tokens_per_hidden 2]
+    python scripts/memory_model_sweep.py [--seed=0] [--cases 100] [--min_tokens_per_hidden 2] [--cp]
 
 --min_tokens_per_hidden keeps at least that many tokens per microbatch per unit of hidden size
 (S*B >= k*H): the model's domain. 0 also draws the few-token layouts where a block's weights
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import replace
 
 import torch
 
@@ -22,8 +25,11 @@ from minimind_parallel import MiniMindConfig, ParallelConfig
 from minimind_parallel.memory import estimate_step_memory, predict_memory
 
 
-def draw(rng: random.Random, min_tokens_per_hidden: float):
-    """One random case -> (config, par, sizes) or None when the draw is not a valid layout."""
+def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = False):
+    """One random case -> (config, par, sizes) or None when the draw is not a valid layout.
+    cp_layouts: context parallelism and --recompute drawn too (a CP size of 1 included)."""
+    if cp_layouts:
+        return draw_cp(rng, min_tokens_per_hidden)
     tp, pp, dp = rng.choice([1, 2, 2, 4]), rng.choice([1, 2, 2, 4]), rng.choice([1, 1, 2])
     sp = tp > 1 and rng.random() < 0.6
     async_ = sp and rng.random() < 0.5
@@ -45,15 +51,42 @@ def draw(rng: random.Random, min_tokens_per_hidden: float):
     return c, par, sizes
 
 
+def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
+    """A layout with context parallelism: CP 1/2/4 x TP 1/2 x PP 1/2 x DP 1/2, any comm type, load
+    balance on or off, SP/async/VP, --recompute none/selective/full, --loss_chunks (smaller grids:
+    the world is dp*pp*cp*tp)."""
+    case = draw(rng, min_tokens_per_hidden)
+    if case is None:
+        return None
+    c, par, sizes = case
+    tp, pp = rng.choice([1, 2]), rng.choice([1, 1, 2])
+    cp = rng.choice([1, 2, 2, 4])
+    comm = rng.choice(["all_gather", "a2a", "ring"])
+    if c.num_key_value_heads % (tp * (cp if comm == "a2a" else 1)):
+        return None
+    sp = tp > 1 and par.sequence_parallel
+    par = replace(par, tp=tp, pp=pp, cp=cp, cp_comm_type=comm, cp_load_balance=rng.random() < 0.6,
+                  sequence_parallel=sp, async_communication=sp and par.async_communication,
+                  shared_sp_gather=sp and par.shared_sp_gather, vocab_parallel=tp > 1 and par.vocab_parallel,
+                  recompute=rng.choice(["none", "selective", "full"]), loss_chunks=rng.choice([1, 1, 2, 3, 4, 8]))
+    c = replace(c, num_hidden_layers=pp * rng.choice([1, 2]))
+    chunks = 2 * cp if par.cp_load_balance else cp
+    seqs = [s for s in (16, 32, 64, 128) if s % chunks == 0 and s * sizes["micro_batch_size"]
+            >= min_tokens_per_hidden * c.hidden_size * cp] or [256]
+    sizes = dict(sizes, seq_len=rng.choice(seqs), stage=rng.randrange(pp), cp_rank=rng.randrange(cp))
+    return c, par, sizes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cases", type=int, default=100)
     ap.add_argument("--min_tokens_per_hidden", type=float, default=2)
+    ap.add_argument("--cp", action="store_true", help="draw context-parallel layouts (and --recompute, --loss_chunks)")
     args = ap.parse_args()
     rng, done, bad = random.Random(args.seed), 0, 0
     while done < args.cases:
-        case = draw(rng, args.min_tokens_per_hidden)
+        case = draw(rng, args.min_tokens_per_hidden, args.cp)
         if case is None:
             continue
         c, par, sizes = case
@@ -65,8 +98,9 @@ def main() -> int:
         print(f"{'ok ' if diff == 0 else 'BAD'} {diff:+9d} B  {pred.peak_at:28} H{c.hidden_size} L{c.num_hidden_layers} "
               f"heads {c.num_attention_heads}/{c.num_key_value_heads} V{c.vocab_size} tied {c.tie_word_embeddings:d} "
               f"S{sizes['seq_len']} B{sizes['micro_batch_size']} M{sizes['num_microbatches']} {sizes['schedule']} "
-              f"{str(sizes['dtype'])[6:]} stage {sizes['stage']}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
-              f"async{par.async_communication:d} shared{par.shared_sp_gather:d} vp{par.vocab_parallel:d}", flush=True)
+              f"{str(sizes['dtype'])[6:]} stage {sizes['stage']} cp rank {sizes.get('cp_rank', 0)}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
+              f"async{par.async_communication:d} shared{par.shared_sp_gather:d} vp{par.vocab_parallel:d} "
+              f"cp{par.cp} {par.cp_comm_type} lb{par.cp_load_balance:d} {par.recompute} chunks{par.loss_chunks}", flush=True)
     print(f"{done - bad} of {done} cases equal to the byte")
     return 1 if bad else 0
 

@@ -387,3 +387,77 @@ def test_full_recompute_keeps_one_input_per_block_and_chunked_loss_cuts_the_loss
     loss_memory = 3 * 2 * n * vocab          # log-softmax [N, V] saved + its two grads at head_backward
     saved = lean.peak_bytes - chunked.peak_bytes
     assert loss_memory - saved <= loss_memory / 4, (saved / MiB, loss_memory / MiB)
+
+
+# ---------------------------------------------------------------- --loss_chunks K
+
+CHUNKED_LAYOUTS = [dict(), dict(tp=2), dict(tp=2, sequence_parallel=True), dict(tp=2, vocab_parallel=True),
+                   dict(tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True,
+                        recompute="selective"), dict(dp=2), dict(pp=2), dict(cp=2, cp_comm_type="ring")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("chunks", [2, 3])     # 3: uneven chunks of the N = 64 rows (22, 21, 21)
+@pytest.mark.parametrize("flags", CHUNKED_LAYOUTS, ids=lambda f: "_".join(f"{k}{v}" for k, v in f.items()) or "one")
+def test_chunked_loss_is_predicted_to_the_byte(flags, chunks, dtype):
+    """--loss_chunks K with a large vocabulary (the head's chunks hold the peak): every stage."""
+    c = replace(TINY, vocab_size=4096, num_hidden_layers=2)
+    par = ParallelConfig(loss_chunks=chunks, **flags)
+    for stage in range(par.pp):
+        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=2, stage=stage)
+        _check_model(predict_memory(c, par, **kw), estimate_step_memory(c, par, iters=1, **kw), f"{par} stage {stage}")
+
+
+@pytest.mark.parametrize("dtype,moment", [(torch.bfloat16, "forward_end"), (torch.float32, "chunked_loss_backward")])
+def test_the_chunked_loss_holds_the_peak_and_is_predicted(dtype, moment):
+    """H 32, V 8192, two chunks: in bfloat16 the peak is inside the loss's forward (a chunk's
+    logits, their fp32 copy and the previous chunk's fp32 logits), in float32 inside its backward
+    (the recomputed logits beside the previous chunk's, the input and weight grads)."""
+    c = replace(TINY, hidden_size=32, vocab_size=8192)
+    par = ParallelConfig(loss_chunks=2)
+    kw = dict(seq_len=128, micro_batch_size=2, dtype=dtype, num_microbatches=2)
+    pred = predict_memory(c, par, **kw)
+    _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), moment)
+    assert pred.peak_at.startswith(moment), pred.peak_at
+
+
+# ---------------------------------------------------------------- --recompute full
+
+FULL_LAYOUTS = [dict(), dict(tp=2, sequence_parallel=True), dict(tp=2, sequence_parallel=True,
+                async_communication=True, vocab_parallel=True), dict(dp=2), dict(pp=2), dict(cp=2, cp_comm_type="ring"),
+                dict(loss_chunks=3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("vocab", [128, 4096])   # 128: peaks in the re-run blocks' backward; 4096: in the head's
+@pytest.mark.parametrize("flags", FULL_LAYOUTS, ids=lambda f: "_".join(f"{k}{v}" for k, v in f.items()) or "one")
+def test_full_recompute_is_predicted_to_the_byte(flags, vocab, dtype):
+    """--recompute full: each block holds its input; its backward re-makes the rest (kept by the
+    checkpoint's hooks, temporaries to the tracker)."""
+    c = replace(PIPE, vocab_size=vocab, tie_word_embeddings=True)
+    par = ParallelConfig(recompute="full", **flags)
+    for stage in range(par.pp):
+        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=2, stage=stage)
+        pred = predict_memory(c, par, **kw)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), f"{par} stage {stage}")
+
+
+def test_full_recompute_holds_one_input_per_block_in_the_model():
+    """The model's held bytes per microbatch under full: one [S, B, H] input per block where
+    selective holds every saved kind."""
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.float32)
+    full = predict_memory(PIPE, ParallelConfig(recompute="full"), **kw)
+    lean = predict_memory(PIPE, ParallelConfig(recompute="selective"), **kw)
+    block = sum(v for k, v in lean.activations_by_kind.items() if k.startswith("block."))
+    assert lean.held_per_microbatch - full.held_per_microbatch == PIPE.num_hidden_layers * (block - 4 * S * B * 64)
+
+
+def test_a_lower_blocks_backward_on_an_earlier_stage_is_predicted():
+    """Under full recompute a block's weights outweigh what it holds, so stage 0's peak is in its
+    lower block, where the received grad is still bound beside the residual grad."""
+    c = replace(PIPE, tie_word_embeddings=True)
+    par = ParallelConfig(pp=2, recompute="full")
+    kw = dict(seq_len=64, micro_batch_size=B, dtype=torch.float32, schedule="gpipe", stage=0)
+    pred = predict_memory(c, par, **kw)
+    _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), "stage 0")
+    assert pred.peak_at.startswith("swiglu_backward(first block)"), pred.peak_at

@@ -55,6 +55,15 @@ grad, sent input grad and finished loss as soon as it is dead). Last,
 the optimizer step: all grads, and AdamW's sqrt and denom of the largest parameter while the
 previous parameter's denom is still bound.
 
+--loss_chunks K: the head's moments become the chunked loss's forward and backward
+(`_chunked_loss_forward`, `_chunked_loss_backward`). --recompute full: a block holds its input
+(`_Stage.block`); its backward re-makes the rest (`_Stage.recomputed`, temporaries to the tracker).
+
+Context parallelism (C ranks): N = S/C*B tokens per rank and the attention kinds of the comm
+type (`_attention_kinds`), RoPE's gathered cos/sin (model.rope), the CP loss's count and scaled
+loss, DDP over DP x CP, and one more moment, inside a block's attention backward
+(`_chunked_attention_backward`, `_ring_attention_backward`): docs/memory.md, "Context parallelism".
+
 So 1F1B's first stage holds min(P, M) microbatches at its peak and GPipe's holds M. The moments
 are those the tracker found on every configuration tried; tests/test_memory.py checks the model
 against it to the byte, peak and breakdown, stage by stage.
@@ -66,12 +75,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MiniMindConfig, ParallelConfig, check_layout
+from ..context_parallel.blockwise import visible_pairs
 from ..plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .tracker import CATEGORIES
 
 BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp",
                "checkpoint_input")
-MODEL_KINDS = ("embedding", "final_norm", "head_input", "logits_loss")
+MODEL_KINDS = ("embedding", "final_norm", "head_input", "logits_loss", "rope")
 
 
 @dataclass
@@ -115,7 +125,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
     b = torch.empty((), dtype=dtype).element_size()
     f = max(b, 4)
     t, sp, vp = par.tp, par.sequence_parallel, par.vocab_parallel
-    n, hid = seq_len * micro_batch_size, c.hidden_size
+    n, hid = seq_len // par.cp * micro_batch_size, c.hidden_size     # under CP: this rank's S/C tokens
     nn_ = n // t if sp else n
     heads, kv, d = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
     inter = c.intermediate_size // t
@@ -131,11 +141,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         "norm_fp32": 2 * (b * nn_ * hid + f * nn_) if lean else 2 * (2 * f * nn_ * hid + f * nn_),
         "column_input": column,
         "qk_norm_fp32": (heads + kv) * n * (b * d + f) if lean else (heads + kv) * n * (2 * f * d + f),
-        "attention_q": b * n * heads * d,
-        # repeat_kv copies k, v to h heads -- unless this rank holds one kv head: then the repeat
-        # is a stride-0 view of it; lean (enable_gqa): k after RoPE and v at their own heads
-        "attention_kv": 2 * b * n * (heads if kv > 1 and not lean else kv) * d,
-        "attention_out": b * n * heads * d + 4 * n * heads,
+        **_attention_kinds(par, b=b, f=f, n=n, heads=heads, kv=kv, d=d, lean=lean),
         "mlp": (2 if lean else 4) * b * n * inter,       # lean: gate and up
         # full: what a block keeps between its forward and its backward (the kinds above are then
         # what the block re-creates while its backward runs)
@@ -151,10 +157,37 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         embedding = 8 * n
     if par.loss_chunks > 1:   # the head's whole input, the lse per row, the targets, the count
         head_input, loss = b * n * hid, f * n + target_copy(micro_batch_size, n) + 8
+    if par.cp > 1 and not vp and par.loss_chunks == 1:
+        loss += 8               # the target count the sum is divided by (int64, saved by the division)
     final_norm = b * nn_ * hid + f * nn_ if lean else 2 * f * nn_ * hid + f * nn_
     model = {"embedding": embedding, "final_norm": final_norm,
-             "head_input": head_input, "logits_loss": loss}
+             "head_input": head_input, "logits_loss": loss,
+             # CP: RoPE's cos/sin of this rank's global positions, gathered from the tables (saved
+             # by RoPE's multiplications, shared by every block); without CP views of the tables
+             "rope": 2 * b * (seq_len // par.cp) * d if par.cp > 1 else 0}
     return {**{f"block.{k}": v for k, v in block.items()}, **{f"model.{k}": v for k, v in model.items()}}
+
+
+def _attention_kinds(par: ParallelConfig, *, b: int, f: int, n: int, heads: int, kv: int, d: int,
+                     lean: bool) -> dict[str, int]:
+    """What attention saves for one block, n = this rank's tokens.
+
+    Without CP: SDPA's q after RoPE, k and v (repeat_kv's copies at h heads, unless this rank
+    holds one kv head: the repeat is a stride-0 view; lean, enable_gqa: at their own heads), its
+    output (also o_proj's input: a view) and fp32 logsumexp.
+    CP (context_parallel/attention.py): the attention Function saves q, k, v, its output and
+    the lse (work dtype, f), and o_proj saves the output brought back to sequence-first [S/C, B,
+    h*d] (a copy). all_gather: k and v of the whole sequence (C n tokens, kv heads, one gathered
+    storage); a2a: q, k, v of the whole sequence at h/C, kv/C heads (one all-to-all output, the
+    same bytes as the local q, k, v); ring: the local q, k and v at their kv heads."""
+    if par.cp == 1:
+        return {"attention_q": b * n * heads * d,
+                "attention_kv": 2 * b * n * (heads if kv > 1 and not lean else kv) * d,
+                "attention_out": b * n * heads * d + 4 * n * heads}
+    kv_tokens = n * par.cp if par.cp_comm_type == "all_gather" else n
+    return {"attention_q": b * n * heads * d,
+            "attention_kv": 2 * b * kv_tokens * kv * d,
+            "attention_out": 2 * b * n * heads * d + f * n * heads}
 
 
 def schedule_order(pp: int, stage: int, num_microbatches: int, schedule: str) -> list[tuple[str, int]]:
@@ -173,24 +206,23 @@ def schedule_order(pp: int, stage: int, num_microbatches: int, schedule: str) ->
 
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1, schedule: str = "1f1b",
-                   stage: int | None = None) -> MemoryPrediction:
+                   stage: int | None = None, cp_rank: int | None = None) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
-    there). The prediction of every stage is in `per_stage`."""
+    there). The prediction of every stage is in `per_stage`. Under CP `cp_rank` picks the CP rank
+    (None: the worst; with the load-balanced split every CP rank holds the same bytes, with the
+    contiguous one the later ranks' attention sees more blocks)."""
     c = model_config
-    if par.cp > 1:
-        raise NotImplementedError(f"predict_memory: context parallelism (cp={par.cp}) is not modelled analytically; "
-                                  f"--estimate measures it (the tracker on fake tensors)")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
-    if par.recompute == "full" or par.loss_chunks > 1:
-        # their saved kinds are in activations_by_kind; the moments of their backward are not yet
-        raise NotImplementedError("predict_memory: the peak of --recompute full and --loss_chunks > 1 is not "
-                                  "modelled yet (use --estimate)")
     check_layout(c, par, seq_len=seq_len)
-    stages = [_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                             num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device)
+    if cp_rank is not None and not 0 <= cp_rank < par.cp:
+        raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
+    cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
+    stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                  num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
+                                  cp_rank=r) for r in cp_ranks), key=lambda s: s.peak_bytes)
               for p in range(par.pp)]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
     pick.per_stage = [s.peak_bytes for s in stages]
@@ -219,6 +251,11 @@ class _Stage:
     kinds: dict                # activations_by_kind
     layers: int                # layers on this stage
     block_params: int          # the parameters of one block
+    heads: int = 0             # h, kv: attention / kv heads on this rank; d: head_dim
+    kv_heads: int = 0
+    head_dim: int = 0
+    chunk_len: int = 0         # CP: tokens of one sequence chunk (context_parallel.ContextLayout)
+    cp_rank: int = 0           # CP: this rank's place in the CP group (which chunks it holds)
 
     @property
     def param_bytes(self) -> int:
@@ -226,8 +263,20 @@ class _Stage:
 
     @property
     def block(self) -> int:
-        """One block's activations of one microbatch."""
+        """One block's activations of one microbatch, held to its backward (full: its input)."""
+        if self.par.recompute == "full":
+            return self.kinds["block.checkpoint_input"]
         return sum(v for k, v in self.kinds.items() if k.startswith("block."))
+
+    @property
+    def recomputed(self) -> int:
+        """--recompute full: what a block's re-run forward saves again, alive in its backward
+        (kept by the checkpoint's own saved-tensor hooks: temporaries to the tracker)."""
+        if self.par.recompute != "full":
+            return 0
+        # the input norm's saved input is the block's input: the checkpoint's, already held
+        return (sum(v for k, v in self.kinds.items() if k.startswith("block.") and k != "block.checkpoint_input")
+                - self.kinds["block.checkpoint_input"])
 
     @property
     def batch(self) -> int:
@@ -252,13 +301,20 @@ class _Stage:
         b = self.b
         # the lean norm saves the received input itself (an activation, in its kind)
         upcast_only = b != self.f and self.par.recompute == "none"
-        return (b * self.nn * self.hid if not self.first and upcast_only else 0) + (0 if self.last else b)
+        sent = self.cp_scaled_loss if self.last else b
+        return (b * self.nn * self.hid if not self.first and upcast_only else 0) + sent
+
+    @property
+    def cp_scaled_loss(self) -> int:
+        """The last stage under CP: the loss scaled by cp for backward (the schedule's grad_scale),
+        held until its backward."""
+        return self.loss_scalar if self.last and self.par.cp > 1 else 0
 
     @property
     def held(self) -> int:
         """What one microbatch keeps from the end of its forward to its backward."""
         k = self.kinds
-        held = self.layers * self.block + self.held_temps
+        held = self.layers * self.block + self.held_temps + k["model.rope"]
         if self.first and self.par.vocab_parallel:
             held += 9 * self.n              # local ids and out-of-range mask (the ids are in `batch`)
         if self.last:
@@ -292,13 +348,13 @@ class _Stage:
     @property
     def ddp_buckets(self) -> int:
         """DDP's flat gradient buckets (no DDP under a pipeline)."""
-        return self.param_bytes if self.par.dp > 1 and self.par.pp == 1 else 0
+        return self.param_bytes if self.par.dp * self.par.cp > 1 and self.par.pp == 1 else 0
 
 
 def _stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
-                 num_microbatches: int, schedule: str, dtype) -> _Stage:
+                 num_microbatches: int, schedule: str, dtype, cp_rank: int = 0) -> _Stage:
     b = torch.empty((), dtype=dtype).element_size()
-    t, n = par.tp, seq_len * micro_batch_size
+    t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     shapes = stage_parameters(c, par, stage)
     layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
@@ -310,7 +366,9 @@ def _stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len:
                   tied_here=c.tie_word_embeddings and first and last, shapes=shapes,
                   kinds=activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype),
                   layers=len(layers_at),
-                  block_params=b * sum(_numel(s) for k, s in shapes.items() if k.startswith(top)))
+                  block_params=b * sum(_numel(s) for k, s in shapes.items() if k.startswith(top)),
+                  heads=c.num_attention_heads // t, kv_heads=c.num_key_value_heads // t, head_dim=c.head_dim,
+                  chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank)
 
 
 # One microbatch's backward at its largest moments, each (grads it adds, its activations, temporaries).
@@ -320,8 +378,34 @@ def _head_backward(s: _Stage) -> tuple[int, int, int]:
     b, f, n, v = s.b, s.f, s.n, s.vocab
     if s.par.vocab_parallel:   # the fp32 softmax clone and its cast to the model dtype; the count released
         return 0, s.held - 8 - s.weight, f * n * v + (b * n * v if b != f else 0) + 4
-    # grads of log-softmax and logits [N, V]; target copy and weight released
-    return 0, s.held - target_copy(s.bsz, n) - b - s.weight, 2 * b * n * v
+    # grads of log-softmax and logits [N, V]; target copy and weight (CP: the target count) released
+    count = 8 if s.par.cp > 1 else 0
+    return 0, s.held - target_copy(s.bsz, n) - b - s.weight - count, 2 * b * n * v
+
+
+def _chunk_rows(n: int, chunks: int) -> list[int]:
+    """Rows of each chunk of `torch.tensor_split(n rows, chunks)`: the first n % chunks one longer."""
+    return [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)]
+
+
+def _chunked_loss_backward(s: _Stage) -> tuple[int, int, int]:
+    """--loss_chunks K (`recompute.chunked_loss`): the head input's grad [N, H] and the weight's
+    [V(/T), H] allocated, a chunk's recomputed logits [r, V(/T)] and their work-dtype softmax
+    while the previous chunk's logits grad (model dtype) and its target index and masks (int64,
+    two bools per row) are still bound; the target count released, the loss's grad (f) in."""
+    b, f, v = s.b, s.f, s.vocab
+    rows = _chunk_rows(s.n, s.par.loss_chunks)
+    prev_g = b if b != f else f                  # g = softmax.to(model dtype): the softmax itself in fp32
+
+    def chunk(r: int) -> int:
+        return b * r * v + (f * r * v if b != f else 0)
+
+    # fp32: the logits are the softmax, so the largest moment is the target masks' making (19 r
+    # bytes: `chunked_loss._targets`, the previous chunk's still bound)
+    masks = 19 if b == f else 0
+    worst = max([chunk(rows[0]) + masks * rows[0]]
+                + [chunk(r) + masks * r + prev_g * p * v + 10 * p for p, r in zip(rows, rows[1:])])
+    return 0, s.held - 8 - s.weight, b * s.n * s.hid + b * v * s.hid + worst + f
 
 
 def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
@@ -337,9 +421,12 @@ def _head_mm_backward(s: _Stage) -> tuple[int, int, int]:
 def _final_norm_backward(s: _Stage) -> tuple[int, int, int]:
     """The final RMSNorm's fp32 temporaries (5 f Nn H)."""
     f, nn_, hid = s.f, s.nn, s.hid
-    if s.par.recompute != "none":   # lean: its input and rsqrt still saved; 3 f Nn H, the row means, dw
-        return (s.head_grads, _top_block_acts(s) + s.kinds["model.final_norm"],
-                3 * f * nn_ * hid + f * nn_ + s.b * hid + s.waiting)
+    if s.par.recompute != "none":
+        # lean (one Function): its input and rsqrt still saved; the incoming grad bound through
+        # its backward; 3 f Nn H, the row means and its weight grad (not yet a .grad)
+        grad_in = s.b * nn_ * hid
+        return (s.head_grads - s.b * hid, _top_block_acts(s) + s.kinds["model.final_norm"],
+                grad_in + 3 * f * nn_ * hid + f * nn_ + s.b * hid + s.waiting)
     return s.head_grads, _top_block_acts(s) + f * nn_ * hid, 5 * f * nn_ * hid + s.waiting
 
 
@@ -382,13 +469,29 @@ def _post_norm_backward(s: _Stage) -> tuple[int, int, int]:
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting)
 
 
+def _top_block_saved(s: _Stage, freed: int) -> tuple[int, int]:
+    """In the top block's backward, `freed` bytes of its saved tensors released: (activations,
+    re-made tensors). --recompute full: the block's re-run saved them, under the checkpoint's
+    own hooks, so they are temporaries to the tracker; otherwise activations."""
+    if s.par.recompute == "full":
+        return _top_block_acts(s), s.recomputed - freed
+    return _top_block_acts(s) - freed, 0
+
+
+def _lean_post_norm_rest(s: _Stage, saved: tuple[int, int]) -> tuple[int, int]:
+    acts, redone = saved
+    f, b, nn_, hid = s.f, s.b, s.nn, s.hid
+    return acts, 3 * f * nn_ * hid + f * nn_ + b * hid + 2 * b * nn_ * hid + s.waiting + redone
+
+
 def _swiglu_backward(s: _Stage) -> tuple[int, int, int]:
     """Lean MLP (`recompute.swiglu_linear`): inside its backward, down's output grad (gathered
     under SP) and the residual grad in, down's weight grad made, three [N, I/T] live (the grad of
     the product, reused in place, dup and dgate); gate and up still saved."""
     b, hid = s.b, s.hid
     gathered = b * s.n * hid if s.par.sequence_parallel else 0
-    return s.head_grads, _top_block_acts(s), gathered + b * s.nn * hid + 3 * s.mlp_out + s.mlp_w_grad + s.waiting
+    acts, redone = _top_block_saved(s, 0)
+    return s.head_grads, acts, gathered + b * s.nn * hid + 3 * s.mlp_out + s.mlp_w_grad + s.waiting + redone
 
 
 def _lean_post_norm_backward(s: _Stage) -> tuple[int, int, int]:
@@ -397,23 +500,110 @@ def _lean_post_norm_backward(s: _Stage) -> tuple[int, int, int]:
     (b H), the grads of its output and of the residual stream ([Nn, H] each); the MLP's grads
     in, its activations and its share of the column inputs freed, the norm's own input and rsqrt
     still saved."""
-    par, b, f, nn_, hid = s.par, s.b, s.f, s.nn, s.hid
+    par, b, hid = s.par, s.b, s.hid
     column = s.kinds["block.column_input"]
     basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
     gate_up_input = column * 2 // 5 if basic_sp else column // 2
     # under SP one more [H] grad is in by then (measured with the tracker, not derived)
     return (s.head_grads + 3 * s.mlp_w_grad + (b * hid if par.sequence_parallel else 0),
-            _top_block_acts(s) - 2 * s.mlp_out - gate_up_input,
-            3 * f * nn_ * hid + f * nn_ + b * hid + 2 * b * nn_ * hid + s.waiting)
+            *_lean_post_norm_rest(s, _top_block_saved(s, 2 * s.mlp_out + gate_up_input)))
 
 
-def _in_first_block(s: _Stage, moment: tuple[int, int, int]) -> tuple[int, int, int]:
+def _attention_grads_acts(s: _Stage) -> tuple[int, int, int]:
+    """Grads, activations and re-made tensors (full) when the top block's attention begins its
+    backward: the MLP's, the post-attention norm's and o_proj's grads in; their activations freed
+    (o_proj's input included, a copy under CP)."""
+    par, b = s.par, s.b
+    column = s.kinds["block.column_input"]
+    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
+    gate_up_input = column * 2 // 5 if basic_sp else column // 2
+    o_proj_input = b * s.n * s.heads * s.head_dim
+    grads = s.head_grads + 3 * s.mlp_w_grad + b * s.hid + b * s.hid * s.heads * s.head_dim
+    acts, redone = _top_block_saved(s, s.kinds["block.mlp"] + s.kinds["block.norm_fp32"] // 2 + gate_up_input
+                                    + o_proj_input)
+    return grads, acts, redone
+
+
+def _block_backward_peak(s: _Stage, h_fn: int, kv_fn: int, pairs: int) -> int:
+    """The largest moment of `blockwise.block_backward` (work dtype, f) on a block of Lc query
+    and Lc key tokens at h_fn query and kv_fn kv heads: at the ds subtraction three score-sized
+    tensors and the block's dv, or at dk's head sum two of them, dv, dq, dk's matmul and its sum.
+    From the second visible block on, the previous block's gq, gk, gv are still bound."""
+    f, lc, d, bsz = s.f, s.chunk_len, s.head_dim, s.bsz
+    score, q_blk, kv_blk = f * bsz * h_fn * lc * lc, f * bsz * h_fn * lc * d, f * bsz * kv_fn * lc * d
+    inside = max(3 * score + kv_blk, 2 * score + kv_blk + 2 * q_blk + kv_blk)
+    return inside + (q_blk + 2 * kv_blk if pairs > 1 else 0)
+
+
+def _chunked_attention_backward(s: _Stage) -> tuple[int, int, int]:
+    """CP all_gather / a2a (`context_parallel.blockwise.ChunkedAttention`) inside a block's
+    backward (`_block_backward_peak`) beside the accumulators dq, dk, dv, delta, the incoming grad
+    and (half precision) the work-dtype copies of dout, q, k and v. all_gather: k, v of the whole
+    sequence at the kv heads; a2a: q, k, v of the whole sequence at h/C, kv/C heads."""
+    b, f, n, c = s.b, s.f, s.n, s.par.cp
+    h, kv, d = s.heads, s.kv_heads, s.head_dim
+    upcast = b != f
+    gather = s.par.cp_comm_type == "all_gather"
+    kv_elems = (c * n * kv * d) if gather else n * kv * d   # k (or v) of the Function
+    h_fn, kv_fn = (h, kv) if gather else (h // c, kv // c)
+    chunks = 2 * c if s.par.cp_load_balance else c
+    pairs = len(visible_pairs(_rank_chunks(s, s.cp_rank) if gather else tuple(range(chunks)), tuple(range(chunks))))
+    work = (f * (n * h * d + 2 * kv_elems) if upcast else 0) + (f * n * h * d if upcast else 0)
+    grads_qkv = f * (n * h * d + 2 * kv_elems)          # dq, dk, dv: per chunk, then concatenated
+    last_block = f * s.bsz * s.chunk_len * d * (h_fn + 2 * kv_fn)   # the last block's gq, gk, gv
+    peak = max(_block_backward_peak(s, h_fn, kv_fn, pairs), grads_qkv + last_block)
+    grads, acts, redone = _attention_grads_acts(s)
+    temps = _residual_grads(s) + b * n * h * d + work + grads_qkv + f * n * h + peak + s.waiting + redone
+    return grads, acts, temps
+
+
+def _ring_attention_backward(s: _Stage) -> tuple[int, int, int]:
+    """CP ring (`context_parallel.ring.RingAttention`) at the rank's largest ring step:
+    beside dq, delta and (half precision) the work-dtype q and dout, the K/V block in hand and
+    the one arriving (model dtype, [2, B, kv, 1, S/C, d] each) and, from the second step on, the
+    previous step's gq, gk, gv, the dK/dV accumulator it sent and the one it received; inside
+    the step `chunked_backward` over the visible blocks (its per-chunk dq, dk, dv, then their
+    concatenation)."""
+    b, f, n, c = s.b, s.f, s.n, s.par.cp
+    h, kv, d = s.heads, s.kv_heads, s.head_dim
+    upcast = b != f
+    q_elems, kv_elems = n * h * d, n * kv * d
+    fixed = (2 * f * q_elems if upcast else 0) + f * n * h + f * q_elems + 2 * b * kv_elems
+    g = f * (q_elems + 2 * kv_elems)                       # one step's dq, dk, dv
+    mine, worst = _rank_chunks(s, s.cp_rank), 0
+    for step in range(c):
+        pairs = len(visible_pairs(mine, _rank_chunks(s, (s.cp_rank - step) % c)))
+        last_block = f * s.bsz * s.chunk_len * d * (h + 2 * kv) if pairs else 0
+        inner = g + max(_block_backward_peak(s, h, kv, pairs) if pairs else 0, g + last_block)
+        step_bytes = (fixed + (2 * b * kv_elems if step < c - 1 else 0) + (2 * f * kv_elems if upcast else 0)
+                      + (g + 2 * 2 * f * kv_elems if step else 0) + inner)
+        worst = max(worst, step_bytes)
+    grads, acts, redone = _attention_grads_acts(s)
+    return grads, acts, _residual_grads(s) + b * q_elems + worst + s.waiting + redone
+
+
+def _residual_grads(s: _Stage) -> int:
+    """The residual stream's grad [Nn, H] while a block's attention runs its backward; on an
+    earlier stage the grad received from the next stage too (bound by the schedule)."""
+    return s.b * s.nn * s.hid * (1 if s.last else 2)
+
+
+def _rank_chunks(s: _Stage, rank: int) -> tuple[int, ...]:
+    c = s.par.cp
+    return (rank, 2 * c - 1 - rank) if s.par.cp_load_balance else (rank,)
+
+
+def _in_first_block(s: _Stage, moment: tuple[int, int, int], received_counted: bool) -> tuple[int, int, int]:
     """A moment of the top block, in the stage's first block: every block above has added its
     grads and freed its activations. The top block holds the peak unless a block's parameters
-    outweigh one microbatch's activations of it (a few tokens per microbatch)."""
+    outweigh one microbatch's activations of it (a few tokens per microbatch, or --recompute
+    full). On an earlier stage the top block's residual grad is the received grad itself; lower
+    down it is another tensor, the received one still bound by the schedule (unless the moment
+    counts both already: `received_counted`)."""
     grads, acts, temps = moment
     deeper = s.layers - 1
-    return grads + deeper * s.block_params, acts - deeper * s.block, temps
+    received = s.b * s.nn * s.hid if not s.last and not received_counted else 0
+    return grads + deeper * s.block_params, acts - deeper * s.block, temps + received
 
 
 def _embedding_backward(s: _Stage) -> tuple[int, int, int]:
@@ -421,7 +611,7 @@ def _embedding_backward(s: _Stage) -> tuple[int, int, int]:
     output [N, H] (gathered from the sequence shards under SP) and the received grad."""
     b, hid = s.b, s.hid
     emb_w_grad = b * s.vocab * hid
-    acts = (9 * s.n if s.par.vocab_parallel else 0) + (0 if s.last else b)
+    acts = (9 * s.n if s.par.vocab_parallel else 0) + s.held_temps   # (the first stage's: the sent output)
     return (s.param_bytes - emb_w_grad, acts,
             emb_w_grad + b * s.n * hid + s.waiting + (0 if s.last else b * s.nn * hid))
 
@@ -430,13 +620,15 @@ def _tied_grad_sum(s: _Stage) -> tuple[int, int, int]:
     """A weight tied within the stage adds the waiting head grad to the embedding's: three [V, H]
     (the VP masks freed)."""
     emb_w_grad = s.b * s.vocab * s.hid
-    return s.param_bytes - emb_w_grad, 0, 3 * emb_w_grad
+    return s.param_bytes - emb_w_grad, s.cp_scaled_loss, 3 * emb_w_grad
 
 
 def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
     """One microbatch's backward at its largest moments, in the order they happen."""
     inner = {}
-    if s.last:
+    if s.last and s.par.loss_chunks > 1:
+        inner.update(chunked_loss_backward=_chunked_loss_backward(s), final_norm_backward=_final_norm_backward(s))
+    elif s.last:
         inner.update(head_backward=_head_backward(s), head_mm_backward=_head_mm_backward(s),
                      final_norm_backward=_final_norm_backward(s))
     if s.par.recompute != "none":
@@ -444,9 +636,13 @@ def _backward_moments(s: _Stage) -> dict[str, tuple[int, int, int]]:
     else:
         top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
                "post_norm_backward": _post_norm_backward(s)}
+    if s.par.cp > 1:
+        top["attention_backward"] = (_ring_attention_backward(s) if s.par.cp_comm_type == "ring"
+                                     else _chunked_attention_backward(s))
     inner.update(top)
     if s.layers > 1:
-        inner.update({f"{name}(first block)": _in_first_block(s, moment) for name, moment in top.items()})
+        inner.update({f"{name}(first block)": _in_first_block(s, moment, name == "attention_backward")
+                      for name, moment in top.items()})
     if s.first:
         inner["embedding_backward"] = _embedding_backward(s)
     if s.first and s.tied_here:
@@ -464,9 +660,34 @@ def _last_forward_end(s: _Stage) -> tuple[int, int]:
     b, f, n, v, par = s.b, s.f, s.n, s.vocab, s.par
     if par.vocab_parallel:
         local_h = b * s.nn * s.hid if par.sequence_parallel and not par.async_communication else 0
+        # (this microbatch's loss is not scaled yet: its held_temps are counted as moved)
         return (s.held - s.weight - s.kinds["model.logits_loss"],
-                b * n * v + f * n * v + 30 * n + target_copy(s.bsz, n) + local_h)
+                b * n * v + f * n * v + 30 * n + target_copy(s.bsz, n) + local_h - s.cp_scaled_loss)
     return s.held - s.weight, b * n * v + 2 * b + s.weight
+
+
+def _chunked_loss_forward(s: _Stage) -> tuple[int, int]:
+    """--loss_chunks K: inside the loss's forward (`recompute.chunked_loss`), at a chunk's logits
+    [r, V(/T)] made and cast to the work dtype (fp32: at its target masks, 19 r bytes), the
+    previous chunk's work-dtype logits, target index, masks, target logit and row max still bound,
+    the lse of the chunks so far, the running total (and the previous chunk's loss). The head's
+    input (gathered under SP: the final norm's local output still bound), the target copy and the
+    lse are not saved yet: (activations, temporaries)."""
+    b, f, v, k = s.b, s.f, s.vocab, s.kinds
+    rows = _chunk_rows(s.n, s.par.loss_chunks)
+
+    def chunk(i: int) -> int:
+        r = rows[i]
+        made = b * r * v + f * r * v if b != f else f * r * v + 19 * r
+        if i == 0:
+            return made
+        p = rows[i - 1]
+        return made + f * p * v + 10 * p + 2 * f * p + f * sum(rows[:i]) + (f if i == 1 else 2 * f)
+
+    local_h = b * s.nn * s.hid if s.par.sequence_parallel else 0
+    unsaved = k["model.head_input"] + k["model.logits_loss"] - 8 - f * s.n     # the head input and target copy
+    acts = s.held - s.weight - k["model.logits_loss"] - k["model.head_input"]
+    return acts, unsaved + local_h + max(chunk(i) for i in range(len(rows))) - s.cp_scaled_loss
 
 
 def _earlier_forward_end(s: _Stage) -> tuple[int, int]:
@@ -494,7 +715,7 @@ def _forward_moment(s: _Stage, n_held: int, grads: int, saved: int, extra: int) 
         # this microbatch's output is not sent yet (no one-element stand-in for it)
         acts, temps = _earlier_forward_end(s)
         return grads, saved + (n_held + 1) * acts, extra + (n_held + 1) * s.held_temps - b + temps
-    acts, temps = _last_forward_end(s)
+    acts, temps = _chunked_loss_forward(s) if s.par.loss_chunks > 1 else _last_forward_end(s)
     moved = (n_held + 1) * s.held_temps
     return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
 
@@ -537,11 +758,11 @@ def _optimizer_step(s: _Stage) -> tuple[int, int, int]:
 
 
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
-                   num_microbatches: int, schedule: str, dtype, device: str) -> MemoryPrediction:
-    """One pipeline stage (or the whole model when pp = 1) over a step: every moment of the
-    schedule that can hold the peak, each a sum of what is alive then."""
+                   num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0) -> MemoryPrediction:
+    """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
+    every moment of the schedule that can hold the peak, each a sum of what is alive then."""
     s = _stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                     num_microbatches=num_microbatches, schedule=schedule, dtype=as_dtype(dtype))
+                     num_microbatches=num_microbatches, schedule=schedule, dtype=as_dtype(dtype), cp_rank=cp_rank)
     params = s.param_bytes + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
     moments, in_flight = _replay_schedule(s, stage, schedule)

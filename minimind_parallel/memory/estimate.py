@@ -64,23 +64,28 @@ def _create_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer)
 def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
                          micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: bool = True,
                          num_microbatches: int = 1, schedule: str = "1f1b", stage: int = 0,
-                         tracker_type=None, on_step=None) -> MemoryReport:
+                         cp_rank: int = 0, tracker_type=None, on_step=None) -> MemoryReport:
     """Peak memory of `iters` training steps, each of `num_microbatches` microbatches of
     `micro_batch_size` sequences, on one rank of pipeline stage `stage`, without kernels.
     warmup: the optimizer states exist before the window, as after the warm-up steps of a real run.
-    Every TP/DP rank of a stage holds the same shapes (and every CP rank: S/C tokens, the same
-    buffers in every comm type), so the stage's first rank stands in for the worst one. Under PP the fake backend answers every receive at once (an empty buffer of the
-    boundary's shape), so a stage runs its schedule alone, in the order of a real run.
+    Every TP/DP rank of a stage holds the same shapes, so the stage's first one stands in for
+    the worst. Every CP rank holds S/C tokens and the same buffers; with the load-balanced split
+    the same attention blocks too, with the contiguous split the later ranks see more blocks, so
+    `cp_rank` picks the CP rank measured (predict_memory's cp_rank=None is the worst one). Under
+    PP the fake backend answers every receive at once (an empty buffer of the boundary's shape),
+    so a stage runs its schedule alone, in the order of a real run.
     tracker_type / on_step(tracker), called after each step: to watch more than the report
     (memory/allocator.py records the allocation sequence this way)."""
     if not 0 <= stage < par.pp:
         raise ValueError(f"stage must be in [0, pp); got stage={stage}, pp={par.pp}")
+    if not 0 <= cp_rank < par.cp:
+        raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
     check_layout(model_config, par, seq_len=seq_len)
     dtype = as_dtype(dtype)
     if dist.is_initialized():
         raise RuntimeError("estimate_step_memory needs its own (fake) process group; "
                            "call it from a process without torch.distributed initialised")
-    rank = stage * par.cp * par.tp  # the grid is (dp, pp, cp, tp): dp, cp and tp rank 0 of this stage
+    rank = (stage * par.cp + cp_rank) * par.tp  # the grid is (dp, pp, cp, tp): dp and tp rank 0
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.world_size)
     try:
         groups = ProcessGroups.build(par)  # real (fake-backend) groups, built outside the fake mode

@@ -273,9 +273,11 @@ def run_one(launch, args, argv, cell: Cell, row: dict, paths) -> None:
     a, par, sizes = cell_sizes(launch, args, row["kind"], cell)
     config = model_config(a)
     if args.estimate:
-        try:  # every stage; the worst is the cell's peak
+        try:  # every stage (the worst CP rank of each: the last ones under the contiguous split); the worst is the cell's peak
             from ..memory import estimate_step_memory
-            reports = [estimate_step_memory(config, par, iters=2, stage=p, **sizes) for p in range(par.pp)]
+            cp_ranks = range(1 if par.cp_load_balance else par.cp)
+            reports = [max((estimate_step_memory(config, par, iters=2, stage=p, cp_rank=r, **sizes) for r in cp_ranks),
+                           key=lambda r: r.peak_bytes) for p in range(par.pp)]
             worst = max(reports, key=lambda r: r.peak_bytes)
             outputs.fill_memory(row, worst.peak_bytes, worst.breakdown)
             row["peak_mib_per_stage"] = " ".join(f"{r.peak_bytes / outputs.MIB:.2f}" for r in reports)
