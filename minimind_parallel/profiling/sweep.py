@@ -20,10 +20,10 @@ def cell_dir(csv_path: str, cell) -> str:
     return os.path.join(os.path.splitext(csv_path)[0] + "_profiles", f"{cell.mode}_{cell.swept}{cell.value}")
 
 
-def profile_cell(model, optimizer, groups, ids, labels, args, device) -> tuple[dict, list]:
+def profile_cell(model, optimizer, groups, ids, targets, args, device) -> tuple[dict, list]:
     """--warmup_iters plain steps, then --benchmark_iters profiled ones (--num_microbatches
     through --pp_schedule), into --profile_dir. -> (the cell's result, this rank's StepResults)."""
-    result = profile_steps(model, optimizer, groups, ids, labels, steps=args.benchmark_iters,
+    result = profile_steps(model, optimizer, groups, ids, targets, steps=args.benchmark_iters,
                            warmup=args.warmup_iters, num_microbatches=args.num_microbatches,
                            schedule=args.pp_schedule, out_dir=args.profile_dir, device=device,
                            title=os.path.basename(args.profile_dir))

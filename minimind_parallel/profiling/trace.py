@@ -71,7 +71,7 @@ def name_backward(label: str, x: torch.Tensor, out: torch.Tensor) -> None:
     x.register_hook(leave)
 
 
-def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: int = 3, warmup: int = 1,
+def profile_steps(model: nn.Module, optimizer, groups, ids, targets, *, steps: int = 3, warmup: int = 1,
                   num_microbatches: int = 1, schedule: str = "1f1b", out_dir: str, rank: int | None = None,
                   device="cpu", title: str = "") -> dict:
     """Run `warmup` plain steps, then `steps` profiled ones (each `num_microbatches` through
@@ -83,7 +83,7 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: in
     os.makedirs(out_dir, exist_ok=True)
     batches = dict(num_microbatches=num_microbatches, schedule=schedule)
     for _ in range(warmup):
-        train_step_detailed(model, optimizer, groups, ids, labels, **batches)
+        train_step_detailed(model, optimizer, groups, ids, targets, **batches)
     # The autograd profiler with kineto writes the same trace as torch.profiler.profile, without
     # the latter's first-use import of torch._inductor (~10 s per process on a small CPU).
     cuda = torch.device(device).type == "cuda"
@@ -93,7 +93,7 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, labels, *, steps: in
             for k in range(steps):
                 synchronize(device)  # ranks start each step together; outside the step window
                 with record_function(f"step {k}"):
-                    steps_run.append(train_step_detailed(model, optimizer, groups, ids, labels, **batches))
+                    steps_run.append(train_step_detailed(model, optimizer, groups, ids, targets, **batches))
                     synchronize(device, barrier=False)
     finally:
         for h in handles:

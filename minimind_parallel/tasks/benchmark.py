@@ -379,9 +379,9 @@ def run_cell(launch, args, device) -> int:
     optimizer = make_optimizer(model, args.learning_rate)
     # M microbatches of `per_replica` rows per DP replica (M = 1 without a pipeline)
     batch = dp_rows(broadcast_batch(per_replica * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
-                                    args.seed + 1, device), groups.dp_rank, par.dp)  # labels: shifted targets
-    ids, labels = cp_tokens(batch, ContextLayout.of(par, a.seq_len), groups.cp_rank)  # [rows, S/C]
-    result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, labels, args, device)
+                                    args.seed + 1, device), groups.dp_rank, par.dp)
+    ids, targets = cp_tokens(batch, ContextLayout.of(par, a.seq_len), groups.cp_rank)  # [rows, S/C]
+    result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, targets, args, device)
     global_tokens = per_replica * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
     if dist.get_rank() == 0 and args.result_json:
@@ -390,7 +390,7 @@ def run_cell(launch, args, device) -> int:
     return 0
 
 
-def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
+def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
     """Median step time over the measured iterations, max over ranks; with kind memory the
     worst rank's peak (MemoryMeter around the measured iterations)."""
     steps = []
@@ -398,7 +398,7 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
     def timed_step() -> float:
         synchronize(device)
         t0 = time.perf_counter()
-        steps.append(train_step_detailed(model, optimizer, groups, ids, labels,
+        steps.append(train_step_detailed(model, optimizer, groups, ids, targets,
                                          num_microbatches=args.num_microbatches, schedule=args.pp_schedule))
         synchronize(device)
         return time.perf_counter() - t0
@@ -425,11 +425,11 @@ def measure(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
             "per_rank": per_rank(ranks)}
 
 
-def profile(kind, model, optimizer, groups, ids, labels, args, device) -> dict:
+def profile(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
     """`--kind profile`: trace the measured steps, write the per-rank trace and overlap report
     (profiling/sweep.py); return the same dict as `measure` (step_ms, per_rank; no peak)."""
     from ..profiling.sweep import profile_cell
-    result, steps = profile_cell(model, optimizer, groups, ids, labels, args, device)
+    result, steps = profile_cell(model, optimizer, groups, ids, targets, args, device)
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, stage_numbers(groups, steps))
     return {**result, "per_rank": per_rank(ranks)}
