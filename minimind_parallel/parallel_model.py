@@ -32,7 +32,7 @@ from .context_parallel import ContextLayout, context_parallel_attention
 from .groups import ProcessGroups
 from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope_tables
 from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, is_lean, make_rms_norm,
-                        swiglu_linear)
+                        norm_with_recompute, swiglu_linear)
 from .plan import (grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage, stage_layers,
                    stage_of)
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel,
@@ -109,10 +109,20 @@ class ParallelBlock(nn.Module):
         self.input_layernorm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=lean)
         self.post_attention_layernorm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=lean)
         self.mlp = ParallelMLP(c, par, group)
+        self.norm_recompute = par.recompute == "selective"   # under `full` the checkpoint's hooks rule
 
     def forward(self, h, cos, sin, layout: ContextLayout | None = None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layout)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if not self.norm_recompute:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, layout)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        x, recompute = norm_with_recompute(self.input_layernorm, h)   # the linears' copies of x re-made
+        with recompute:
+            a = self.self_attn(x, cos, sin, layout)
+        h = h + a
+        x, recompute = norm_with_recompute(self.post_attention_layernorm, h)
+        with recompute:
+            m = self.mlp(x)
+        return h + m
 
 
 class ParallelMiniMindModel(nn.Module):

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from minimind_parallel import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 from minimind_parallel.memory import StorageTracker
 from minimind_parallel.model import RMSNorm, causal_attention, next_token_cross_entropy, repeat_kv
-from minimind_parallel.recompute import LeanRMSNorm, causal_attention_gqa, chunked_head_loss, swiglu_linear
+from minimind_parallel.recompute import (LeanRMSNorm, causal_attention_gqa, chunked_head_loss, norm_with_recompute,
+                                        swiglu_linear)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
@@ -64,6 +65,39 @@ def test_lean_rms_norm_keeps_the_input_and_one_fp32_rsqrt_per_row(dtype):
 def _gqa_inputs(dtype, b=2, h=8, k=2, s=16, d=8):
     torch.manual_seed(1)
     return [torch.randn(b, n, s, d).to(dtype).requires_grad_() for n in (h, k, k)]
+
+
+def _norm_then_linears(norm, w1, w2, h, *, recompute: bool):
+    """Two linears reading norm(h) (as q/k/v or gate/up do), the norm output re-made in backward
+    when `recompute`; one of them through a [N, H] view of it (what F.linear saves for 3-D input)."""
+    if not recompute:
+        x = norm(h)
+        return (F.linear(x, w1) * F.linear(x.reshape(-1, x.shape[-1]), w2).view_as(F.linear(x, w1))).sum()
+    x, remake = norm_with_recompute(norm, h)
+    with remake:
+        return (F.linear(x, w1) * F.linear(x.reshape(-1, x.shape[-1]), w2).view_as(F.linear(x, w1))).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_output_recompute_is_bit_identical_and_keeps_no_norm_output(dtype):
+    """Grads bit for bit the same with and without the re-made norm output; what is kept for
+    backward shrinks by exactly the norm output (one [S, B, H] storage; the rest is unchanged)."""
+    torch.manual_seed(0)
+    s_, b_, hid = 8, 2, 32
+    _, norm = _norm_pair(dtype, hid)
+    w1, w2 = (torch.randn(16, hid, dtype=dtype, requires_grad=True) for _ in range(2))
+    h = torch.randn(s_, b_, hid, dtype=dtype, requires_grad=True)
+    grads = []
+    for recompute in (False, True):
+        _norm_then_linears(norm, w1, w2, h, recompute=recompute).backward()
+        grads.append([t.grad.clone() for t in (h, w1, w2, norm.weight)])
+        for t in (h, w1, w2, norm.weight):
+            t.grad = None
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    kept = [saved_bytes(lambda h_, *_, r=r: _norm_then_linears(norm, w1, w2, h_, recompute=r), h, w1, w2,
+                        norm.weight) for r in (False, True)]
+    assert kept[0] - kept[1] == h.numel() * h.element_size()
 
 
 @pytest.mark.parametrize("flash", [True, False])

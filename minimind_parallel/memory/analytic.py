@@ -13,7 +13,9 @@ Per block (kind: bytes)
     norm_fp32        2 RMSNorms x (x.float() + normed: 2 f Nn H,  rsqrt: f Nn)
     column_input     the input the column-parallel linears save for dW = dY^T X:
                        TP: 2 b N H (q/k/v share one, gate/up one);  basic SP: 5 b N H (one gather
-                       per linear);  --shared_sp_gather: 2 b N H;  SP + async (recompute): 2 b N/T H
+                       per linear);  --shared_sp_gather: 2 b N H;  SP + async (recompute): 2 b N/T H;
+                       --recompute selective under TP or SP + async: 0 (the norm output itself,
+                       re-made in backward: recompute/norm_recompute.py)
     qk_norm_fp32     q_norm/k_norm over head_dim: (h + k) N (2 f d + f)
     attention_q      q after RoPE, saved by attention: b N h d   (RoPE itself saves only cos/sin views)
     attention_kv     k, v repeated to h heads for GQA: 2 b N h d  (2 b N d with one kv head per rank:
@@ -118,6 +120,12 @@ def target_copy(micro_batch_size: int, tokens: int) -> int:
     return 8 * tokens if micro_batch_size > 1 else 0
 
 
+def norm_output_recomputed(par: ParallelConfig) -> bool:
+    """--recompute selective where the column-parallel linears save the norm output itself (plain
+    TP, SP + async): it is re-made from the norm's input in backward, not kept."""
+    return par.recompute == "selective" and (not par.sequence_parallel or par.async_communication)
+
+
 def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                         dtype) -> dict[str, int]:
     """Bytes saved for backward: per block ("block.<kind>") and once per model ("model.<kind>")."""
@@ -129,7 +137,9 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
     nn_ = n // t if sp else n
     heads, kv, d = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
     inter = c.intermediate_size // t
-    if sp and par.async_communication:
+    if norm_output_recomputed(par):
+        column = 0            # the norm outputs, re-made in backward (recompute/norm_recompute.py)
+    elif sp and par.async_communication:
         column = 2 * b * (n // t) * hid
     elif sp and not par.shared_sp_gather:
         column = 5 * b * n * hid

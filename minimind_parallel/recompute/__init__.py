@@ -5,7 +5,8 @@
     selective   lean RMSNorm (the input in the model dtype and the fp32 rsqrt per token, not the
                 fp32 copies), GQA attention reading the kv heads without repeat_kv copies, and
                 SwiGLU recompute (gate and up saved; silu(gate) * up recomputed for down_proj's
-                weight gradient)
+                weight gradient), and the norm outputs the column-parallel linears save re-made
+                from the norms' inputs in backward (`norm_recompute.py`)
     full        selective inside, and activation checkpointing per block: only the block's input
                 ([S/T, B, H] under SP) is kept; backward re-runs the block's forward, collectives
                 included (`checkpoint.py`)
@@ -18,8 +19,10 @@ Every piece computes the dense model's numbers (MiniMind's RMSNorm, attention, M
 from .attention import causal_attention_gqa
 from .checkpoint import RECOMPUTE_MODES, checkpoint_block, is_lean
 from .chunked_loss import chunked_head_loss
+from .norm_recompute import norm_with_recompute, recompute_norm_output
 from .rms_norm import LeanRMSNorm, lean_rms_norm, make_rms_norm
 from .swiglu import swiglu_linear
 
 __all__ = ["RECOMPUTE_MODES", "LeanRMSNorm", "causal_attention_gqa", "checkpoint_block", "chunked_head_loss",
-           "is_lean", "lean_rms_norm", "make_rms_norm", "swiglu_linear"]
+           "is_lean", "lean_rms_norm", "make_rms_norm", "norm_with_recompute",
+           "recompute_norm_output", "swiglu_linear"]

@@ -23,14 +23,21 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm's forward ops: the output and the fp32 rsqrt. The lean norm runs them, and
+    `norm_recompute` runs them again to re-make an output bit for bit."""
+    # x: [..., D] (model dtype), weight: [D] -> [..., D] (x's dtype), rsqrt [..., 1] fp32
+    xf = _upcast(x)
+    rsqrt = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * (xf * rsqrt)).type_as(x), rsqrt
+
+
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        # x: [..., D] (model dtype), weight: [D] -> [..., D] (x's dtype)
-        xf = _upcast(x)
-        rsqrt = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)     # [..., 1] fp32
+        out, rsqrt = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rsqrt)
-        return (weight * (xf * rsqrt)).type_as(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
