@@ -23,3 +23,13 @@ echo "== the same cells under --estimate (fake tensors, CPU tracker)"
 $py -m evaluation.parallel benchmark --kind memory --tp_size 1 --pp_size 1 -- --estimate --modes ddp \
   --num_hidden_layers 1 2 4 8 $seed --dtype bfloat16 \
   --output_csv "$out/estimate_memory.csv" --output_json "$out/estimate_memory.json" --output_plot "$out/estimate_memory.png"
+echo "== the allocator's predicted max_memory_allocated (CPU replay, memory/allocator.py) for the same cells"
+$py -m evaluation.parallel benchmark --kind memory --tp_size 1 --pp_size 1 --device cuda -- --estimate --modes ddp \
+  --num_hidden_layers 1 2 4 8 $seed --dtype bfloat16 --cuda_capability "${CUDA_CAPABILITY:-9.0}" \
+  --output_csv "$out/allocator_prediction.csv" --output_json "$out/allocator_prediction.json" \
+  --output_plot "$out/allocator_prediction.png"
+echo "== --recompute selective on CUDA: GQA without repeat_kv copies, lean norms, SwiGLU recompute (validate)"
+$py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype float32 --optimizer_steps 3 \
+  --recompute selective
+$py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype bfloat16 --optimizer_steps 3 \
+  --recompute selective
