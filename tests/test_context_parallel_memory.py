@@ -11,13 +11,10 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
-from minimind_parallel.context_parallel import COMM_TYPES, ContextLayout
-from minimind_parallel.data.batches import cp_tokens, random_batch
-from minimind_parallel.memory import MemoryMeter, estimate_step_memory, predict_memory
-from minimind_parallel.model import MiniMindForCausalLM
-from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
-from test_memory import REAL_SLACK, _check_model
+from minimind_parallel import MiniMindConfig, ParallelConfig
+from minimind_parallel.context_parallel import COMM_TYPES
+from minimind_parallel.memory import estimate_step_memory, predict_memory
+from test_memory import REAL_SLACK, _check_model, measure_real
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 import memory_model_sweep as sweep  # noqa: E402
@@ -37,26 +34,8 @@ def close(name: str, real_bytes: int, exact_bytes: int) -> bool:
     return 0 <= real_bytes - exact_bytes <= SLACK[name]
 
 
-def _measure_real(layouts):
-    """On each CP rank: one warm-up step, then the meter around one step, per layout."""
-    out = {}
-    for name, par in layouts.items():
-        groups = ProcessGroups.build(par)
-        torch.manual_seed(0)
-        dense = MiniMindForCausalLM(TINY).state_dict()
-        model = wrap_data_parallel(build_parallel_model(TINY, par, groups, dense, dtype=torch.bfloat16), groups)
-        optimizer = make_optimizer(model, 1e-3)
-        ids, targets = cp_tokens(random_batch(0, B, S, TINY.vocab_size), ContextLayout.of(par, S), groups.cp_rank)
-        train_step(model, optimizer, groups, ids, targets)
-        meter = MemoryMeter("cpu", model, optimizer)
-        with meter:
-            train_step(model, optimizer, groups, ids, targets)
-        out[name] = meter.report()
-    return out
-
-
 def test_estimate_equals_the_real_cpu_run_for_every_comm_type():
-    ranks = run_ranks(_measure_real, 2, LAYOUTS)
+    ranks = run_ranks(measure_real, 2, TINY, LAYOUTS, S, B)
     for name, par in LAYOUTS.items():
         estimate = estimate_step_memory(TINY, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16, iters=1)
         model = predict_memory(TINY, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)

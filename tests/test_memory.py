@@ -21,7 +21,8 @@ from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 import memory_model_sweep as sweep  # noqa: E402
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
-from minimind_parallel.data.batches import random_batch
+from minimind_parallel.context_parallel import ContextLayout
+from minimind_parallel.data.batches import cp_tokens, random_batch
 
 S, B, T = 32, 2, 2
 TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
@@ -37,16 +38,18 @@ MODES = {
 }
 
 
-def _measure_real(modes):
-    """On each of T gloo ranks: one warm-up step, then the meter around one step, per mode."""
+def measure_real(config, layouts, seq_len, rows):
+    """On each gloo rank: one warm-up step, then the meter around one step, per layout (under CP
+    each rank feeds its CP rank's tokens). Shared with tests/test_context_parallel_memory.py."""
     out = {}
-    for name, par in modes.items():
+    for name, par in layouts.items():
         groups = ProcessGroups.build(par)
         torch.manual_seed(0)
-        dense = MiniMindForCausalLM(TINY).state_dict()
-        model = wrap_data_parallel(build_parallel_model(TINY, par, groups, dense, dtype=torch.bfloat16), groups)
+        dense = MiniMindForCausalLM(config).state_dict()
+        model = wrap_data_parallel(build_parallel_model(config, par, groups, dense, dtype=torch.bfloat16), groups)
         optimizer = make_optimizer(model, 1e-3)
-        ids, targets = random_batch(0, B, S, TINY.vocab_size)
+        batch = random_batch(0, rows, seq_len, config.vocab_size)
+        ids, targets = cp_tokens(batch, ContextLayout.of(par, seq_len), groups.cp_rank)
         train_step(model, optimizer, groups, ids, targets)
         meter = MemoryMeter("cpu", model, optimizer)
         with meter:
@@ -57,7 +60,7 @@ def _measure_real(modes):
 
 @pytest.fixture(scope="module")
 def measured():
-    ranks = run_ranks(_measure_real, T, MODES)
+    ranks = run_ranks(measure_real, T, TINY, MODES, S, B)
     real = {name: max((r[name] for r in ranks), key=lambda rep: rep.peak_bytes) for name in MODES}
     estimate = {name: estimate_step_memory(TINY, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16, iters=1)
                 for name, par in MODES.items()}
