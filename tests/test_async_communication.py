@@ -16,9 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_ranks
+from test_sequence_parallel import _block
 from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
-from minimind_parallel.model import rope_tables
-from minimind_parallel.parallel_model import ParallelBlock
 from minimind_parallel.profiling.trace import profile_steps
 from minimind_parallel.distributed import comm
 from minimind_parallel.training import build_parallel_model, make_optimizer
@@ -27,7 +26,6 @@ from minimind_parallel.data.batches import random_batch
 # S * B = 24 rows: no dgrad GEMM output [S*B, H] has the shape of a column-parallel weight
 # [N/T, H] (16, 8, 8, 64, 64 rows), so a GEMM with a weight's shape is a wgrad GEMM.
 S, B, H = 8, 3, 32
-CONFIG = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
 
 
@@ -70,12 +68,7 @@ class _WgradGemms(TorchDispatchMode):
 
 def _backward_events(par):
     """One ParallelBlock's backward on this rank, as a string of events (see _logging, _WgradGemms)."""
-    groups = ProcessGroups.build(par)
-    torch.manual_seed(0)
-    block = ParallelBlock(MiniMindConfig(**CONFIG), par, groups.tp)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    cos, sin = rope_tables(H // 4, S, 1e6)
+    block, cos, sin = _block(par)   # the block of test_sequence_parallel.py (same sizes)
     columns = [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj,
                block.mlp.gate_proj, block.mlp.up_proj]
     x = torch.randn(S // par.tp if par.sequence_parallel else S, B, H, requires_grad=True)
