@@ -30,14 +30,22 @@ class LaunchError(RuntimeError):
 
 def torchrun_command(launch, world_size: int, worker_argv: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size // launch.nnodes}",
-           f"--nnodes={launch.nnodes}", "--max_restarts=0", "--monitor_interval=0.1",
-           f"--shutdown_timeout={SHUTDOWN_GRACE_S}"]
+           f"--nnodes={launch.nnodes}", "--max_restarts=0", "--monitor_interval=0.1"]
+    if torchrun_accepts("--shutdown_timeout"):  # newer torchrun only; older ones wait their default
+        cmd.append(f"--shutdown_timeout={SHUTDOWN_GRACE_S}")
     if launch.nnodes == 1 and launch.master_port is None:
         cmd.append("--standalone")
     else:
         cmd += [f"--node_rank={launch.node_rank}", f"--master_addr={launch.master_addr}",
                 f"--master_port={endpoint(launch)[1]}", f"--rdzv_conf=timeout={math.ceil(launch.rdzv_timeout)}"]
     return cmd + ["-m", "minimind_parallel.worker", *worker_argv]
+
+
+def torchrun_accepts(option: str) -> bool:
+    """Whether the installed torchrun has `option` (the CUDA builds users bring may be older)."""
+    from torch.distributed.run import get_args_parser
+
+    return any(option in action.option_strings for action in get_args_parser()._actions)
 
 
 def endpoint(launch) -> tuple[str, int]:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU path on one CUDA device: NCCL init, validate against the dense model on the GPU, and
-# the CUDA memory meter (torch.cuda.max_memory_allocated) beside the analytic model and the
-# fake-tensor estimate, at the book's section 4.1 model size. One GPU means world size 1 (NCCL refuses
-# two ranks on one device), so TP/SP/PP on NCCL need a multi-GPU machine.
+# the CUDA memory meter (torch.cuda.max_memory_allocated) beside the analytic model, the
+# fake-tensor estimate and the allocator's prediction from a CPU, at the book's section 4.1 model
+# size; then step time, and a short train run (stopped half-way, resumed), export and generate.
+# One GPU means world size 1 (NCCL refuses two ranks on one device), so TP/SP/PP on NCCL need a
+# multi-GPU machine. Written for a few minutes of GPU time (about 3.5 on an H200).
 #   bash scripts/gpu_check.sh [OUT_DIR]
 set -u
 out=${1:-results/gpu_check}
@@ -18,18 +20,36 @@ $py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-c
 echo "== memory on CUDA (allocator peak) beside the analytic model"
 $py -m evaluation.parallel benchmark --kind memory --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- --modes ddp \
   --num_hidden_layers 1 2 4 8 $seed --dtype bfloat16 --warmup_iters 1 --benchmark_iters 3 \
-  --output_csv "$out/cuda_memory.csv" --output_json "$out/cuda_memory.json" --output_plot "$out/cuda_memory.png"
+  --overwrite --output_csv "$out/cuda_memory.csv" --output_json "$out/cuda_memory.json" --output_plot "$out/cuda_memory.png"
 echo "== the same cells under --estimate (fake tensors, CPU tracker)"
 $py -m evaluation.parallel benchmark --kind memory --tp_size 1 --pp_size 1 -- --estimate --modes ddp \
   --num_hidden_layers 1 2 4 8 $seed --dtype bfloat16 \
-  --output_csv "$out/estimate_memory.csv" --output_json "$out/estimate_memory.json" --output_plot "$out/estimate_memory.png"
+  --overwrite --output_csv "$out/estimate_memory.csv" --output_json "$out/estimate_memory.json" --output_plot "$out/estimate_memory.png"
 echo "== the allocator's predicted max_memory_allocated (CPU replay, memory/allocator.py) for the same cells"
 $py -m evaluation.parallel benchmark --kind memory --tp_size 1 --pp_size 1 --device cuda -- --estimate --modes ddp \
   --num_hidden_layers 1 2 4 8 $seed --dtype bfloat16 --cuda_capability "${CUDA_CAPABILITY:-9.0}" \
-  --output_csv "$out/allocator_prediction.csv" --output_json "$out/allocator_prediction.json" \
+  --overwrite --output_csv "$out/allocator_prediction.csv" --output_json "$out/allocator_prediction.json" \
   --output_plot "$out/allocator_prediction.png"
 echo "== --recompute selective on CUDA: GQA without repeat_kv copies, lean norms, SwiGLU recompute (validate)"
 $py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype float32 --optimizer_steps 3 \
   --recompute selective
 $py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype bfloat16 --optimizer_steps 3 \
   --recompute selective
+echo "== step time on CUDA (ddp, world 1) at the same size, 8 layers"
+$py -m evaluation.parallel benchmark --kind throughput --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- --modes ddp ${BENCH_MODES:-} \
+  --num_hidden_layers 8 $seed --dtype bfloat16 --warmup_iters 3 --benchmark_iters ${BENCH_ITERS:-20} \
+  --overwrite --output_csv "$out/cuda_throughput.csv" --output_json "$out/cuda_throughput.json" --output_plot "$out/cuda_throughput.png"
+echo "== train on CUDA (world 1, NCCL): corpus, tokenizer, a run stopped half-way and resumed, export, generate"
+data="$out/data"; run="$out/run"
+$py -m minimind_parallel.data.corpus --out "$data/stdlib.jsonl"
+$py -m minimind_parallel.data.tokenizer --data "$data/stdlib.jsonl" --out "$data/tokenizer" --vocab_size 6400
+steps=${TRAIN_STEPS:-400}
+train="--data_path $data/stdlib.jsonl --tokenizer_path $data/tokenizer --vocab_size 6400 --hidden_size 512
+  --num_hidden_layers 8 --num_attention_heads 8 --num_key_value_heads 4 --max_seq_len 512 --batch_size 16 --accumulation_steps 1
+  --learning_rate 1e-3 --max_steps $steps --log_interval $((steps / 8)) --eval_fraction 0.05 --eval_interval $((steps / 4))
+  --save_interval $((steps / 2)) --save_dir $run"
+$py -m evaluation.parallel train --device ${DEVICE:-cuda} -- $train --stop_at_step $((steps / 2))
+$py -m evaluation.parallel train --device ${DEVICE:-cuda} -- $train --resume
+$py -m evaluation.parallel export -- --checkpoint "$run" --format hf --out "$run/hf" --tokenizer_path "$data/tokenizer"
+$py -m evaluation.parallel generate --device ${DEVICE:-cuda} -- --checkpoint "$run" --tokenizer_path "$data/tokenizer" \
+  --prompt "Return the" --max_new_tokens 40

@@ -3,6 +3,8 @@ and a rank that raises ending the whole job."""
 import subprocess
 import sys
 
+import pytest
+
 from minimind_parallel import cli, launcher
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
@@ -67,3 +69,18 @@ def test_torchrun_launches_world_size_ranks_of_the_worker():
     cmd = launcher.torchrun_command(L, 4, ["validate", "--tp_size", "4"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=4" in cmd
     assert cmd[-4:] == ["minimind_parallel.worker", "validate", "--tp_size", "4"]
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_the_torchrun_command_parses_under_the_installed_torchrun(nnodes):
+    """Every launcher flag is one the installed torchrun knows (CUDA builds users bring may be
+    older than the pinned CPU build; an unknown flag ends every job before it starts)."""
+    from torch.distributed.run import get_args_parser
+
+    class L:
+        node_rank, master_addr, master_port, rdzv_timeout = 0, "127.0.0.1", 29512, 30.0
+    L.nnodes = nnodes
+    cmd = launcher.torchrun_command(L, 2 * nnodes, ["validate"])
+    args = get_args_parser().parse_args(cmd[3:])
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts) == (str(nnodes), "2", 0)
+    assert launcher.torchrun_accepts("--nnodes") and not launcher.torchrun_accepts("--no_such_option")
