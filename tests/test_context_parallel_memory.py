@@ -14,7 +14,7 @@ from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig
 from minimind_parallel.context_parallel import COMM_TYPES
 from minimind_parallel.memory import estimate_step_memory, predict_memory
-from test_memory import REAL_SLACK, _check_model, measure_real
+from test_memory import _check_model, measure_real
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 import memory_model_sweep as sweep  # noqa: E402
@@ -23,15 +23,6 @@ S, B = 64, 2
 TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                       vocab_size=128, tie_word_embeddings=False, max_position_embeddings=256)
 LAYOUTS = {comm: ParallelConfig(cp=2, cp_comm_type=comm) for comm in COMM_TYPES}
-# test_memory.py's slack for a storage a real gloo run releases a moment late; under load the
-# input of a synchronous all-to-all (q, k, v packed: S/C x B x (h + 2 kv) x d bf16) was once seen
-# held by gloo's worker past the call, so a2a's real run may carry that buffer more.
-A2A_INPUT = S // 2 * B * (8 + 2 * 4) * 8 * 2
-SLACK = {"all_gather": REAL_SLACK, "ring": REAL_SLACK, "a2a": REAL_SLACK + A2A_INPUT}
-
-
-def close(name: str, real_bytes: int, exact_bytes: int) -> bool:
-    return 0 <= real_bytes - exact_bytes <= SLACK[name]
 
 
 def test_estimate_equals_the_real_cpu_run_for_every_comm_type():
@@ -41,9 +32,8 @@ def test_estimate_equals_the_real_cpu_run_for_every_comm_type():
         model = predict_memory(TINY, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
         _check_model(model, estimate, name)
         for real in (r[name] for r in ranks):   # load-balanced: both CP ranks hold the same bytes
-            assert close(name, real.peak_bytes, estimate.peak_bytes), (name, real.peak_bytes, estimate.peak_bytes)
-            for cat, value in estimate.breakdown.items():
-                assert close(name, real.breakdown[cat], value), (name, cat, real.breakdown, estimate.breakdown)
+            assert real.peak_bytes == estimate.peak_bytes, (name, real.peak_bytes, estimate.peak_bytes)
+            assert real.breakdown == estimate.breakdown, (name, real.breakdown, estimate.breakdown)
 
 
 def test_cp_halves_what_a_rank_saves_for_backward():

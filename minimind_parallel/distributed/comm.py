@@ -10,12 +10,16 @@ running", from its issue to its return and again around `wait()`:
       `collective_region()` context manager, so it can tell a backend's own buffers (e.g. gloo's
       reduce-scatter works on a copy made out of our sight) from ours. A new collective is
       counted correctly by wrapping it in `collective(...)`; the tracker needs no change.
+Each is issued through `_start` and waited through its handle, which returns only once the
+backend has let go of the tensors (`_Release`), so a tensor dies where the program drops it.
 
 Sequence collectives act on dim 0 because activations are sequence-first [S, B, H].
 """
 from __future__ import annotations
 
 import contextlib
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -23,6 +27,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .ranges import span
+
+RELEASE_WAIT_S = 2.0  # the longest wait for a backend to drop a finished collective's tensors
 
 # torch >= 2.13 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -54,16 +60,62 @@ class _Done:
         return True
 
 
-class _Started:
-    """A collective started with async_op=True; its wait() runs inside the collective marker
-    (a backend may copy its own buffer into the output there)."""
+class _Release:
+    """Waits, after a collective, until the backend has let go of our tensors.
 
-    def __init__(self, work):
-        self._work = work
+    gloo runs a collective on a worker thread that marks it done -- wait() returns -- and only then
+    drops its reference to the work, and with it the work's references to our tensors. A tensor
+    the caller frees right after the collective could so outlive its last use by a moment, at
+    random (after about one gloo call in three on two loaded cores), and a memory meter would see
+    it held. So each tensor's references are counted before the collective is issued -- to the
+    tensor itself (the work may hold it) and to its storage (the work may hold views of it) -- and
+    once the work is done and ours dropped, we wait until both are back, at most RELEASE_WAIT_S,
+    then warn. CPU tensors only: NCCL's lifetimes are the CUDA caching allocator's (stream-ordered).
+    The counts are PyTorch's private `Tensor._use_count` and `torch._C._storage_Use_Count`; a
+    release without them waits for nothing, and tests/test_distributed_comm.py fails."""
+
+    def __init__(self, tensors):
+        counted = hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
+        self._tensors = [t for t in tensors if t.device.type == "cpu"] if counted else []
+        self._before = self._counts()
+
+    def _counts(self) -> list[tuple[int, int]]:
+        return [(t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in self._tensors]
+
+    def wait(self) -> None:
+        """Called once our references to the work are gone: wait for the backend's to go."""
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while any(now[0] > then[0] or now[1] > then[1] for now, then in zip(self._counts(), self._before)):
+            if time.monotonic() > deadline:
+                warnings.warn(f"a finished collective's tensors are still referenced after {RELEASE_WAIT_S} s")
+                break
+            time.sleep(0)
+        self._tensors = []  # nor do we keep them
+
+
+class _Started:
+    """Collectives started with async_op=True; wait() waits for each inside the collective marker
+    (a backend may copy its own buffer into the output there), then for the backend to release
+    the tensors (`_Release`)."""
+
+    def __init__(self, works: list, release: _Release):
+        self._works, self._release = works, release
 
     def wait(self):
         with _observed():
-            return self._work.wait()
+            for i in range(len(self._works)):   # no loop variable left holding the last work
+                self._works[i].wait()
+            self._works = []   # ours were the last references, unless the backend still has one
+            self._release.wait()
+        return True
+
+
+def _start(tensors, issue, *args, **kwargs) -> _Started:
+    """Issue a collective on `tensors`: `issue(*args, **kwargs)` returns its work(s), started
+    with async_op=True."""
+    release = _Release(tensors)
+    works = issue(*args, **kwargs)
+    return _Started(works if isinstance(works, list) else [works], release)
 
 
 def group_size(group) -> int:
@@ -80,8 +132,10 @@ def all_reduce(x: torch.Tensor, group, *, async_op: bool = False, op=dist.Reduce
     if group is None:
         return (x, _Done()) if async_op else x
     with collective("all_reduce"):
-        work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
-    return (x, _Started(work)) if async_op else x
+        work = _start([x], dist.all_reduce, x, op=op, group=group, async_op=True)
+        if not async_op:
+            work.wait()
+    return (x, work) if async_op else x
 
 
 def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
@@ -92,8 +146,10 @@ def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     x = x.contiguous()
     out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     with collective("all_gather"):
-        work = _all_gather_single(out, x, group=group, async_op=async_op)
-    return (out, _Started(work)) if async_op else out
+        work = _start([out, x], _all_gather_single, out, x, group=group, async_op=True)
+        if not async_op:
+            work.wait()
+    return (out, work) if async_op else out
 
 
 def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
@@ -104,8 +160,10 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     with collective("reduce_scatter"):
-        work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
-    return (out, _Started(work)) if async_op else out
+        work = _start([out, x], _reduce_scatter_single, out, x, group=group, async_op=True)
+        if not async_op:
+            work.wait()
+    return (out, work) if async_op else out
 
 
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -133,22 +191,8 @@ def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     with collective("all_to_all"):
-        dist.all_to_all_single(out, x, group=group)
+        _start([out, x], dist.all_to_all_single, out, x, group=group, async_op=True).wait()
     return out
-
-
-class _Batch:
-    """The works of one batch of point-to-point transfers; wait() waits for all of them."""
-
-    def __init__(self, works):
-        self._works = works
-
-    def wait(self):
-        with _observed():
-            for work in self._works:
-                work.wait()
-        self._works = []   # a work keeps its tensors: once done, let the sent buffer go at once
-        return True
 
 
 def send_recv(group, *, sends=(), recvs=(), tag: int = 0, async_op: bool = False, kind: str = "send_recv"):
@@ -163,9 +207,9 @@ def send_recv(group, *, sends=(), recvs=(), tag: int = 0, async_op: bool = False
     if not ops:
         return _Done() if async_op else None
     with collective(kind):
-        works = dist.batch_isend_irecv(ops)
+        works = _start([op.tensor for op in ops], dist.batch_isend_irecv, ops)
+        del ops                      # the works keep the sent buffers: once done, they go at once
         if not async_op:             # a blocking exchange: its wait is part of its range
-            for work in works:
-                work.wait()
+            works.wait()
             return None
-    return _Batch(works)
+    return works
