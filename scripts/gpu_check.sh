@@ -48,7 +48,7 @@ train="--data_path $data/stdlib.jsonl --tokenizer_path $data/tokenizer --vocab_s
   --num_hidden_layers 8 --num_attention_heads 8 --num_key_value_heads 4 --max_seq_len 512 --batch_size 16 --accumulation_steps 1
   --learning_rate 1e-3 --max_steps $steps --log_interval $((steps / 8)) --eval_fraction 0.05 --eval_interval $((steps / 4))
   --save_interval $((steps / 2)) --save_dir $run"
-$py -m evaluation.parallel train --device ${DEVICE:-cuda} -- $train --stop_at_step $((steps / 2))
+$py -m evaluation.parallel train --device ${DEVICE:-cuda} -- $train --stop_at_step $((steps / 2)) --overwrite
 $py -m evaluation.parallel train --device ${DEVICE:-cuda} -- $train --resume
 $py -m evaluation.parallel export -- --checkpoint "$run" --format hf --out "$run/hf" --tokenizer_path "$data/tokenizer"
 $py -m evaluation.parallel generate --device ${DEVICE:-cuda} -- --checkpoint "$run" --tokenizer_path "$data/tokenizer" \

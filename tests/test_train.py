@@ -212,6 +212,8 @@ def bad_inputs(corpus, tmp, checkpointed):
         ([*train, "--save_dir", str(checkpointed), "--resume", "--hidden_size", "128"],
          "has another model config: hidden_size=64 in the checkpoint, hidden_size=128 now"),
         ([*train, "--resume"], "--resume continues the latest checkpoint of --save_dir"),
+        ([*train, "--save_dir", str(checkpointed)],
+         f"--save_dir {checkpointed} holds an earlier run's checkpoint (step_00000004): pass --resume"),
         ([*train, "--tokenizer_path", str(tmp / "no_tokenizer")], "cannot load tokenizer"),
         ([*train, "--batch_size", "64"], "dataset must hold one global batch"),
         ([*train, "--eval_interval", "5"], "needs held-out data"),
@@ -234,3 +236,12 @@ def test_a_good_command_launches_once(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(launcher, "run_torchrun", lambda launch, world, argv, **k: launched.append(world) or 0)
     assert cli.main(["train", "--tp_size", "2", "--", *data_args(corpus, out_dir=tmp_path)]) == 0
     assert launched == [2]
+
+
+def test_a_new_run_over_an_earlier_runs_checkpoints_launches_only_with_overwrite(corpus, tmp_path, checkpointed,
+                                                                               monkeypatch, capsys):
+    argv = ["train", "--", *data_args(corpus, out_dir=tmp_path), "--save_dir", str(checkpointed)]
+    assert_refused_before_launch(argv, "holds an earlier run's checkpoint", monkeypatch, capsys)
+    launched = []
+    monkeypatch.setattr(launcher, "run_torchrun", lambda launch, world, argv, **k: launched.append(world) or 0)
+    assert cli.main([*argv, "--overwrite"]) == 0 and launched == [1]

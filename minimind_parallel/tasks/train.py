@@ -70,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save_interval", type=int, default=1000)
     p.add_argument("--save_dir", default=None, help="checkpoints (and, by default, metrics and the loss curve)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of --save_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --save_dir that holds an earlier run's checkpoints")
     p.add_argument("--from_weight", default=None, metavar="PTH", help="start from MiniMind weights ({weight}_{dim}.pth)")
     p.add_argument("--eval_data_path", default=None, help="held-out jsonl")
     p.add_argument("--eval_fraction", type=float, default=0.0, help="hold out this fraction of --data_path instead")
@@ -168,6 +170,11 @@ def check_outputs(args, config) -> None:
     if args.save_dir:
         from .. import checkpoint
         checkpoint.check_save_dir(args.save_dir)
+        earlier = checkpoint.latest_checkpoint(args.save_dir)
+        if earlier and not (args.resume or args.overwrite):
+            raise ConfigError(f"--save_dir {args.save_dir} holds an earlier run's checkpoint "
+                              f"({os.path.basename(earlier)}): pass --resume to continue it or --overwrite to "
+                              f"start a new run there")
     if args.resume:
         path = checkpoint.latest_checkpoint(args.save_dir)
         if path is None:
