@@ -4,7 +4,7 @@
 # fake-tensor estimate and the allocator's prediction from a CPU, at the book's section 4.1 model
 # size; then step time, and a short train run (stopped half-way, resumed), export and generate.
 # One GPU means world size 1 (NCCL refuses two ranks on one device), so TP/SP/PP on NCCL need a
-# multi-GPU machine. Written for a few minutes of GPU time (about 3.5 on an H200).
+# multi-GPU machine. Written for a few minutes of GPU time (about 5 on an H200, most of it starting jobs).
 #   bash scripts/gpu_check.sh [OUT_DIR]
 set -u
 out=${1:-results/gpu_check}

@@ -22,7 +22,7 @@ from minimind_parallel.data.pretrain import (IGNORE_INDEX, PretrainDataset, Pret
                                              iterate_batches, measure_loading)
 from minimind_parallel.data.token_cache import build_token_cache
 from minimind_parallel.data.tokenizer import load_tokenizer, train_tokenizer
-from minimind_parallel.lr_schedule import cosine_lr
+from minimind_parallel.training.lr_schedule import cosine_lr
 
 MAX_DOCS, VOCAB = 200, 512
 

@@ -15,7 +15,7 @@ from distributed import run_ranks
 from minimind_parallel import cli, launcher, tasks
 from minimind_parallel.config import MiniMindConfig
 from minimind_parallel.data.tokenizer import train_tokenizer
-from minimind_parallel.metrics import curves, model_flops_per_token
+from minimind_parallel.training.metrics import curves, model_flops_per_token
 from minimind_parallel.model import MiniMindForCausalLM
 from test_cli import assert_refused_before_launch
 

@@ -11,12 +11,12 @@ from minimind_parallel.config import MiniMindConfig, ParallelConfig
 from minimind_parallel.context_parallel import ContextLayout
 from minimind_parallel.data.batches import (IGNORE_INDEX, Batch, cp_tokens, dp_rows, random_batch, shift_labels,
                                             split_microbatches)
-from minimind_parallel.grad_clip import clip_grad_norm_
+from minimind_parallel.training.grad_clip import clip_grad_norm_
 from minimind_parallel.groups import ProcessGroups
-from minimind_parallel.mixed_precision import LossScaler, Precision
+from minimind_parallel.training.mixed_precision import LossScaler, Precision
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.pipeline_parallel import forward_backward
-from minimind_parallel.pretraining import pretrain_step, world_token_mean
+from minimind_parallel.training.pretraining import pretrain_step, world_token_mean
 from minimind_parallel.training import build_parallel_model, finalize_grads, unwrap, wrap_data_parallel
 from minimind_parallel.validation import dense_slice
 

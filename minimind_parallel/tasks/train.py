@@ -37,15 +37,15 @@ from ..data.pretrain import PretrainSampler, check_fits_model
 from ..data.tokenizer import load_tokenizer
 from ..distributed import comm
 from ..groups import ProcessGroups
-from ..heldout import heldout_loss
-from ..lr_schedule import cosine_lr
-from ..metrics import (MetricsFile, format_eval, format_line, mfu, model_flops_per_token, peak_memory_bytes,
-                       peak_tflops, write_loss_plot)
-from ..mixed_precision import PRECISIONS, LossScaler, Precision
 from ..model import MiniMindForCausalLM
 from ..options import Parser, add_model_args, check_at_least, check_common, model_config, parallel_config
-from ..pretraining import pretrain_step, world_token_mean
 from ..training import DTYPES, build_parallel_model, make_optimizer, wrap_data_parallel
+from ..training.heldout import heldout_loss
+from ..training.lr_schedule import cosine_lr
+from ..training.metrics import (MetricsFile, format_eval, format_line, mfu, model_flops_per_token,
+                                peak_memory_bytes, peak_tflops, write_loss_plot)
+from ..training.mixed_precision import PRECISIONS, LossScaler, Precision
+from ..training.pretraining import pretrain_step, world_token_mean
 from .task import Task
 
 MIB = 2 ** 20

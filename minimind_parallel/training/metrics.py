@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from .config import MiniMindConfig
-from .files import atomic_path
+from ..config import MiniMindConfig
+from ..files import atomic_path
 
 # Dense bf16/fp16 tensor-core peaks per GPU (vendor data sheets, SXM parts), TFLOP/s.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .data_parallel import unwrap
+from ..data_parallel import unwrap
 
 PRECISIONS = ("mixed", "pure")
 HALF = (torch.bfloat16, torch.float16)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 def cosine_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> float:

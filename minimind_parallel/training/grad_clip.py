@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .data_parallel import unwrap
-from .distributed import comm
-from .groups import ProcessGroups
-from .plan import grad_is_shared_over_stages, tp_split_dim
+from ..data_parallel import unwrap
+from ..distributed import comm
+from ..groups import ProcessGroups
+from ..plan import grad_is_shared_over_stages, tp_split_dim
 
 
 def counted_here(name: str, model: nn.Module, groups: ProcessGroups) -> bool:

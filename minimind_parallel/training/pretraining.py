@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .data.batches import Batch, count_targets, split_microbatches
-from .distributed import comm
+from ..data.batches import Batch, count_targets, split_microbatches
+from ..distributed import comm
 from .grad_clip import clip_grad_norm_
-from .groups import ProcessGroups
+from ..groups import ProcessGroups
 from .mixed_precision import LossScaler, Precision
-from .pipeline_parallel import forward_backward
-from .training import finalize_grads
+from ..pipeline_parallel import forward_backward
+from .step import finalize_grads
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,15 +7,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import MiniMindConfig, ParallelConfig
-from .data.batches import split_microbatches
-from .data_parallel import unwrap, wrap_data_parallel  # noqa: F401  (re-exported: the tasks' one import)
-from .distributed import comm
-from .distributed.ranges import span
-from .groups import ProcessGroups
-from .parallel_model import ParallelMiniMindForCausalLM
-from .pipeline_parallel import StepResult, forward_backward
-from .sharding import shard_state_dict
+from ..config import MiniMindConfig, ParallelConfig
+from ..data.batches import split_microbatches
+from ..data_parallel import unwrap
+from ..distributed import comm
+from ..distributed.ranges import span
+from ..groups import ProcessGroups
+from ..parallel_model import ParallelMiniMindForCausalLM
+from ..pipeline_parallel import StepResult, forward_backward
+from ..sharding import shard_state_dict
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

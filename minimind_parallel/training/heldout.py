@@ -11,11 +11,11 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from .data.batches import Batch, count_targets, split_microbatches
-from .distributed import comm
-from .groups import ProcessGroups
+from ..data.batches import Batch, count_targets, split_microbatches
+from ..distributed import comm
+from ..groups import ProcessGroups
 from .mixed_precision import Precision
-from .pipeline_parallel import forward_backward
+from ..pipeline_parallel import forward_backward
 from .pretraining import world_token_mean
 
 
