@@ -10,8 +10,8 @@ running", from its issue to its return and again around `wait()`:
       `collective_region()` context manager, so it can tell a backend's own buffers (e.g. gloo's
       reduce-scatter works on a copy made out of our sight) from ours. A new collective is
       counted correctly by wrapping it in `collective(...)`; the tracker needs no change.
-Each is issued through `_start` and waited through its handle, which returns only once the
-backend has let go of the tensors (`_Release`), so a tensor dies where the program drops it.
+Each returns (or its handle's wait() returns) only once the backend has let go of the tensors
+(`_issue`, `_Release`), so a tensor dies where the program drops it.
 
 Sequence collectives act on dim 0 because activations are sequence-first [S, B, H].
 """
@@ -110,12 +110,16 @@ class _Started:
         return True
 
 
-def _start(tensors, issue, *args, **kwargs) -> _Started:
-    """Issue a collective on `tensors`: `issue(*args, **kwargs)` returns its work(s), started
-    with async_op=True."""
+def _issue(tensors, async_op: bool, collective_fn, *args, **kwargs):
+    """Run `collective_fn(*args, async_op=..., **kwargs)` on `tensors`. Blocking: return once it is
+    done and the backend has let go of them (a blocking call is left blocking: NCCL runs it on
+    the current stream). async_op: return its handle, whose wait() does both."""
     release = _Release(tensors)
-    works = issue(*args, **kwargs)
-    return _Started(works if isinstance(works, list) else [works], release)
+    work = collective_fn(*args, async_op=async_op, **kwargs)
+    if async_op:
+        return _Started([work], release)
+    release.wait()
+    return None
 
 
 def group_size(group) -> int:
@@ -132,9 +136,7 @@ def all_reduce(x: torch.Tensor, group, *, async_op: bool = False, op=dist.Reduce
     if group is None:
         return (x, _Done()) if async_op else x
     with collective("all_reduce"):
-        work = _start([x], dist.all_reduce, x, op=op, group=group, async_op=True)
-        if not async_op:
-            work.wait()
+        work = _issue([x], async_op, dist.all_reduce, x, op=op, group=group)
     return (x, work) if async_op else x
 
 
@@ -146,9 +148,7 @@ def all_gather_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     x = x.contiguous()
     out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     with collective("all_gather"):
-        work = _start([out, x], _all_gather_single, out, x, group=group, async_op=True)
-        if not async_op:
-            work.wait()
+        work = _issue([out, x], async_op, _all_gather_single, out, x, group=group)
     return (out, work) if async_op else out
 
 
@@ -160,9 +160,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     with collective("reduce_scatter"):
-        work = _start([out, x], _reduce_scatter_single, out, x, group=group, async_op=True)
-        if not async_op:
-            work.wait()
+        work = _issue([out, x], async_op, _reduce_scatter_single, out, x, group=group)
     return (out, work) if async_op else out
 
 
@@ -191,7 +189,7 @@ def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     with collective("all_to_all"):
-        _start([out, x], dist.all_to_all_single, out, x, group=group, async_op=True).wait()
+        _issue([out, x], False, dist.all_to_all_single, out, x, group=group)
     return out
 
 
@@ -207,7 +205,8 @@ def send_recv(group, *, sends=(), recvs=(), tag: int = 0, async_op: bool = False
     if not ops:
         return _Done() if async_op else None
     with collective(kind):
-        works = _start([op.tensor for op in ops], dist.batch_isend_irecv, ops)
+        release = _Release([op.tensor for op in ops])
+        works = _Started(dist.batch_isend_irecv(ops), release)
         del ops                      # the works keep the sent buffers: once done, they go at once
         if not async_op:             # a blocking exchange: its wait is part of its range
             works.wait()
