@@ -16,12 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_ranks
+from test_profiling import TINY, profile_tp2
 from test_sequence_parallel import _block
-from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
-from minimind_parallel.profiling.trace import profile_steps
+from minimind_parallel import ParallelConfig
 from minimind_parallel.distributed import comm
-from minimind_parallel.training import build_parallel_model, make_optimizer
-from minimind_parallel.data.batches import random_batch
 
 # S * B = 24 rows: no dgrad GEMM output [S*B, H] has the shape of a column-parallel weight
 # [N/T, H] (16, 8, 8, 64, 64 rows), so a GEMM with a weight's shape is a wgrad GEMM.
@@ -115,20 +113,12 @@ def test_synchronous_path_has_no_async_collective():
 
 # ---------------------------------------------------------------- a real gloo profile
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
-            tie_word_embeddings=False)
 ISSUE = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather",
          "c10d::_reduce_scatter_base_": "reduce_scatter"}
 
 
 def _profile(flags, out_dir):
-    par = ParallelConfig(tp=2, **flags)
-    groups = ProcessGroups.build(par)
-    config = MiniMindConfig(**TINY)
-    torch.manual_seed(0)
-    model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
-    ids, targets = random_batch(1, 2, 16, config.vocab_size)
-    profile_steps(model, make_optimizer(model, 1e-3), groups, ids, targets, steps=1, warmup=1, out_dir=out_dir)
+    profile_tp2(flags, out_dir, steps=1)
 
 
 def _main_thread(trace_path):

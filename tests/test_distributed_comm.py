@@ -39,7 +39,7 @@ def test_the_marker_is_left_when_the_collective_raises():
         assert tracker._collectives == 0
 
 
-def _issue(kind: str, x: torch.Tensor, group):
+def _one_collective(kind: str, x: torch.Tensor, group):
     """One collective of `kind` on x; returns what the caller would keep."""
     peer = 1 - dist.get_rank()
     if kind == "send_recv":
@@ -64,7 +64,7 @@ def _late_frees(kinds, n):
             for _ in range(n):
                 base = tracker.live_bytes
                 x = torch.randn(1024)
-                out = _issue(kind, x, group)
+                out = _one_collective(kind, x, group)
                 del x, out
                 late[kind] += tracker.live_bytes != base
     late["release waits that timed out"] = len(timeouts)

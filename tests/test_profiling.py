@@ -43,19 +43,22 @@ def expected_counts(mode: str) -> dict:
             "reduce_scatter": {"forward": 2 * L, "backward": column_bwd}, **finalize}
 
 
+def profile_tp2(flags: dict, out_dir: str, *, steps: int, title: str = "") -> dict:
+    """On each of 2 TP ranks: the TINY model with `flags`, one warm-up step, then `steps` profiled
+    (shared with tests/test_async_communication.py)."""
+    par = ParallelConfig(tp=2, **flags)
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY)
+    torch.manual_seed(0)
+    model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
+    ids, targets = random_batch(1, 2, 16, config.vocab_size)
+    return profile_steps(model, make_optimizer(model, 1e-3), groups, ids, targets, steps=steps, warmup=1,
+                         out_dir=out_dir, title=title)
+
+
 def _profile_modes(out_root):
-    out = {}
-    for mode, flags in MODES.items():
-        par = ParallelConfig(tp=2, **flags)
-        groups = ProcessGroups.build(par)
-        config = MiniMindConfig(**TINY)
-        torch.manual_seed(0)
-        model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
-        ids, targets = random_batch(1, 2, 16, config.vocab_size)
-        result = profile_steps(model, make_optimizer(model, 1e-3), groups, ids, targets, steps=2, warmup=1,
-                               out_dir=os.path.join(out_root, mode), title=mode)
-        out[mode] = result["rank"]
-    return out
+    return {mode: profile_tp2(flags, os.path.join(out_root, mode), steps=2, title=mode)["rank"]
+            for mode, flags in MODES.items()}
 
 
 ISSUED = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather",
