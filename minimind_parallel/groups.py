@@ -116,7 +116,7 @@ class ProcessGroups:
         # Parameters are replicated over CP as over DP: their grads are reduced over both at once
         # (Megatron-LM's and picotron's data-parallel x context-parallel group).
         for ranks in groups_across(grid, (AXES.index("dp"), AXES.index("cp"))):
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 out.dp_cp = group
         return out

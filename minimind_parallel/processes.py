@@ -30,12 +30,12 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the launcher (a BaseException, like KeyboardInterrupt, so that no
-    `except Exception` swallows it)."""
+    """SIGINT or SIGTERM reached the launcher, or (`who`) another process of the job died of a signal
+    (a BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, who: str | None = None):
         self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        super().__init__(f"{who + ' ' if who else ''}interrupted by {signal.Signals(signum).name}")
 
     @property
     def exit_code(self) -> int:

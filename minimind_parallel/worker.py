@@ -2,7 +2,9 @@
 
 A rank dies with torchrun (processes.die_with_parent), and a collective that waits longer than
 --collective_timeout (a peer stopped, or gone without its connection closing) fails the rank with
-one line saying so, which ends the job (docs/failure_behaviour.md)."""
+one line saying so, which ends the job (docs/failure_behaviour.md). Such an error, or bad input
+found inside the ranks (ConfigError), is recorded in the rank's torchelastic error file without a
+traceback of the rank's own; the launcher prints it as the job's last line."""
 from __future__ import annotations
 
 import datetime
@@ -12,10 +14,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from . import processes, tasks
 from .cli import parse
+from .config import ConfigError
 from .options import collective_timeout, resolve_device
 
 
@@ -64,6 +67,16 @@ def inject_fault(spec: str | None) -> None:
 
 @record
 def main(argv: list[str]) -> int:
+    """-> the rank's exit code; an error the launcher reports in one line is recorded here (exit 1),
+    any other is raised (its traceback, recorded by `record`)."""
+    try:
+        return run(argv)
+    except (CollectiveTimeoutError, ConfigError) as e:
+        get_error_handler().record_exception(e)
+        return 1
+
+
+def run(argv: list[str]) -> int:
     processes.die_with_parent()
     launch, args = parse(argv)
     device = init_distributed(resolve_device(launch), collective_timeout(launch))
@@ -71,7 +84,7 @@ def main(argv: list[str]) -> int:
         inject_fault(launch.inject_fault)
         return tasks.get(launch.task).run_rank(launch, args, device)
     except Exception as e:
-        if timed_out(e):
+        if timed_out(e) and not isinstance(e, ConfigError):
             raise CollectiveTimeoutError(
                 f"rank {dist.get_rank()}: a collective did not complete within --collective_timeout "
                 f"{launch.collective_timeout:g} s (a peer stopped or is gone): {str(e).splitlines()[0][:200]}") from e

@@ -36,6 +36,9 @@ def test_a_rank_that_raises_ends_the_job_with_its_error():
     r = run("validate", "--tp_size", "2", "--inject_fault", "raise:1", "--", *TINY, timeout=120)
     assert r.returncode != 0
     assert "RuntimeError" in r.stderr and "injected fault on rank 1" in r.stderr
+    # the last line says what failed where (torchrun's report above it)
+    assert r.stderr.strip().splitlines()[-1] == \
+        "validate: rank 1 failed: RuntimeError: injected fault on rank 1; every process of the job was ended"
 
 
 def assert_refused_before_launch(argv, message, monkeypatch, capsys):

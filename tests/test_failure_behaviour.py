@@ -14,9 +14,15 @@ import sys
 import time
 import uuid
 
-import pytest
+import datetime
 
-from minimind_parallel import cli, memory, processes
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from minimind_parallel import ParallelConfig, ProcessGroups, cli, memory, processes
+from test_train import corpus, data_args  # noqa: F401  (corpus: the fixture)
 
 MARK = "MINIMIND_PARALLEL_TEST_MARK"
 TINY = ["--hidden_size", "32", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "64",
@@ -112,6 +118,24 @@ def test_a_signal_to_validate_ends_every_rank_and_prints_one_line(signum, mark):
     assert_none_left(mark)
 
 
+def test_sigterm_to_torchrun_ends_the_job_with_one_line(mark):
+    """A scheduler may signal torchrun rather than the launcher: torchrun ends at once (it is not
+    given SIGTERM to handle), the launcher ends the rest of the job and says what happened."""
+    proc = start("validate", "--tp_size", "2", "--", *TINY, "--optimizer_steps", "1000000", mark=mark)
+    try:
+        wait_for_ranks(mark, 2, proc)
+        torchrun = [pid for pid, cmd in marked(mark).items() if "torch.distributed.run" in cmd]
+        assert len(torchrun) == 1, marked(mark)
+        os.kill(torchrun[0], signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_on_failure(proc, mark)
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    assert err.strip().splitlines() == ["validate: torchrun interrupted by SIGTERM; every process of the job was ended"]
+    assert "Traceback" not in out + err
+    assert_none_left(mark)
+
+
 def test_ctrl_c_during_a_sweep_records_the_cell_as_interrupted_and_keeps_finished_rows(mark, tmp_path):
     csv_path = tmp_path / "b.csv"
     proc = start("benchmark", "--tp_size", "2", "--", *TINY, "--modes", "ddp", "tp", "--warmup_iters", "0",
@@ -168,6 +192,34 @@ def test_a_cell_timeout_kills_every_rank_of_the_cell(mark, tmp_path):
     assert_none_left(mark, within=2.0)
 
 
+def _unanswered_collectives(par: ParallelConfig) -> dict:
+    """Rank 0 all-reduces over each of its groups, which no peer joins: -> group -> (seconds, error)."""
+    groups = ProcessGroups.build(par, timeout=datetime.timedelta(seconds=1))
+    waited = {}
+    if dist.get_rank() == 0:
+        for name in ("tp", "pp", "cp", "dp", "embed", "dp_cp"):
+            group = getattr(groups, name)
+            if group is None:
+                continue
+            start = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(1), group=group)
+                waited[name] = (time.monotonic() - start, "")
+            except RuntimeError as e:
+                waited[name] = (time.monotonic() - start, str(e))
+    dist.barrier()  # the peers wait here (the default group) until rank 0 has tried every group
+    return waited
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(dp=2, cp=2), ParallelConfig(tp=2, pp=2)], ids=["dp_cp", "tp_pp"])
+def test_every_process_group_waits_at_most_the_collective_timeout(par):
+    waited = run_ranks(_unanswered_collectives, 4, par, timeout=120)[0]
+    expected = {"dp", "cp", "dp_cp"} if par.dp > 1 else {"tp", "pp", "embed"}
+    assert set(waited) == expected
+    for name, (seconds, error) in waited.items():
+        assert "timed out" in error.lower() and seconds < 20, (name, seconds, error)
+
+
 def test_a_stopped_peer_ends_the_job_after_the_collective_timeout(mark):
     """Rank 1 stops (alive, silent): rank 0's collective gives up after --collective_timeout and says so."""
     r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "validate", "--tp_size", "2",
@@ -178,11 +230,52 @@ def test_a_stopped_peer_ends_the_job_after_the_collective_timeout(mark):
     assert_none_left(mark)
 
 
+def rank_pid(mark: str, rank: int) -> int:
+    """The pid of global rank `rank` of the marked job (torchrun gives each rank RANK in its environment)."""
+    for pid, env in processes_with(MARK, mark).items():
+        if f"RANK={rank}".encode() in env.split(b"\0") and "torch.distributed.run" not in marked(mark).get(pid, ""):
+            return pid
+    raise AssertionError(f"no rank {rank} among {marked(mark)}")
+
+
+def test_a_stopped_rank_ends_a_train_job_within_the_collective_timeout(corpus, tmp_path, mark):  # noqa: F811
+    """Rank 1 is stopped mid-training: rank 0 waits in the data-parallel gradient reduction (the
+    DP x CP group; no log line, so no collective of the default group per step) and gives up
+    after --collective_timeout; the job ends with one line naming it."""
+    timeout = 5
+    out_dir = tmp_path / "out"
+    proc = start("train", "--dp_size", "2", "--collective_timeout", str(timeout), "--",
+                 *data_args(corpus, dtype="float32", accumulation_steps=1, log_interval=1000000, max_steps=1000000,
+                            out_dir=out_dir), mark=mark)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out_dir / "metrics.jsonl").exists() and '"run"' in (out_dir / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)  # well into the steps
+        os.kill(rank_pid(mark, 1), signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = proc.communicate(timeout=timeout + 40)
+        ended = time.monotonic() - stopped
+    finally:
+        kill_on_failure(proc, mark)
+    assert proc.returncode == 1, out + err
+    assert ended < timeout + 30, ended
+    assert err.strip().splitlines()[-1].startswith(
+        f"train: rank 0 failed: CollectiveTimeoutError: rank 0: a collective did not complete within "
+        f"--collective_timeout {timeout} s (a peer stopped or is gone)"), err[-2000:]
+    assert err.strip().endswith("; every process of the job was ended")
+    assert_none_left(mark)
+
+
 def test_a_rank_that_dies_silently_ends_the_job(mark):
     r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "validate", "--tp_size", "2",
                         "--inject_fault", "exit:1", "--", *TINY],
                        env={**os.environ, MARK: mark}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "exitcode  : 3" in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("validate: a rank ended without an error report (torchrun's "
+                                                "summary above names it and its exit code); every process of "
+                                                "the job was ended")
     assert_none_left(mark)
 
 

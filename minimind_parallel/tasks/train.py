@@ -38,7 +38,8 @@ from ..data.tokenizer import load_tokenizer
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
-from ..options import Parser, add_model_args, check_at_least, check_common, model_config, parallel_config
+from ..options import (Parser, add_model_args, check_at_least, check_common, collective_timeout, model_config,
+                       parallel_config)
 from ..training import DTYPES, build_parallel_model, make_optimizer, wrap_data_parallel
 from ..training.heldout import heldout_loss
 from ..training.lr_schedule import cosine_lr
@@ -219,7 +220,7 @@ class Run:
     def __init__(self, launch, args, device):
         self.args, self.device = args, device
         self.config, self.par = model_config(args), parallel_config(launch, args)
-        self.groups = ProcessGroups.build(self.par)
+        self.groups = ProcessGroups.build(self.par, timeout=collective_timeout(launch))
         self.precision = Precision.of(args.precision, DTYPES[args.dtype], device)
         tok = load_tokenizer(args.tokenizer_path)
         self.data = open_data(args, tok)
