@@ -12,12 +12,18 @@ import sys
 
 from . import launcher, processes, tasks
 from .config import ConfigError
-from .options import Parser, check_launcher, split_argv
+from .options import Parser, check_launcher, program_name, split_argv
 
 
-def launcher_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m minimind_parallel",
-               description="Model-parallel MiniMind: <task> [launcher args] -- [task args]")
+HELP = ("-h", "--help")
+
+
+def launcher_parser(prog: str | None = None) -> Parser:
+    prog = prog or program_name()
+    p = Parser(prog=prog, usage="%(prog)s <task> [launcher args] -- [task args]",
+               description=f"Model-parallel MiniMind. Tasks: {', '.join(tasks.TASKS)}; "
+                           f"`{prog} <task> --help` lists the task's arguments too.")
+    p._optionals.title = "launcher args"
     p.add_argument("task", help=f"one of {', '.join(tasks.TASKS)}")
     p.add_argument("--tp_size", type=int, default=1)
     p.add_argument("--pp_size", type=int, default=1)
@@ -44,22 +50,71 @@ def launcher_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv: list[str]):
-    """-> (launcher namespace, task namespace); raises ConfigError on bad input."""
+def task_parser(task, prog: str) -> Parser:
+    """The task's own parser, named as the command line names it."""
+    p = task.parser()
+    p.prog, p.usage = f"{prog} {task.name}", "%(prog)s [launcher args] -- [task args]"
+    p._optionals.title = f"task args of {task.name} (after --)"
+    return p
+
+
+def help_text(argv: list[str], prog: str | None = None) -> str | None:
+    """`[<task>] --help` or `<task> ... -- --help`: the launcher's arguments and, with a task, the
+    task's; None when no help is asked for."""
     head, tail = split_argv(argv)
-    launch = launcher_parser().parse_args(head)
+    if not any(a in HELP for a in head + tail):
+        return None
+    prog = prog or program_name()
+    launcher = launcher_parser(prog)
+    named = [a for a in head if a in tasks.TASKS]
+    if not named:
+        return launcher.format_help()
+    task = tasks.get(named[0])
+    launcher.usage = f"%(prog)s {task.name} [launcher args] -- [task args]"
+    own = task_parser(task, prog)
+    own.usage = argparse.SUPPRESS  # one usage line, the launcher's
+    return launcher.format_help() + "\n" + own.format_help()
+
+
+def parse(argv: list[str], prog: str | None = None):
+    """-> (launcher namespace, task namespace); raises ConfigError on bad input. Task arguments
+    before `--` (or launcher arguments after it) get a hint where they go."""
+    prog = prog or program_name()
+    head, tail = split_argv(argv)
+    launcher = launcher_parser(prog)
+    launch, extra = launcher.parse_known_args(head)
     task = tasks.get(launch.task)
+    parser = task_parser(task, prog)
+    if extra:
+        hint = (f" (task arguments go after --: {prog} {task.name} [launcher args] -- {' '.join(extra)})"
+                if misplaced(extra, parser) else "")
+        raise ConfigError(f"{prog}: unrecognized arguments: {' '.join(extra)}{hint}")
     if launch.kind is not None and launch.kind not in task.kinds:
         takers = " / ".join(t.name for t in tasks.TASKS.values() if launch.kind in t.kinds)
         raise ConfigError(f"--kind is a {takers} option; got task {launch.task!r}")
     check_launcher(launch)
-    return launch, task.parser().parse_args(tail)
+    args, extra = parser.parse_known_args(tail)
+    if extra:
+        hint = (f" (launcher arguments go before --: {prog} {task.name} {' '.join(extra)} -- [task args])"
+                if misplaced(extra, launcher) else "")
+        raise ConfigError(f"{parser.prog}: unrecognized arguments: {' '.join(extra)}{hint}")
+    return launch, args
+
+
+def misplaced(extra: list[str], other: Parser) -> bool:
+    """Whether some of the unrecognized arguments are options of the other parser."""
+    theirs = other.option_strings()
+    return any(a.split("=", 1)[0] in theirs for a in extra if a.startswith("-"))
 
 
 def main(argv: list[str] | None = None) -> int:
     """-> the exit code: the task's, 2 for bad input (nothing started), 1 when the job could not
     start, 128 + the signal's number after SIGINT / SIGTERM (every process of the job ended)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    text = help_text(argv)
+    if text is not None:
+        print(text, end="")
+        return 0
     with processes.signals_raise():
         try:
             launch, args = parse(argv)
@@ -73,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
         try:
             return task.launch(launch, args, argv)
+        except ConfigError as e:  # found only once the task reads what it was given (one line, as above)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         except processes.Interrupted as e:
             print(f"{launch.task}: {e}; every process of the job was ended", file=sys.stderr)
             return e.exit_code

@@ -4,8 +4,11 @@ arguments, the device, and the pre-launch checks every task makes (one home each
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import math
+import os
+import sys
 
 from .config import CP_COMM_TYPES, RECOMPUTE_MODES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
 
@@ -39,11 +42,46 @@ MODES = {
 }
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with every option's default (options without help text too), unless its help
+    already says it, there is none (None) or the option is a flag that is off by default."""
+
+    def _format_action(self, action):
+        help_text = action.help or ""
+        flag_off = action.nargs == 0 and action.default is False
+        if (action.option_strings and action.help is not argparse.SUPPRESS and action.default is not None
+                and action.default is not argparse.SUPPRESS and not flag_off and "default" not in help_text):
+            action = copy.copy(action)
+            action.help = f"{help_text} (default: %(default)s)" if help_text else "default: %(default)s"
+        return super()._format_action(action)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse that reports bad input as one ConfigError line instead of usage + exit."""
+    """argparse that reports bad input as one ConfigError line instead of usage + exit, and shows
+    the defaults in its help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise ConfigError(f"{self.prog}: {message}")
+
+    def option_strings(self) -> set[str]:
+        """Every option this parser takes (`--name`, with its aliases)."""
+        return {s for action in self._actions for s in action.option_strings}
+
+
+def program_name(argv0: str | None = None) -> str:
+    """The program as it was typed: `python -m evaluation.parallel`, `python -m minimind_parallel`,
+    or the script's name (`minimind-parallel`)."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    path = os.path.normpath(os.path.abspath(argv0)) if argv0 else ""
+    for module in ("evaluation.parallel", "minimind_parallel"):
+        parts = module.split(".")
+        if path.endswith(os.path.join(*parts) + ".py") or path.endswith(os.path.join(*parts, "__main__.py")):
+            return f"python -m {module}"
+    return os.path.basename(argv0) if argv0 and not argv0.startswith("-") else "minimind-parallel"
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -1,7 +1,9 @@
 """Bad input is refused before any process starts: exit 2 and one line naming the constraint and
 the values, nothing launched, nothing written. Every list is one family of inputs; the pipeline's
 own are in tests/test_pipeline.py."""
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from minimind_parallel import cli, launcher, options
 from minimind_parallel.config import ConfigError
 from test_cli import assert_refused_before_launch
+from test_train import checkpointed, corpus  # noqa: F401  (the fixtures)
 
 # ---------------------------------------------------------------- sizes, layouts and flags
 
@@ -253,3 +256,22 @@ def test_the_cpu_rule_is_ranks_times_process_plus_the_analytic_peak(spare, fits,
     else:
         with pytest.raises(ConfigError, match="predicted memory exceeds the machine"):
             options.check_resources(launch, [(args, par)])
+
+
+# ---------------------------------------------------------------- found only once a task's launch reads its input
+
+def test_a_config_error_found_by_a_tasks_launch_is_one_line(checkpointed, tmp_path, capsys):  # noqa: F811
+    """export reads the shards only in its launch: a checkpoint whose meta.json names another model
+    than its shards hold (here one layer, the shards two) is found there."""
+    mixed = tmp_path / "mixed"
+    shutil.copytree(checkpointed, mixed)
+    (meta_path,) = mixed.glob("step_*/meta.json")
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["num_hidden_layers"] = 1
+    meta_path.write_text(json.dumps(meta))
+    code = cli.main(["export", "--", "--checkpoint", str(mixed), "--format", "minimind", "--out",
+                     str(tmp_path / "out.pth")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: ") and "unknown key model.layers.1." in err
+    assert not (tmp_path / "out.pth").exists()

@@ -1,11 +1,12 @@
 """The command line: validate end to end under torchrun, bad input refused before launch,
 and a rank that raises ending the whole job."""
+import re
 import subprocess
 import sys
 
 import pytest
 
-from minimind_parallel import cli, launcher
+from minimind_parallel import cli, launcher, options
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
         "--seq_len", "16", "--num_hidden_layers", "2", "--optimizer_steps", "2"]
@@ -87,3 +88,39 @@ def test_the_torchrun_command_parses_under_the_installed_torchrun(nnodes):
     args = get_args_parser().parse_args(cmd[3:])
     assert (args.nnodes, args.nproc_per_node, args.max_restarts) == (str(nnodes), "2", 0)
     assert launcher.torchrun_accepts("--nnodes") and not launcher.torchrun_accepts("--no_such_option")
+
+
+# ---------------------------------------------------------------- a new user's first commands
+
+def test_task_help_lists_the_task_arguments_with_their_defaults():
+    for argv in (["train", "--help"], ["train", "--tp_size", "2", "--", "--help"]):
+        r = run(*argv, timeout=60)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+        out = r.stdout
+        assert out.startswith("usage: python -m evaluation.parallel train [launcher args] -- [task args]"), out
+        assert "--data_path" in out and "--tp_size" in out            # the task's and the launcher's
+        assert re.search(r"--epochs EPOCHS\s+default: 1\n", out) and re.search(r"--tp_size TP_SIZE\s+default: 1", out)
+    r = run("--help", timeout=60)
+    assert r.returncode == 0 and "--tp_size" in r.stdout and "--data_path" not in r.stdout
+
+
+def test_messages_name_the_program_as_it_was_typed_and_hint_where_arguments_go():
+    r = subprocess.run([sys.executable, "-m", "minimind_parallel", "train", "--data_path", "d.jsonl", "--",
+                        "--tokenizer_path", "t"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: python -m minimind_parallel: unrecognized arguments: --data_path d.jsonl (task arguments go after --: "
+        "python -m minimind_parallel train [launcher args] -- --data_path d.jsonl)"]
+    assert options.program_name("/usr/lib/python3/site-packages/evaluation/parallel.py") == "python -m evaluation.parallel"
+    assert options.program_name("/src/minimind_parallel/__main__.py") == "python -m minimind_parallel"
+    assert options.program_name("/usr/local/bin/minimind-parallel") == "minimind-parallel"
+
+
+def test_launcher_arguments_after_the_separator_get_a_hint(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["/x/evaluation/parallel.py"])
+    assert_refused_before_launch(["validate", "--", "--tp_size", "2"], "error: python -m evaluation.parallel validate: "
+                                 "unrecognized arguments: --tp_size 2 (launcher arguments go before --: python -m "
+                                 "evaluation.parallel validate --tp_size 2 -- [task args])", monkeypatch, capsys)
+    assert_refused_before_launch(["validate", "--no_such_flag", "--"],
+                                 "unrecognized arguments: --no_such_flag", monkeypatch, capsys)
+

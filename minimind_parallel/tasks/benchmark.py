@@ -38,7 +38,7 @@ from ..model import MiniMindForCausalLM
 from ..pipeline_parallel import bubble_fraction
 from ..options import (MODES, Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes,
                        check_number, check_resources, collective_timeout, model_config, parallel_config,
-                       resolve_device, split_argv)
+                       program_name, resolve_device, split_argv)
 from ..processes import Interrupted
 from ..training import DTYPES, build_parallel_model, make_optimizer, train_step_detailed, wrap_data_parallel
 from . import benchmark_outputs as outputs
@@ -197,7 +197,7 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     if kind == "throughput" and args.batch_policy == "fixed_per_rank":
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
     device = estimate_device(launch, args) if args.estimate else resolve_device(launch)
-    meta = dict(command=["python", "-m", "evaluation.parallel", *argv], kind=kind, device=device,
+    meta = dict(command=[*program_name().split(), *argv], kind=kind, device=device,
                 swept=cells[0].swept, batch_policy=batch_policy(kind, args))
     print(f"benchmark: kind={kind} device={device} modes={' '.join(args.modes)} "
           f"{cells[0].swept}={getattr(args, cells[0].swept)} batch_policy={meta['batch_policy']} "
