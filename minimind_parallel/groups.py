@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,13 @@ from .config import ParallelConfig
 from .plan import is_first_stage, is_last_stage
 
 AXES = ("dp", "pp", "cp", "tp")
+
+
+def first_on_node() -> bool:
+    """Whether this rank is the first of its node (torchrun's LOCAL_RANK 0): the one that hands a
+    result to its node's launcher. Without torchrun, global rank 0."""
+    local = os.environ.get("LOCAL_RANK")
+    return int(local) == 0 if local is not None else dist.get_rank() == 0
 
 
 def rank_grid(par: ParallelConfig) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ..context_parallel import ContextLayout
 from ..data.batches import broadcast_batch, cp_tokens, dp_rows
 from ..device_sync import synchronize
 from ..files import atomic_path, new_file
-from ..groups import ProcessGroups
+from ..groups import ProcessGroups, first_on_node
 from ..model import MiniMindForCausalLM
 from ..pipeline_parallel import bubble_fraction
 from ..options import (MODES, Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes,
@@ -165,6 +165,7 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
                           f"{args.num_microbatches}, pp_size={launch.pp_size}")
     check_modes(args.modes, launch)
     cells = plan(args)
+    check_nodes(launch, args, kind, cells)
     each_args = [cell_args(args, cell) for cell in cells]
     runs = [(a, cell_parallel(launch, a, cell.mode)) for a, cell in zip(each_args, cells)]
     check_common(launch, args, runs, steps=None if args.estimate else ": use bfloat16, or --estimate",
@@ -172,6 +173,20 @@ def check_benchmark(launch, args, kind: str) -> list[Cell]:
     for cell, (_, par) in zip(cells, runs):
         check_batch_split(launch, args, kind, cell, par)
     return cells
+
+
+def check_nodes(launch, args, kind: str, cells: list[Cell]) -> None:
+    """Several nodes run one cell per command: a cell is one torchrun job, one rendezvous of every
+    node, and the nodes' launchers have no way to agree on the next cell or on a failed one."""
+    if launch.nnodes == 1 or args.estimate:
+        return
+    if len(cells) > 1:
+        raise ConfigError(f"on several nodes a benchmark runs one cell (one rendezvous of every node): give one "
+                          f"mode and one value per command; got --nnodes {launch.nnodes} and {len(cells)} cells "
+                          f"({' '.join(c.name for c in cells)})")
+    if kind == "profile":
+        raise ConfigError(f"--kind profile runs on one node (its traces and report are rank 0's); got --nnodes "
+                          f"{launch.nnodes}")
 
 
 def check(launch, args) -> None:
@@ -361,7 +376,8 @@ def fill_pipeline(row: dict, result: dict, par: ParallelConfig) -> None:
 # ---------------------------------------------------------------- worker side (every rank)
 
 def run_cell(launch, args, device) -> int:
-    """One cell on this rank: build, warm up, measure; rank 0 writes the result JSON."""
+    """One cell on this rank: build, warm up, measure; the first rank of every node writes the result
+    JSON for its node's launcher (every rank holds the same result: `measure` gathers it)."""
     kind = kind_of(launch, args)
     cell = plan(args)[0]
     a = cell_args(args, cell)
@@ -384,7 +400,7 @@ def run_cell(launch, args, device) -> int:
     result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, targets, args, device)
     global_tokens = per_replica * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
-    if dist.get_rank() == 0 and args.result_json:
+    if first_on_node() and args.result_json:
         with atomic_path(args.result_json) as tmp, open(tmp, "w") as f:
             json.dump(result, f)
     return 0

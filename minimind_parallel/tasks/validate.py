@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .. import launcher
 from ..config import ConfigError
 from ..files import atomic_path
-from ..groups import ProcessGroups
+from ..groups import ProcessGroups, first_on_node
 from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes, check_number,
                        check_resources, collective_timeout, model_config, parallel_config, split_argv)
 from ..training import DTYPES
@@ -81,8 +81,9 @@ def check_perturb(args, par) -> None:
 
 
 def launch_validate(launch, args, argv: list[str]) -> int:
-    """One torchrun job; rank 0 writes the verdict, so a failed comparison is the report and its last
-    line (exit 1), not a failed job."""
+    """One torchrun job; the first rank of every node writes the verdict (every rank holds the same
+    rows), so a failed comparison is the report and its last line (exit 1), not a failed job, on
+    every node. Rank 0 prints the report; another node's launcher says the verdict in one line."""
     par = parallel_config(launch, args)
     with tempfile.TemporaryDirectory() as tmp:
         verdict_path = os.path.join(tmp, "verdict.json")
@@ -92,7 +93,11 @@ def launch_validate(launch, args, argv: list[str]) -> int:
         if code != 0 or not os.path.exists(verdict_path):
             return code or 1
         with open(verdict_path) as f:
-            return 0 if json.load(f)["passed"] else 1
+            passed = json.load(f)["passed"]
+    if launch.node_rank != 0:
+        print(f"validate: {'PASSED' if passed else 'FAILED'} on node {launch.node_rank} of {launch.nnodes} "
+              f"(node 0 prints the report)")
+    return 0 if passed else 1
 
 
 def run_rank(launch, args, device) -> int:
@@ -116,9 +121,9 @@ def run_rank(launch, args, device) -> int:
               f"{f' weights={args.from_weight}' if args.from_weight else ''}")
         print(format_report(rows))
         print(f"validate: {'FAILED' if bad else 'PASSED'} ({len(rows) - len(bad)} of {len(rows)} items within tolerance)")
-        if args.verdict_json:
-            with atomic_path(args.verdict_json) as tmp, open(tmp, "w") as f:
-                json.dump({"passed": not bad}, f)
+    if args.verdict_json and first_on_node():
+        with atomic_path(args.verdict_json) as tmp, open(tmp, "w") as f:
+            json.dump({"passed": not bad}, f)
     if args.verdict_json:  # the launcher reports the verdict
         return 0
     return 1 if bad else 0
