@@ -253,3 +253,14 @@ def test_the_cpu_rule_is_ranks_times_process_plus_the_analytic_peak(spare, fits,
     else:
         with pytest.raises(ConfigError, match="predicted memory exceeds the machine"):
             options.check_resources(launch, [(args, par)])
+
+
+# ---------------------------------------------------------------- a checkpoint that is not there
+
+@pytest.mark.parametrize("task", ["export", "generate"])
+def test_a_missing_checkpoint_directory_is_said_not_to_exist(task, tmp_path, monkeypatch, capsys):
+    absent = tmp_path / "runs" / "absent"
+    tail = (["--format", "minimind", "--out", str(tmp_path / "x.pth")] if task == "export"
+            else ["--tokenizer_path", str(tmp_path / "tokenizer"), "--prompt", "Return the"])
+    assert_refused_before_launch([task, "--", "--checkpoint", str(absent), *tail],
+                                 f"checkpoint directory {absent} does not exist", monkeypatch, capsys)
