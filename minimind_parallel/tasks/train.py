@@ -48,8 +48,8 @@ from ..data.identity import check_same_file, file_identity
 from ..data.pretrain import PretrainSampler, check_fits_model
 from ..data.tokenizer import load_tokenizer
 from ..distributed import comm
-from ..groups import ProcessGroups
 from ..files import atomic_path, check_directory
+from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
 from ..options import (Parser, add_model_args, check_at_least, check_common, check_number, model_config,
                        parallel_config, split_argv)
