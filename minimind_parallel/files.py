@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .config import ConfigError
+
 
 def temp_path(path: str) -> str:
     """A fresh, empty temporary file next to `path` (created, so no other writer gets the name)."""
@@ -23,6 +25,18 @@ def temp_path(path: str) -> str:
     os.close(fd)
     os.chmod(tmp, 0o644)  # mkstemp makes it private; the result is an ordinary data file
     return tmp
+
+
+def check_directory(what: str, directory: str) -> None:
+    """ConfigError (one line) unless `directory` exists or can be made: its nearest existing
+    ancestor is a writable directory. Creates nothing (a refused run leaves no directory behind)."""
+    here = os.path.abspath(directory)
+    while not os.path.exists(here):   # the root exists: this ends
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise ConfigError(f"cannot create the directory of {what}: {here} is a file; got {directory}")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {what}: directory {here} is not writable; got {directory}")
 
 
 def fsync(path: str) -> None:

@@ -275,3 +275,14 @@ def test_a_config_error_found_by_a_tasks_launch_is_one_line(checkpointed, tmp_pa
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: ") and "unknown key model.layers.1." in err
     assert not (tmp_path / "out.pth").exists()
+
+
+# ---------------------------------------------------------------- a checkpoint that is not there
+
+@pytest.mark.parametrize("task", ["export", "generate"])
+def test_a_missing_checkpoint_directory_is_said_not_to_exist(task, tmp_path, monkeypatch, capsys):
+    absent = tmp_path / "runs" / "absent"
+    tail = (["--format", "minimind", "--out", str(tmp_path / "x.pth")] if task == "export"
+            else ["--tokenizer_path", str(tmp_path / "tokenizer"), "--prompt", "Return the"])
+    assert_refused_before_launch([task, "--", "--checkpoint", str(absent), *tail],
+                                 f"checkpoint directory {absent} does not exist", monkeypatch, capsys)

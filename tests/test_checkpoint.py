@@ -12,9 +12,9 @@ import torch.distributed.checkpoint as dcp
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
-from minimind_parallel.checkpoint import (check_checkpoint_config, check_save_dir, latest_checkpoint,
-                                          load_checkpoint, read_checkpoint_config, resolve_checkpoint,
-                                          save_checkpoint)
+from minimind_parallel.checkpoint import (CheckpointSaveError, check_checkpoint_config, check_save_dir,
+                                          latest_checkpoint, load_checkpoint, read_checkpoint_config,
+                                          resolve_checkpoint, save_checkpoint)
 from minimind_parallel.checkpoint import directory as checkpoint_directory
 from minimind_parallel.config import ConfigError
 from minimind_parallel.data.batches import dp_rows, random_batch
@@ -51,9 +51,9 @@ def _train(model, optimizer, groups, steps) -> list:
     return losses
 
 
-def _save(save_dir, step, model, optimizer, config, groups):
+def _save(save_dir, step, model, optimizer, config, groups, keep_last=0):
     return save_checkpoint(save_dir, step, model=model, optimizer=optimizer, config=config, par=groups.par,
-                           groups=groups, extra=EXTRA)
+                           groups=groups, extra=EXTRA, keep_last=keep_last)
 
 
 def _load(path, model, optimizer, config, groups):
@@ -334,10 +334,102 @@ def test_a_directory_without_a_complete_checkpoint_has_none(tmp_path, saved):
     assert resolve_checkpoint(latest_checkpoint(save_dir)) == latest_checkpoint(save_dir)
 
 
-def test_a_save_directory_that_cannot_be_written_is_refused(tmp_path):
+def test_a_save_directory_that_cannot_be_written_is_refused_and_none_is_created(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="--save_dir") as err:
         check_save_dir(str(tmp_path / "file" / "checkpoints"))
     assert "\n" not in str(err.value) and str(tmp_path / "file" / "checkpoints") in str(err.value)
+    with pytest.raises(ConfigError, match="it is a file"):
+        check_save_dir(str(tmp_path / "file"))
     check_save_dir(str(tmp_path / "new" / "checkpoints"))
-    assert (tmp_path / "new" / "checkpoints").is_dir() and not any((tmp_path / "new" / "checkpoints").iterdir())
+    assert not (tmp_path / "new").exists()   # the ranks make it at the first save
+
+
+def test_a_missing_checkpoint_directory_is_said_not_to_exist(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        resolve_checkpoint(str(tmp_path / "absent"))
+    assert str(err.value) == f"checkpoint directory {tmp_path / 'absent'} does not exist"
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        resolve_checkpoint(str(tmp_path / "a_file"))
+
+
+@pytest.mark.parametrize("meta", ["{\"step\": 4, \"config\": {", "[1, 2]", "{\"step\": 4}", "\udcff"],
+                         ids=["truncated", "not_an_object", "missing_keys", "not_utf8"])
+def test_a_corrupt_meta_json_is_one_line(tmp_path, saved, meta):
+    import shutil
+    save_dir, _ = saved
+    copy = tmp_path / "ckpt"
+    shutil.copytree(latest_checkpoint(save_dir), copy)
+    (copy / "meta.json").write_bytes(meta.encode("utf-8", "surrogateescape"))
+    for read in (read_checkpoint_config, lambda p: check_checkpoint_config(p, _config())):
+        with pytest.raises(ConfigError) as err:
+            read(str(copy))
+        assert "\n" not in str(err.value) and str(copy / "meta.json") in str(err.value), err.value
+
+
+# --- keeping the last N, a full disk --------------------------------------------------------------
+
+
+def _saved_steps(save_dir) -> list[str]:
+    return sorted(p.name for p in save_dir.iterdir())
+
+
+def test_keep_last_keeps_the_newest_checkpoints_and_never_the_one_latest_does_not_name(tmp_path):
+    config, groups = _config(), ProcessGroups.single()
+    model, optimizer = _setup(config, groups.par, groups, seed=0)
+    for step in (1, 2, 3):
+        _save(str(tmp_path), step, model, optimizer, config, groups, keep_last=2)
+    assert _saved_steps(tmp_path) == ["latest", "step_00000002", "step_00000003"]
+    # what a save killed after its rename left (a complete step_5 that latest does not name), a save
+    # killed before it (.tmp-*), and an earlier run's later step: none of them is pruned as "old"
+    (tmp_path / "step_00000009").mkdir()
+    (tmp_path / ".tmp-step_00000004-killed").mkdir()
+    _save(str(tmp_path), 4, model, optimizer, config, groups, keep_last=1)
+    assert _saved_steps(tmp_path) == ["latest", "step_00000004", "step_00000009"]
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000004")
+    _save(str(tmp_path), 4, model, optimizer, config, groups, keep_last=1)   # the same step again
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000004")
+    _save(str(tmp_path), 5, model, optimizer, config, groups)   # keep_last 0: keep all
+    assert _saved_steps(tmp_path) == ["latest", "step_00000004", "step_00000005", "step_00000009"]
+
+
+def _save_onto_a_full_disk(config, par, save_dir):
+    """Save step 1, then step 2 with rank 1's data writes failing as on a full disk (ENOSPC)."""
+    import errno
+    groups = ProcessGroups.build(par)
+    model, optimizer = _setup(config, par, groups, seed=0)
+    _train(model, optimizer, groups, range(1))
+    _save(save_dir, 1, model, optimizer, config, groups)
+    if groups.rank == 1:
+        def full(self, plan, planner):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        dcp.FileSystemWriter.write_data = full
+    try:
+        _save(save_dir, 2, model, optimizer, config, groups)
+    except CheckpointSaveError as e:
+        return str(e)
+    return None
+
+
+def test_a_full_disk_fails_the_save_on_every_rank_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    par = ParallelConfig(tp=2)
+    errors = run_ranks(_save_onto_a_full_disk, par.world_size, _config(), par, str(tmp_path))
+    for error in errors:
+        assert error == f"saving step 2 in {tmp_path} failed: rank 1: No space left on device", error
+    assert _saved_steps(tmp_path) == ["latest", "step_00000001"]   # the partial save removed
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000001")
+
+
+def test_a_full_disk_at_the_marker_fails_the_save_with_one_line(tmp_path, monkeypatch):
+    import errno
+    config, groups = _config(), ProcessGroups.single()
+    model, optimizer = _setup(config, groups.par, groups, seed=0)
+    _save(str(tmp_path), 1, model, optimizer, config, groups)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "latest"))
+    monkeypatch.setattr(checkpoint_directory, "write_marker", full)
+    with pytest.raises(CheckpointSaveError) as err:
+        _save(str(tmp_path), 2, model, optimizer, config, groups)
+    assert str(err.value) == f"saving step 2 in {tmp_path} failed: No space left on device: {tmp_path / 'latest'}"

@@ -1,10 +1,13 @@
 """The train task end to end on the stdlib corpus with a small tokenizer: the loss falls well below
 ln(vocab) in tp2 + SP and in pp2, resuming is exact (and works onto another layout, and past a
-save that was killed), what a person sees is written, and every bad input is one line before
-anything launches."""
+save that was killed), what a person sees is written, a run that diverges or cannot save stops
+with one line keeping its last good checkpoint, and every bad input -- a resume that would not
+continue the same run among them -- is one line before anything launches."""
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -79,11 +82,13 @@ def records(out_dir, kind: str) -> list[dict]:
 
 def test_the_loss_falls_well_below_ln_vocab_in_tp2_with_sequence_parallelism(corpus, tmp_path):
     r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "train", "--tp_size", "2", "--",
-                        *data_args(corpus, sequence_parallel=True, max_steps=40, dtype="float32",
+                        *data_args(corpus, sequence_parallel=True, max_steps=40, epochs=1, dtype="float32",
                                    eval_data_path=corpus / "heldout.jsonl", eval_interval=20,
                                    out_dir=tmp_path)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+    # --max_steps is the run's length, past --epochs when it takes more: said before the ranks start
+    assert r.stdout.startswith("train: --max_steps 40 runs past --epochs 1 (4 steps per epoch): 10 epochs\n")
     loss = losses(tmp_path)
     assert sorted(loss) == list(range(1, 41))
     assert loss[1] > 0.9 * LN_VOCAB          # a fresh model knows nothing
@@ -126,7 +131,7 @@ def halted_run(corpus, save_dir, launcher_args, **extra):
                                             stop_at_step=4, **extra))
 
 
-def test_resume_continues_exactly_where_the_uninterrupted_run_goes(corpus, tmp_path):
+def test_resume_continues_exactly_where_the_uninterrupted_run_goes(corpus, tmp_path, monkeypatch, capsys):
     # MiniMind's default precision: float32 parameters, bfloat16 compute under autocast
     layout, flags = ["--tp_size", "2"], dict(sequence_parallel=True, dtype="bfloat16")
     train_in_ranks(layout, data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", **flags))
@@ -135,11 +140,19 @@ def test_resume_continues_exactly_where_the_uninterrupted_run_goes(corpus, tmp_p
     train_in_ranks(layout, data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt", resume=True,
                                      **flags))
     assert losses(tmp_path / "ckpt") == losses(tmp_path / "whole")   # every step, bit for bit
+    # resuming the finished run says so, and starts nothing
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: pytest.fail("launched"))
+    argv = ["train", *layout, "--", *data_args(corpus, max_steps=8, save_dir=tmp_path / "ckpt", resume=True, **flags)]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == (f"train: the run in --save_dir {tmp_path / 'ckpt'} is finished: step 8 of 8 "
+                                       f"(step_00000008); nothing to resume\n")
 
 
 @pytest.mark.parametrize("layout,extra", [(["--pp_size", "2"], {}),
-                                          (["--cp", "--cp_size", "2"], {"cp_comm_type": "ring"})],
-                         ids=["tp2_to_pp2", "tp2_to_cp2_ring"])
+                                          (["--cp", "--cp_size", "2"], {"cp_comm_type": "ring"}),
+                                          (["--dp_size", "2"], {"batch_size": 2})],   # the same global batch
+                         ids=["tp2_to_pp2", "tp2_to_cp2_ring", "tp2_to_dp2_same_global_batch"])
 def test_resume_onto_another_layout_continues_the_same_run(corpus, tmp_path, layout, extra):
     flags = dict(dtype="float32")
     train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", **flags))
@@ -183,6 +196,78 @@ def test_model_flops_per_token_count_every_matmul_of_forward_and_backward():
         assert counter.get_total_flops() == model_flops_per_token(config, 32) * ids.numel()
 
 
+def _resumed(argv):
+    """What a rank's run holds once it has loaded the checkpoint (--resume)."""
+    from minimind_parallel.tasks.train import Run
+    launch, args = cli.parse(argv)
+    run = Run(launch, args, torch.device("cpu"))
+    return {"step": run.step, "total": run.total, "scaler": run.scaler.state_dict()}
+
+
+def test_resume_restores_the_float16_loss_scaler(corpus, tmp_path):
+    halted_run(corpus, tmp_path, [], dtype="float16")
+    with open(tmp_path / "step_00000004" / "meta.json") as f:
+        saved = json.load(f)["extra"]
+    assert saved["loss_scaler"]["good_steps"] == 4   # not a fresh scaler's state
+    argv = ["train", "--", *data_args(corpus, max_steps=8, save_dir=tmp_path, resume=True, dtype="float16")]
+    resumed = run_ranks(_resumed, 1, argv)[0]
+    assert resumed == {"step": 4, "total": 8, "scaler": saved["loss_scaler"]}
+
+
+# ---------------------------------------------------------------- runs that stop early: one line
+
+def test_a_diverging_run_stops_with_one_line_keeping_its_last_finite_checkpoint(corpus, tmp_path):
+    from minimind_parallel.checkpoint import latest_checkpoint, read_dense_state
+    r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "train", "--",
+                        *data_args(corpus, learning_rate="1e6", max_steps=20, save_interval=1, keep_last=1,
+                                   dtype="float32", save_dir=tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    last = r.stderr.replace("\r", "\n").strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    stop = records(tmp_path, "stop")[0]
+    step = stop["step"]
+    assert 1 < step < 20 and last == f"error: train: {stop['reason']}"
+    assert re.fullmatch(rf"step {step}: the (loss|grad norm) is (nan|inf)( and the grad norm is (nan|inf))?, not "
+                        rf"finite: the step was not taken and nothing saved; the last checkpoint is "
+                        rf"{re.escape(str(tmp_path / f'step_{step - 1:08d}'))} \(step {step - 1}\); --resume continues "
+                        rf"from it", stop["reason"]), stop["reason"]
+    # the last finite state is the latest checkpoint, and the only one (--keep_last 1)
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / f"step_{step - 1:08d}")
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [f"step_{step - 1:08d}"]
+    _, state = read_dense_state(str(tmp_path))
+    assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def _train_onto_a_full_disk(argv):
+    """The run, with every checkpoint write after the first failing as on a full disk (ENOSPC)."""
+    import errno
+    import torch.distributed.checkpoint as dcp
+    from minimind_parallel.tasks.train import RunStopped
+    write, calls = dcp.FileSystemWriter.write_data, []
+
+    def fills_up(self, plan, planner):
+        calls.append(plan)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, plan, planner)
+    dcp.FileSystemWriter.write_data = fills_up
+    try:
+        _train_rank(argv)
+    except RunStopped as e:
+        return str(e)
+    return None
+
+
+def test_a_full_disk_stops_the_run_with_one_line(corpus, tmp_path):
+    argv = ["train", "--", *data_args(corpus, max_steps=4, save_interval=2, save_dir=tmp_path, dtype="float32")]
+    launch, args = cli.parse(argv)
+    tasks.get("train").check(launch, args)
+    (stopped,) = run_ranks(_train_onto_a_full_disk, 1, argv)
+    assert stopped == (f"saving step 4 in {tmp_path} failed: rank 0: No space left on device; the last checkpoint is "
+                       f"{tmp_path / 'step_00000002'} (step 2); --resume continues from it")
+    assert sorted(p.name for p in tmp_path.glob("*step_*")) == ["step_00000002"]
+
+
 # ---------------------------------------------------------------- bad input: one line, nothing launched
 
 @pytest.fixture(scope="module")
@@ -198,7 +283,10 @@ def bad_inputs(corpus, tmp, checkpointed):
     (tmp / "empty.jsonl").write_text("\n")
     (tmp / "a_file").write_text("")
     (tmp / "no_checkpoint").mkdir()
+    shutil.copytree(checkpointed, tmp / "corrupt")
+    (tmp / "corrupt" / "step_00000004" / "meta.json").write_text('{"step": 4, "con')
     train = ["--data_path", str(corpus / "train.jsonl")]
+    resume = [*train, "--save_dir", str(checkpointed), "--resume", "--max_steps", "8"]   # the checkpoint's run
     return [
         (["--data_path", str(tmp / "missing.jsonl")], "data file not found"),
         (["--data_path", str(tmp)], "data file is not readable"),
@@ -207,8 +295,31 @@ def bad_inputs(corpus, tmp, checkpointed):
         ([*train, "--vocab_size", "256"], f"tokenizer vocab must be <= the model's vocab_size; got tokenizer "
                                           f"vocab={VOCAB}, vocab_size=256"),
         ([*train, "--max_seq_len", "40000"], "max_seq_len must be <= max_position_embeddings"),
-        ([*train, "--save_dir", str(tmp / "a_file" / "ckpt")], "cannot be written"),
+        ([*train, "--save_dir", str(tmp / "a_file" / "ckpt")],
+         f"cannot create the directory of --save_dir: {tmp / 'a_file'} is a file"),
         ([*train, "--save_dir", str(tmp / "no_checkpoint"), "--resume"], "no complete checkpoint"),
+        ([*train, "--save_dir", str(tmp / "never"), "--resume"], f"--resume: --save_dir {tmp / 'never'} does not exist"),
+        ([*train, "--save_dir", str(tmp / "never"), "--from_weight", str(tmp / "pretrain_64.pth")],
+         "pretrain_64.pth not found"),
+        ([*train, "--save_dir", str(tmp / "corrupt"), "--resume"], f"checkpoint {tmp / 'corrupt' / 'step_00000004'}"
+                                                                   f"/meta.json cannot be read: "),
+        ([*train, "--grad_clip", "nan"], "grad_clip must be a finite number; got grad_clip=nan"),
+        ([*train, "--grad_clip", "-1"], "grad_clip must be >= 0; got grad_clip=-1"),
+        ([*train, "--peak_tflops", "0"], "peak_tflops must be > 0; got peak_tflops=0"),
+        ([*train, "--peak_tflops", "-1"], "peak_tflops must be > 0; got peak_tflops=-1"),
+        ([*train, "--keep_last", "-1"], "keep_last must be >= 0; got keep_last=-1"),
+        # a resume must continue the same run
+        ([*resume, "--data_path", str(corpus / "heldout.jsonl")],   # as many rows, other text
+         f"--resume: --data_path {corpus / 'heldout.jsonl'} is not the file the checkpoint was trained on: size "),
+        ([*resume, "--batch_size", "2"], "--resume: the checkpoint's run has global_batch_size=8, this command "
+                                         "global_batch_size=4: rows per step (dp_size 1 x batch_size 2 x "
+                                         "accumulation_steps 2; another dp_size continues at the same sample when "
+                                         "the product stays 8)"),
+        ([*resume, "--eval_fraction", "0.25"], "the checkpoint's run has num_rows=32, this command num_rows=24"),
+        ([*resume, "--seed", "7"], "the checkpoint's run has seed=1234, this command seed=7"),
+        ([*resume, "--max_steps", "300"], "--resume: the checkpoint's run is 8 steps, this command makes 300 "
+                                          "(--epochs 1000, --max_steps 300): its learning-rate schedule was fixed"),
+        ([*resume, "--stop_at_step", "4"], "--stop_at_step must be past the checkpoint's step; got --stop_at_step 4"),
         ([*train, "--save_dir", str(checkpointed), "--resume", "--hidden_size", "128"],
          "has another model config: hidden_size=64 in the checkpoint, hidden_size=128 now"),
         ([*train, "--resume"], "--resume continues the latest checkpoint of --save_dir"),
@@ -229,6 +340,7 @@ def test_every_bad_input_is_one_line_before_launch(corpus, tmp_path, checkpointe
     for override, message in bad_inputs(corpus, tmp_path, checkpointed):
         argv = ["train", "--", *data_args(corpus), *override]   # argparse: the last value of an option wins
         assert_refused_before_launch(argv, message, monkeypatch, capsys)
+    assert not (tmp_path / "never").exists()   # a refused run creates no directory
 
 
 def test_a_good_command_launches_once(corpus, tmp_path, monkeypatch):

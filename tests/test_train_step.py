@@ -17,7 +17,8 @@ from minimind_parallel.training.mixed_precision import LossScaler, Precision
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.pipeline_parallel import forward_backward
 from minimind_parallel.training.pretraining import pretrain_step, world_token_mean
-from minimind_parallel.training import build_parallel_model, finalize_grads, unwrap, wrap_data_parallel
+from minimind_parallel.training import (build_parallel_model, finalize_grads, make_optimizer, unwrap,
+                                        wrap_data_parallel)
 from minimind_parallel.validation import dense_slice
 
 SEQ, VOCAB = 8, 64
@@ -169,3 +170,80 @@ def test_mixed_precision_steps_match_the_dense_model_under_autocast(par, compute
         assert dtypes == {torch.float32} and stepped
         assert loss == pytest.approx(dense_loss, rel=1e-2)     # half-precision matmuls: round-off of ~1e-3
         assert norm == pytest.approx(dense_norm, rel=5e-2)
+
+
+# ---------------------------------------------------------------- steps that are not taken
+
+def single_model(tied=False):
+    """A one-rank parallel model in float32 parameters, AdamW, and a fixed batch."""
+    groups = ProcessGroups.single()
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(tiny(tied))
+    model = build_parallel_model(dense.config, groups.par, groups, dense.state_dict(), dtype=torch.float32)
+    return model, make_optimizer(model, 1e-3), groups, uneven_batch(4)
+
+
+def training_state(model, optimizer) -> dict:
+    """Copies of every parameter and every AdamW state tensor."""
+    state = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for k, v in optimizer.state.get(p, {}).items():
+            state[f"{k} {n}"] = v.clone()
+    return state
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_float16_step_whose_grads_overflow_is_skipped_and_the_scale_halved_until_one_proceeds():
+    model, optimizer, groups, batch = single_model()
+    precision = Precision.of("mixed", torch.float16, "cpu")
+    scaler = LossScaler(init_scale=2.0 ** 8)
+
+    def step():
+        return pretrain_step(model, optimizer, groups, batch, num_microbatches=1, schedule="1f1b", grad_clip=1.0,
+                             precision=precision, scaler=scaler)
+    assert step().stepped   # a first step at a small scale: AdamW has state now
+    scaler.scale = 2.0 ** 40   # float16 activation grads overflow (> 65504) at this scale
+    skipped = 0
+    while True:
+        before, scale = training_state(model, optimizer), scaler.scale
+        stats = step()
+        if stats.stepped:
+            break
+        skipped += 1
+        assert not torch.isfinite(stats.grad_norm) and stats.nonfinite == ()   # the scaler's to handle
+        assert same_state(training_state(model, optimizer), before)   # parameters and AdamW states untouched
+        assert scaler.scale == scale / 2 and scaler.good_steps == 0
+        assert skipped < 40
+    assert skipped >= 10   # 2**40 -> a scale float16 holds takes many halvings
+    assert torch.isfinite(stats.grad_norm) and torch.isfinite(stats.loss)
+    after = training_state(model, optimizer)
+    assert not torch.equal(after["param model.norm.weight"], before["param model.norm.weight"])
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
+def test_a_step_whose_loss_or_grad_norm_is_not_finite_is_not_taken_and_says_which():
+    model, optimizer, groups, batch = single_model()
+    exact = Precision.of("pure", torch.float32, "cpu")
+
+    def step():
+        return pretrain_step(model, optimizer, groups, batch, num_microbatches=1, schedule="1f1b", grad_clip=1.0,
+                             precision=exact)
+    assert step().stepped and step().nonfinite == ()
+    weight = unwrap(model).get_parameter("model.layers.0.mlp.up_proj.weight")
+    hook = weight.register_hook(lambda g: g * float("inf"))   # the loss finite, one grad not
+    before = training_state(model, optimizer)
+    stats = step()
+    assert stats.nonfinite == ("grad norm",) and not stats.stepped and torch.isfinite(stats.loss)
+    assert same_state(training_state(model, optimizer), before)
+    hook.remove()
+    with torch.no_grad():   # a flipped exponent bit: the loss goes NaN, and every grad with it
+        unwrap(model).get_parameter("model.norm.weight")[3] = float("inf")
+    before = training_state(model, optimizer)
+    stats = step()
+    assert stats.nonfinite == ("loss", "grad norm") and not stats.stepped
+    after = training_state(model, optimizer)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k].nan_to_num(), before[k].nan_to_num()) for k in after)

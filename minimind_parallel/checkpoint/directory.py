@@ -19,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import tempfile
 
 from ..config import ConfigError, MiniMindConfig
-from ..files import atomic_path, fsync
+from ..files import atomic_path, check_directory, fsync
 
 MARKER = "latest"
 META = "meta.json"
@@ -58,6 +59,10 @@ def latest_checkpoint(save_dir: str) -> str | None:
 def resolve_checkpoint(path: str) -> str:
     """A complete checkpoint from `path`: the one a save directory's marker names, or `path`
     itself when it is a complete checkpoint. ConfigError (one line) when there is none."""
+    if not os.path.exists(path):
+        raise ConfigError(f"checkpoint directory {path} does not exist")
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint directory {path} is not a directory")
     found = latest_checkpoint(path)
     if found is None and is_complete(path):
         found = os.path.abspath(path)
@@ -76,10 +81,23 @@ def write_json(path: str, obj) -> None:
             os.fsync(f.fileno())
 
 
+META_KEYS = ("format_version", "step", "config", "layout", "optimizer_state", "param_groups", "extra")
+
+
 def read_meta(path: str) -> dict:
-    """meta.json of the complete checkpoint `path` resolves to."""
-    with open(os.path.join(resolve_checkpoint(path), META)) as f:
-        return json.load(f)
+    """meta.json of the complete checkpoint `path` resolves to; ConfigError (one line) when it is not
+    the JSON object a save writes."""
+    file = os.path.join(resolve_checkpoint(path), META)
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"checkpoint {file} cannot be read: {e}") from None
+    missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
+    if missing or not isinstance(meta["config"], dict) or not isinstance(meta["extra"], dict):
+        raise ConfigError(f"checkpoint {file} is not a checkpoint's meta.json: it lacks or mangles "
+                          f"{', '.join(missing) or 'config / extra'}")
+    return meta
 
 
 def read_checkpoint_config(path: str) -> dict:
@@ -100,14 +118,18 @@ def check_checkpoint_config(path: str, config: MiniMindConfig) -> None:
 
 
 def check_save_dir(save_dir: str) -> None:
-    """ConfigError (one line) if `save_dir` cannot be created or written."""
-    try:
-        os.makedirs(save_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX, dir=save_dir)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--save_dir {save_dir} cannot be written: {e.strerror or e}") from None
+    """ConfigError (one line) if `save_dir` cannot be created or written; creates nothing (the
+    ranks make it at the first save)."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ConfigError(f"--save_dir {save_dir} cannot be written: it is a file")
+    check_directory("--save_dir", save_dir)
+    if os.path.isdir(save_dir):
+        try:
+            fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX, dir=save_dir)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"--save_dir {save_dir} cannot be written: {e.strerror or e}") from None
 
 
 def new_temp_dir(save_dir: str, step: int) -> str:
@@ -144,6 +166,44 @@ def publish(temp: str, save_dir: str, step: int) -> str:
     write_marker(save_dir, name)
     shutil.rmtree(previous, ignore_errors=True)
     return os.path.abspath(final)
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint directory's name `step_{step:08d}`, else None."""
+    head, _, digits = name.partition("_")
+    return int(digits) if head == "step" and len(digits) == 8 and digits.isdigit() else None
+
+
+def prune(save_dir: str, keep_last: int) -> list[str]:
+    """Keep the `keep_last` newest checkpoints up to the one `latest` names (torchtitan's
+    `keep_latest_k`); remove the older `step_*` directories, each first renamed to a temporary name
+    (a prune killed midway leaves a `.tmp-*` that the next save clears, never a half-deleted
+    `step_*`). Never touches what `latest` names, a save in progress, or a later step than the
+    latest (left by an earlier run replaced with --overwrite). A directory that cannot be removed
+    now is left for the next prune. -> the names removed."""
+    latest = latest_checkpoint(save_dir)
+    if keep_last < 1 or latest is None:
+        return []
+    newest = step_of(os.path.basename(latest))
+    steps = sorted((s, n) for n in os.listdir(save_dir) if (s := step_of(n)) is not None and s <= newest)
+    removed = []
+    for _, name in steps[:-keep_last]:
+        path = os.path.join(save_dir, name)
+        if os.path.abspath(path) == latest or not os.path.isdir(path):
+            continue
+        doomed = os.path.join(save_dir, f"{TMP_PREFIX}pruned-{name}-{secrets.token_hex(4)}")
+        try:
+            os.rename(path, doomed)   # atomic: from here on it is no checkpoint
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def read_extra(path: str) -> dict:
+    """The `extra` a checkpoint was saved with (the train run's state: step, data position, ...)."""
+    return read_meta(path)["extra"]
 
 
 def write_marker(save_dir: str, name: str) -> None:

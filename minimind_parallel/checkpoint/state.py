@@ -13,40 +13,88 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import MiniMindConfig, ParallelConfig
 from ..data_parallel import unwrap
 from ..groups import ProcessGroups
 from ..plan import plan_of
-from .directory import META, check_checkpoint_config, new_temp_dir, publish, read_meta, resolve_checkpoint, write_json
+from .directory import (META, check_checkpoint_config, new_temp_dir, prune, publish, read_meta, resolve_checkpoint,
+                        write_json)
 from .placement import checkpoint_key, local_part, placed, tp_mesh
 
 FORMAT_VERSION = 1
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that could not be written (a full disk, ...), on every rank; one line. The save
+    directory keeps the previous complete checkpoint as `latest`."""
+
+
 def save_checkpoint(save_dir: str, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, extra: dict) -> str:
+                    config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, extra: dict,
+                    keep_last: int = 0) -> str:
     """Save the training state after `step` steps as `save_dir/step_{step:08d}` and point
     `save_dir/latest` at it once it is complete; returns its path. Collective over the world.
-    `extra` (JSON-able: data position, ...) comes back from `load_checkpoint`."""
+    `extra` (JSON-able: data position, ...) comes back from `load_checkpoint`. `keep_last` > 0:
+    then remove all but the newest that many checkpoints (`directory.prune`). A write that fails
+    (OSError on any rank: a full disk, ...) removes the partial save and raises CheckpointSaveError
+    on every rank."""
     if extra.get("step", step) != step:
         raise ValueError(f"extra['step']={extra['step']} differs from the saved step {step}")
-    temp = _broadcast_from_rank0(new_temp_dir(save_dir, step) if groups.rank == 0 else None)
-    mesh = tp_mesh(groups, _device_type(model))
-    state = {"model": _model_tensors(model, config, par, mesh),
-             "optim": _optimizer_tensors(model, optimizer, config, par, mesh),
-             "rng": {f"rank{groups.rank}": _rng_states(model)}}
-    dcp.save(state, checkpoint_id=temp)
-    final = None
-    if groups.rank == 0:
-        write_json(f"{temp}/{META}", _meta(step, optimizer, config, par, extra, bool(state["optim"])))
-        final = publish(temp, save_dir, step)
-    return _broadcast_from_rank0(final)
+    temp, error = _broadcast_from_rank0(_on_rank0(groups, lambda: new_temp_dir(save_dir, step)))
+    if error is None:
+        mesh = tp_mesh(groups, _device_type(model))
+        state = {"model": _model_tensors(model, config, par, mesh),
+                 "optim": _optimizer_tensors(model, optimizer, config, par, mesh),
+                 "rng": {f"rank{groups.rank}": _rng_states(model)}}
+        try:
+            dcp.save(state, checkpoint_id=temp)
+        except CheckpointException as e:   # every rank raises it, with each failed rank's exception
+            error = _first_failure(e)
+        if error is None:
+            final, error = _broadcast_from_rank0(_on_rank0(groups, lambda: _publish(
+                temp, save_dir, step, _meta(step, optimizer, config, par, extra, bool(state["optim"])), keep_last)))
+    if error is not None:
+        if groups.rank == 0 and temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise CheckpointSaveError(f"saving step {step} in {save_dir} failed: {error}")
+    return final
+
+
+def _publish(temp: str, save_dir: str, step: int, meta: dict, keep_last: int) -> str:
+    write_json(f"{temp}/{META}", meta)
+    final = publish(temp, save_dir, step)
+    prune(save_dir, keep_last)
+    return final
+
+
+def _on_rank0(groups: ProcessGroups, fn) -> tuple:
+    """(fn()'s value, None) on rank 0, or (None, the one-line text of the OSError it raised); (None,
+    None) on other ranks."""
+    if groups.rank != 0:
+        return None, None
+    try:
+        return fn(), None
+    except OSError as e:
+        return None, _os_error_text(e)
+
+
+def _os_error_text(e: OSError) -> str:
+    return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """One line for DCP's failure: the first failed rank's error (its traceback is DCP's, not ours)."""
+    rank, (exc, _) = min(e.failures.items())
+    text = _os_error_text(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+    return f"rank {rank}: {text.splitlines()[0] if text else type(exc).__name__}"
 
 
 def load_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optimizer, config: MiniMindConfig,

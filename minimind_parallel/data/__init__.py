@@ -12,6 +12,8 @@
   document offsets, cached next to the data and reused while data and tokenizer are unchanged.
 - `jsonl`: reading MiniMind-style jsonl, bad input refused with one line (its line number).
 - `files`: atomic file writing (unique temporary name, then rename).
+- `identity`: a data file's identity (size, hash of head and tail), saved with a checkpoint and
+  checked before a resume.
 - `pretrain`: MiniMind's pretraining rows (bos + text + eos, padded; labels -100 at padding) on the
   cache, the deterministic data-parallel sampler whose position is saved with a checkpoint, and a
   loading-throughput measurement.

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from ..config import ConfigError
-from ..files import atomic_path
+from ..files import atomic_path, check_directory
 
 MIB = 2**20
 BREAKDOWN = ("params", "grads", "optimizer", "activations", "temporaries")
@@ -87,17 +87,6 @@ def check_paths(args, kind: str) -> None:
     if os.path.exists(paths.logs) and not os.path.isdir(paths.logs):
         raise ConfigError(f"the cells' log directory is a file; got {paths.logs}")
     check_directory("the cells' logs", paths.logs)
-
-
-def check_directory(what: str, directory: str) -> None:
-    """`directory` exists or can be made (its nearest existing ancestor is a writable directory)."""
-    here = os.path.abspath(directory)
-    while not os.path.exists(here):   # the root exists: this ends
-        here = os.path.dirname(here)
-    if not os.path.isdir(here):
-        raise ConfigError(f"cannot create the directory of {what}: {here} is a file; got {directory}")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write {what}: directory {here} is not writable; got {directory}")
 
 
 def claim_paths(args, kind: str) -> Paths:

@@ -12,12 +12,22 @@ and builds the token caches before any rank starts (`check`); ranks only open th
 
 One optimizer step takes --accumulation_steps microbatches of --batch_size rows on every DP
 replica (the pipeline's microbatches under PP), so the global batch is dp x batch_size x
-accumulation_steps rows. The run is min(--epochs x steps per epoch, --max_steps) steps; the
-learning rate follows MiniMind's cosine over that many steps.
+accumulation_steps rows. The run is --max_steps steps (as many epochs as they take; the launcher
+says so when that is past --epochs), else --epochs x steps per epoch; the learning rate follows
+MiniMind's cosine over that many steps, fixed at the start and saved: a resume must make the same
+run (the same total, global batch, seed, rows and data file), which the launcher checks against
+the checkpoint before any rank starts.
+
+A run stops early, with one line and exit 1, when a step's loss or grad norm is not finite (the
+step is not taken, nothing is saved: the last checkpoint is the last finite state) or a save
+fails (a full disk). The ranks tell the launcher through a file (--outcome_json), so the line is
+the launcher's, not a rank's traceback.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import tempfile
@@ -29,17 +39,20 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .. import launcher
 from ..config import ConfigError
 from ..context_parallel import ContextLayout
 from ..data.batches import cp_tokens
 from ..data.feed import Rows, heldout_batches, heldout_split, open_dataset
+from ..data.identity import check_same_file, file_identity
 from ..data.pretrain import PretrainSampler, check_fits_model
 from ..data.tokenizer import load_tokenizer
 from ..distributed import comm
+from ..files import atomic_path, check_directory
 from ..groups import ProcessGroups
 from ..model import MiniMindForCausalLM
-from ..options import (Parser, add_model_args, check_at_least, check_common, collective_timeout, model_config,
-                       parallel_config)
+from ..options import (Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout,
+                       model_config, parallel_config, split_argv)
 from ..training import DTYPES, build_parallel_model, make_optimizer, wrap_data_parallel
 from ..training.heldout import heldout_loss
 from ..training.lr_schedule import cosine_lr
@@ -62,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", dest="micro_batch_size", type=int, help="rows per microbatch per DP rank")
     p.add_argument("--accumulation_steps", dest="num_microbatches", type=int, help="microbatches per step")
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--max_steps", type=int, default=None,
+                   help="the run's optimizer steps, as many epochs as they take (default: --epochs x steps per epoch)")
     p.add_argument("--grad_clip", type=float, default=1.0, help="global grad-norm clip (0: none)")
     p.add_argument("--warmup_steps", type=int, default=0)
     p.add_argument("--precision", choices=PRECISIONS, default="mixed",
@@ -73,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of --save_dir")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run in a --save_dir that holds an earlier run's checkpoints")
+    p.add_argument("--keep_last", type=int, default=0, metavar="N",
+                   help="keep the newest N checkpoints, removing older ones after each save (0: keep all)")
     p.add_argument("--from_weight", default=None, metavar="PTH", help="start from MiniMind weights ({weight}_{dim}.pth)")
     p.add_argument("--eval_data_path", default=None, help="held-out jsonl")
     p.add_argument("--eval_fraction", type=float, default=0.0, help="hold out this fraction of --data_path instead")
@@ -82,6 +98,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out_dir", default=None, help="metrics.jsonl and loss.png (default --save_dir, else runs/train)")
     p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
                    help="end this process after step N, saving a checkpoint there; --resume continues the run")
+    # Launcher -> worker plumbing: where the ranks say why a run stopped early; not for users.
+    p.add_argument("--outcome_json", default=None, help=argparse.SUPPRESS)
     p.set_defaults(micro_batch_size=32, num_microbatches=8, learning_rate=5e-4, dtype="bfloat16")
     return p
 
@@ -115,9 +133,9 @@ def make_sampler(args, num_rows: int, dp_rank: int, dp: int) -> PretrainSampler:
     return PretrainSampler(num_rows, batch_size=rows_per_replica(args), dp_rank=dp_rank, dp_size=dp, seed=args.seed)
 
 
-def total_steps(args, sampler: PretrainSampler) -> int:
-    steps = args.epochs * sampler.steps_per_epoch
-    return steps if args.max_steps is None else min(steps, args.max_steps)
+def total_steps(args, steps_per_epoch: int) -> int:
+    """--max_steps (running past --epochs when it takes more), else --epochs x steps per epoch."""
+    return args.epochs * steps_per_epoch if args.max_steps is None else args.max_steps
 
 
 def evaluating(args) -> bool:
@@ -132,15 +150,16 @@ def out_dir(args) -> str:
 
 def check(launch, args) -> None:
     """Every bad input refused before a rank starts; the token caches are built here (tokenising
-    the data is how a malformed line or an empty file is found)."""
+    the data is how a malformed line or an empty file is found). Creates no directory."""
     check_at_least(args, 1, ("epochs", "log_interval", "save_interval", "eval_batches"))
-    check_at_least(args, 0, ("warmup_steps", "eval_interval"))
+    check_at_least(args, 0, ("warmup_steps", "eval_interval", "keep_last"))
     for name in ("max_steps", "stop_at_step"):
         if getattr(args, name) is not None:
             check_at_least(args, 1, (name,))
-    if args.grad_clip < 0 or not 0 <= args.eval_fraction < 1:
-        raise ConfigError(f"grad_clip must be >= 0 and 0 <= eval_fraction < 1; got grad_clip={args.grad_clip}, "
-                          f"eval_fraction={args.eval_fraction}")
+    check_number(args, "grad_clip", minimum=0.0)
+    check_number(args, "peak_tflops", minimum=0.0, exclusive=True)
+    if not 0 <= args.eval_fraction < 1:
+        raise ConfigError(f"eval_fraction must be in [0, 1); got eval_fraction={args.eval_fraction}")
     if args.eval_interval and not evaluating(args):
         raise ConfigError(f"--eval_interval {args.eval_interval} needs held-out data: --eval_data_path or --eval_fraction")
     tok = load_tokenizer(args.tokenizer_path)
@@ -151,11 +170,13 @@ def check(launch, args) -> None:
                  steps=" with --precision pure: use --precision mixed" if args.precision == "pure" else None)
     check_data(args, tok, par)
     check_outputs(args, config)
+    if args.resume:
+        check_resume(args, plan(args, par))
 
 
 def check_data(args, tok, par) -> None:
     data = open_data(args, tok)
-    total = total_steps(args, make_sampler(args, len(data.train), 0, par.dp))
+    total = total_steps(args, make_sampler(args, len(data.train), 0, par.dp).steps_per_epoch)
     cosine_lr(1, total, args.learning_rate, args.warmup_steps)  # warmup_steps < total steps
     if data.heldout is not None and len(data.heldout) < rows_per_replica(args) * par.dp:
         raise ConfigError(f"held-out data must hold one global batch (dp_size * batch_size * accumulation_steps "
@@ -163,13 +184,16 @@ def check_data(args, tok, par) -> None:
 
 
 def check_outputs(args, config) -> None:
+    """The save and output directories (checked, not created) and what --resume / --from_weight read."""
+    from .. import checkpoint
     if args.resume and args.from_weight:
         raise ConfigError(f"--resume continues a checkpoint, --from_weight starts from weights: give one; "
                           f"got --resume and --from_weight {args.from_weight}")
     if args.resume and not args.save_dir:
         raise ConfigError("--resume continues the latest checkpoint of --save_dir; got no --save_dir")
+    if args.resume and not os.path.exists(args.save_dir):
+        raise ConfigError(f"--resume: --save_dir {args.save_dir} does not exist")
     if args.save_dir:
-        from .. import checkpoint
         checkpoint.check_save_dir(args.save_dir)
         earlier = checkpoint.latest_checkpoint(args.save_dir)
         if earlier and not (args.resume or args.overwrite):
@@ -184,13 +208,84 @@ def check_outputs(args, config) -> None:
     if args.from_weight:
         from ..interop.minimind import load_minimind_state_dict
         load_minimind_state_dict(args.from_weight, config)
-    try:
-        os.makedirs(out_dir(args), exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=out_dir(args))
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--out_dir {out_dir(args)} cannot be written: {e.strerror or e}") from None
+    check_directory("--out_dir", out_dir(args))
+
+
+# ---------------------------------------------------------------- launcher side: the run's plan, resuming
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What the command asks for: this many steps of this many rows from these rows of this file."""
+
+    total_steps: int
+    steps_per_epoch: int
+    num_rows: int          # training rows (the held-out fraction set aside)
+    global_batch: int      # rows of one step: dp x batch_size x accumulation_steps
+    dp: int
+
+
+def plan(args, par) -> Plan:
+    train_rows = len(open_data(args, load_tokenizer(args.tokenizer_path)).train)
+    sampler = make_sampler(args, train_rows, 0, par.dp)
+    return Plan(total_steps=total_steps(args, sampler.steps_per_epoch), steps_per_epoch=sampler.steps_per_epoch,
+                num_rows=train_rows, global_batch=sampler.global_batch_size, dp=par.dp)
+
+
+def check_resume(args, p: Plan) -> None:
+    """The run of this command is the run the checkpoint is part of: the same data file, rows, seed,
+    global batch (the data position is a step of global batches; another --dp_size with
+    --batch_size / --accumulation_steps keeping dp x batch_size x accumulation_steps continues at
+    the same sample) and total steps (the learning-rate schedule spans them)."""
+    from .. import checkpoint
+    path = checkpoint.latest_checkpoint(args.save_dir)
+    extra = checkpoint.read_extra(path)
+    if "data" in extra:   # checkpoints saved before the identity was recorded are not checked
+        check_same_file("--resume: --data_path", args.data_path, extra["data"])
+    sampler = extra.get("sampler", {})
+    now = {"num_rows": (p.num_rows, "training rows (--eval_fraction sets rows aside)"), "seed": (args.seed, "--seed"),
+           "global_batch_size": (p.global_batch, f"rows per step (dp_size {p.dp} x batch_size "
+                                                 f"{args.micro_batch_size} x accumulation_steps {args.num_microbatches}"
+                                                 f"; another dp_size continues at the same sample when the product "
+                                                 f"stays {sampler.get('global_batch_size')})")}
+    for key, (value, what) in now.items():
+        if sampler.get(key) != value:
+            raise ConfigError(f"--resume: the checkpoint's run has {key}={sampler.get(key)}, this command "
+                              f"{key}={value}: {what}")
+    if extra.get("total_steps") != p.total_steps:
+        raise ConfigError(f"--resume: the checkpoint's run is {extra.get('total_steps')} steps, this command makes "
+                          f"{p.total_steps} (--epochs {args.epochs}, --max_steps {args.max_steps}): its learning-rate "
+                          f"schedule was fixed at its start; give the --epochs / --max_steps it started with")
+    if args.stop_at_step is not None and args.stop_at_step <= extra["step"] < p.total_steps:
+        raise ConfigError(f"--stop_at_step must be past the checkpoint's step; got --stop_at_step {args.stop_at_step}, "
+                          f"checkpoint step {extra['step']}")
+
+
+def launch_train(launch, args, argv: list[str]) -> int:
+    """Say what the run will do (or that a resumed run is already finished), then one torchrun job;
+    a run the ranks stopped early (--outcome_json) is one line on stderr, exit 1."""
+    par = parallel_config(launch, args)
+    p = plan(args, par)
+    if args.resume:
+        from .. import checkpoint
+        path = checkpoint.latest_checkpoint(args.save_dir)
+        step = checkpoint.read_extra(path)["step"]
+        if step >= p.total_steps:
+            print(f"train: the run in --save_dir {args.save_dir} is finished: step {step} of {p.total_steps} "
+                  f"({os.path.basename(path)}); nothing to resume")
+            return 0
+    if args.max_steps is not None and args.max_steps > args.epochs * p.steps_per_epoch:
+        print(f"train: --max_steps {args.max_steps} runs past --epochs {args.epochs} ({p.steps_per_epoch} steps per "
+              f"epoch): {math.ceil(args.max_steps / p.steps_per_epoch)} epochs", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        outcome = os.path.join(tmp, "outcome.json")
+        head, tail = split_argv(argv)
+        code = launcher.run_torchrun(launch, par.world_size, [*head, "--", *tail, "--outcome_json", outcome],
+                                     async_communication=args.async_communication)
+        if code == 0 and os.path.exists(outcome):
+            with open(outcome) as f:
+                print(f"error: train: {json.load(f)['stopped']}", file=sys.stderr)
+            return 1
+        return code
 
 
 # ---------------------------------------------------------------- every rank
@@ -214,6 +309,11 @@ class Interval:
             self.loss_sum = part if self.loss_sum is None else self.loss_sum + part
 
 
+class RunStopped(Exception):
+    """The run stopped early for the reason its one line gives (a step that was not finite, a save
+    that failed); raised on every rank alike."""
+
+
 class Run:
     """One rank's training run: built once, then `train()`."""
 
@@ -225,10 +325,12 @@ class Run:
         tok = load_tokenizer(args.tokenizer_path)
         self.data = open_data(args, tok)
         self.sampler = make_sampler(args, len(self.data.train), self.groups.dp_rank, self.par.dp)
-        self.total = total_steps(args, self.sampler)
+        self.total = total_steps(args, self.sampler.steps_per_epoch)
+        self.data_identity = file_identity(args.data_path)
         self.model = wrap_data_parallel(self._build_model(), self.groups)
         self.optimizer = make_optimizer(self.model, args.learning_rate)
         self.scaler = LossScaler() if self.precision.needs_loss_scaling else None
+        self.last_checkpoint: tuple[str, int] | None = None   # (path, step) of the newest checkpoint of the run
         self.step = self._resume() if args.resume else 0
         self.heldout = [] if self.data.heldout is None else [self._mine(b) for b in heldout_batches(
             self.data.heldout, rows_per_replica=rows_per_replica(args), dp_rank=self.groups.dp_rank,
@@ -250,25 +352,47 @@ class Run:
                                     device=self.device)
 
     def _resume(self) -> int:
+        """Load the latest checkpoint; the run's length is the saved one (the launcher checked this
+        command makes the same run)."""
         from .. import checkpoint
-        extra = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(self.args.save_dir), model=self.model,
-                                           optimizer=self.optimizer, config=self.config, par=self.par,
-                                           groups=self.groups)
+        path = checkpoint.latest_checkpoint(self.args.save_dir)
+        extra = checkpoint.load_checkpoint(path, model=self.model, optimizer=self.optimizer, config=self.config,
+                                           par=self.par, groups=self.groups)
         self.sampler.load_state_dict(extra["sampler"])
-        if self.scaler is not None and "loss_scaler" in extra:
+        self.total = int(extra.get("total_steps", self.total))
+        if self.scaler is not None and extra.get("loss_scaler") is not None:
             self.scaler.load_state_dict(extra["loss_scaler"])
+        self.last_checkpoint = (path, int(extra["step"]))
         return int(extra["step"])
 
     def _save(self) -> None:
         from .. import checkpoint
         extra = {"step": self.step, "sampler": self.sampler.state_dict(), "total_steps": self.total,
-                 "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
-        path = checkpoint.save_checkpoint(self.args.save_dir, self.step, model=self.model, optimizer=self.optimizer,
-                                          config=self.config, par=self.par, groups=self.groups, extra=extra)
+                 "data": self.data_identity, "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
+        try:
+            path = checkpoint.save_checkpoint(self.args.save_dir, self.step, model=self.model,
+                                              optimizer=self.optimizer, config=self.config, par=self.par,
+                                              groups=self.groups, extra=extra, keep_last=self.args.keep_last)
+        except checkpoint.CheckpointSaveError as e:
+            self.stop(f"{e}; {self.kept()}")
+        self.last_checkpoint = (path, self.step)
         if self.lead:
             tqdm.write(f"step {self.step} | saved {path}", file=sys.stdout)
             write_loss_plot(self.metrics.records(), os.path.join(out_dir(self.args), "loss.png"),
                             title=self._title())
+
+    def kept(self) -> str:
+        """What a stopped run leaves to resume from."""
+        if self.last_checkpoint is None:
+            return "no checkpoint of this run was saved" + ("" if self.args.save_dir else " (no --save_dir)")
+        path, step = self.last_checkpoint
+        return f"the last checkpoint is {path} (step {step}); --resume continues from it"
+
+    def stop(self, reason: str):
+        """End the run on every rank with `reason` (one line), recorded in the metrics file."""
+        if self.lead:
+            self.metrics.append({"kind": "stop", "step": self.step, "reason": reason, "time": time.time()})
+        raise RunStopped(reason)
 
     def _title(self) -> str:
         p = self.par
@@ -289,18 +413,22 @@ class Run:
             self.metrics.append({"kind": "run", "time": time.time(), "resumed_from": self.step,
                                  "total_steps": self.total, "argv": sys.argv[1:], "peak_tflops": self.peak,
                                  "peak_tflops_source": self.peak_source, "world": self.par.world_size})
-            tqdm.write(f"train: {self.total} steps of {rows_per_replica(self.args) * self.par.dp} x "
+            epochs = math.ceil(self.total / self.sampler.steps_per_epoch)
+            tqdm.write(f"train: {self.total} steps ({epochs} epoch{'s' * (epochs > 1)} of "
+                       f"{self.sampler.steps_per_epoch} steps) of {rows_per_replica(self.args) * self.par.dp} x "
                        f"{self.args.seq_len} tokens; MFU against {self.peak} TFLOP/s per rank "
                        f"({self.peak_source}); starting at step {self.step}", file=sys.stdout)
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", file=sys.stderr,
                    dynamic_ncols=True, disable=not self.lead)
         interval = Interval(start=time.perf_counter())
-        while self.step < self.total:
-            interval = self.one_step(interval)
-            bar.update(1)
-            if self.args.stop_at_step == self.step:
-                break
-        bar.close()
+        try:
+            while self.step < self.total:
+                interval = self.one_step(interval)
+                bar.update(1)
+                if self.args.stop_at_step == self.step:
+                    break
+        finally:
+            bar.close()
         if self.lead:
             write_loss_plot(self.metrics.records(), os.path.join(out_dir(self.args), "loss.png"), title=self._title())
 
@@ -316,6 +444,8 @@ class Run:
         stats = pretrain_step(self.model, self.optimizer, self.groups, batch, num_microbatches=args.num_microbatches,
                               schedule=args.pp_schedule, grad_clip=args.grad_clip, precision=self.precision,
                               scaler=self.scaler)
+        if stats.nonfinite:
+            self.stop_not_finite(stats)
         interval.add(stats, data_s)
         last = self.step == self.total
         logged = self.step % args.log_interval == 0 or last
@@ -330,6 +460,15 @@ class Run:
             return Interval(start=time.perf_counter())
         interval.start += time.perf_counter() - aside
         return interval
+
+    def stop_not_finite(self, stats) -> None:
+        """A step whose loss or grad norm is not finite (every rank knows): it was not taken, and the
+        run stops before any save, so the last checkpoint is the last finite state."""
+        loss, _ = world_token_mean(None if stats.loss is None else stats.loss.double() * stats.targets,
+                                   stats.targets, self.groups)
+        values = {"loss": loss, "grad norm": stats.grad_norm.item()}
+        what = " and ".join(f"the {q} is {values[q]:g}" for q in stats.nonfinite)
+        self.stop(f"step {self.step}: {what}, not finite: the step was not taken and nothing saved; {self.kept()}")
 
     def log(self, interval: Interval, lr: float, grad_norm: torch.Tensor) -> None:
         """A "train" record: collective (loss over the world, peak memory over the ranks)."""
@@ -361,8 +500,19 @@ class Run:
 
 
 def run_rank(launch, args, device) -> int:
-    Run(launch, args, device).train()
+    """Train; a run stopped early tells the launcher (every node's first rank writes --outcome_json,
+    the ranks exit 0 and the launcher says it in one line), or without the launcher says it and exits 1."""
+    try:
+        Run(launch, args, device).train()
+    except RunStopped as e:
+        if args.outcome_json is None:
+            if dist.get_rank() == 0:
+                print(f"error: train: {e}", file=sys.stderr)
+            return 1
+        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+            with atomic_path(args.outcome_json) as tmp, open(tmp, "w") as f:
+                json.dump({"stopped": str(e)}, f)
     return 0
 
 
-TASK = Task(name="train", parser=parser, check=check, run_rank=run_rank)
+TASK = Task(name="train", parser=parser, check=check, launch=launch_train, run_rank=run_rank)

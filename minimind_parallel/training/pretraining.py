@@ -13,7 +13,15 @@ average of the scaled grads is the gradient of the global mean. With equal count
 
 A step: the share, forward/backward through the schedule (autocast around forwards under mixed
 precision), `finalize_grads`, unscaling (float16 loss scale), the global grad norm and clipping,
-AdamW (skipped when a float16 step overflowed), zero grads.
+the finiteness check, AdamW (skipped when a float16 step overflowed or something was not finite),
+zero grads.
+
+Finiteness (as Megatron-LM checks the loss and the grad norm for NaN/inf before it steps): the
+loss of every replica and the global grad norm are tested once per step on every rank together
+(one all-reduce of two flags over the world), so every rank skips or steps alike. Under a float16
+loss scaler a grad norm that is not finite is an overflow, handled by the scaler (the step is
+skipped, the scale halved); otherwise it is reported in `StepStats.nonfinite`, as is a loss that is
+not finite, and the optimizer does not step: the parameters stay those of the last finite step.
 """
 from __future__ import annotations
 
@@ -36,7 +44,8 @@ class StepStats:
     loss: torch.Tensor | None   # this replica's mean over its targets, detached (last stage only)
     targets: torch.Tensor       # this replica's target tokens (0-dim int64)
     grad_norm: torch.Tensor     # global grad norm before clipping (the same on every rank)
-    stepped: bool               # False when a float16 step overflowed and was skipped
+    stepped: bool               # False when a float16 step overflowed, or something was not finite
+    nonfinite: tuple[str, ...] = ()   # "loss", "grad norm": not finite (every rank); the step was not taken
 
 
 def dp_loss_share(targets: torch.Tensor, groups: ProcessGroups) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,11 +71,26 @@ def pretrain_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: Pr
     if scaler is not None:
         scaler.unscale_(model)
     norm = clip_grad_norm_(model, groups, grad_clip)
-    stepped = True if scaler is None else scaler.update(bool(torch.isfinite(norm)))
+    bad = nonfinite_quantities(result.loss, norm, overflow_is_skipped=scaler is not None)
+    stepped = not bad and (scaler is None or scaler.update(bool(torch.isfinite(norm))))
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss=result.loss, targets=mine, grad_norm=norm, stepped=stepped)
+    return StepStats(loss=result.loss, targets=mine, grad_norm=norm, stepped=stepped, nonfinite=bad)
+
+
+def nonfinite_quantities(loss: torch.Tensor | None, grad_norm: torch.Tensor, *,
+                         overflow_is_skipped: bool) -> tuple[str, ...]:
+    """Which of "loss" (any replica's; `loss` None off the last stage) and "grad norm" (global) is
+    not finite, the same on every rank; the grad norm is left to the loss scaler when
+    `overflow_is_skipped`. Collective over the world."""
+    flags = torch.zeros(2, dtype=torch.float32, device=grad_norm.device)
+    if loss is not None:
+        flags[0] = (~torch.isfinite(loss.detach())).any().float()
+    if not overflow_is_skipped:
+        flags[1] = (~torch.isfinite(grad_norm.detach())).float()
+    comm.all_reduce(flags, torch.distributed.group.WORLD, op=torch.distributed.ReduceOp.MAX)
+    return tuple(name for name, flag in zip(("loss", "grad norm"), flags.tolist()) if flag)
 
 
 def world_token_mean(loss_sum: torch.Tensor | None, count: torch.Tensor, groups: ProcessGroups) -> tuple[float, int]:
