@@ -254,3 +254,25 @@ def test_an_atomic_write_ends_mode_0644_also_when_the_writer_put_its_own_file_in
         os.remove(tmp)
         os.close(os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o600))
     assert os.stat(target).st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("file_tied", [True, False])
+def test_whether_a_pth_is_tied_is_read_from_it_and_a_mismatch_with_the_model_is_one_line(file_tied, tmp_path):
+    """A tied file holds the one matrix twice (equal tensors); an untied one two different matrices.
+    Loaded into a model of the other kind, each is refused naming the flag that would fit it."""
+    model = lively_model(tie_word_embeddings=file_tied)
+    path = str(tmp_path / "pretrain_64.pth")
+    minimind_writes(model, path)
+    saved = torch.load(path, weights_only=True)
+    assert torch.equal(saved[EMBED], saved[HEAD]) == file_tied
+    other = MiniMindConfig(**TINY, tie_word_embeddings=not file_tied)
+    message = one_line_error(ConfigError, load_minimind_state_dict, path, other)
+    if file_tied:
+        assert message == (f"{path} holds a tied model (model.embed_tokens.weight and lm_head.weight are equal) but "
+                           f"the model has tie_word_embeddings=False; pass --tie_word_embeddings")
+    else:
+        assert message.startswith(f"{path}: model.embed_tokens.weight and lm_head.weight differ (max abs ")
+        assert message.endswith("an untied model, but tie_word_embeddings=True shares them; "
+                                "pass --no-tie_word_embeddings")
+    state = load_minimind_state_dict(path, model.config)        # the matching model loads it
+    assert torch.equal(state[HEAD], model.state_dict()[HEAD].half().float())

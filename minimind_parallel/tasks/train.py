@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out_dir", default=None, help="metrics.jsonl and loss.png (default --save_dir, else runs/train)")
     p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
                    help="end this process after step N, saving a checkpoint there; --resume continues the run")
-    p.set_defaults(micro_batch_size=32, num_microbatches=8, learning_rate=5e-4, dtype="bfloat16")
+    p.set_defaults(micro_batch_size=32, num_microbatches=8, learning_rate=5e-4, dtype="bfloat16",
+                   tie_word_embeddings=True)  # MiniMind's default (--no-tie_word_embeddings: two matrices)
     return p
 
 
@@ -261,7 +262,8 @@ class Run:
     def _save(self) -> None:
         from .. import checkpoint
         extra = {"step": self.step, "sampler": self.sampler.state_dict(), "total_steps": self.total,
-                 "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
+                 "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
+                 "max_seq_len": self.args.seq_len}  # the trained length, which generate warns beyond
         path = checkpoint.save_checkpoint(self.args.save_dir, self.step, model=self.model, optimizer=self.optimizer,
                                           config=self.config, par=self.par, groups=self.groups, extra=extra)
         if self.lead:
