@@ -198,6 +198,7 @@ def test_generate_prints_text_from_the_trained_model_on_one_rank_and_tp2(trained
     two = cli_generate(generate_argv(source, corpus, launcher_args=["--tp_size", "2"]))
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     assert one.stdout.startswith(PROMPT) and len(one.stdout.strip()) > len(PROMPT)
+    assert one.stdout.endswith("\n")                               # the shell's prompt starts on a line of its own
     assert two.stdout == one.stdout                                 # rank 0 prints, the same text
 
 
