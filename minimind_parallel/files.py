@@ -4,6 +4,10 @@ A writer that is killed or raises leaves the target as it was (absent or the pre
 never half written; concurrent writers of the same target each use their own temporary file.
 `atomic_path` replaces the target; `new_file` never replaces anything (a log of an earlier run
 stays): it takes the first free name of `path`, `path` with `.1`, `.2`, ... before the extension.
+
+Every file written here ends with mode 0644 (`FILE_MODE`), also when the writer replaced the
+temporary file with one of its own: safetensors' `save_file`, for one, writes a new file of mode
+0600 in its place.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 
 from .config import ConfigError
 
+FILE_MODE = 0o644  # an ordinary data file: the owner writes, everyone reads
+
 
 def temp_path(path: str) -> str:
     """A fresh, empty temporary file next to `path` (created, so no other writer gets the name)."""
@@ -23,7 +29,7 @@ def temp_path(path: str) -> str:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     os.close(fd)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; the result is an ordinary data file
+    os.chmod(tmp, FILE_MODE)  # mkstemp makes it private; the result is an ordinary data file
     return tmp
 
 
@@ -55,6 +61,7 @@ def atomic_path(path: str) -> Iterator[str]:
     tmp = temp_path(path)
     try:
         yield tmp
+        os.chmod(tmp, FILE_MODE)  # the writer may have put a file of its own, with its own mode, in its place
         fsync(tmp)
         os.replace(tmp, path)
         fsync(os.path.dirname(os.path.abspath(path)))
@@ -86,6 +93,7 @@ def new_file(path: str) -> Iterator[NewFile]:
     try:
         yield out
     finally:
+        os.chmod(out.tmp, FILE_MODE)
         fsync(out.tmp)
         for candidate in numbered(path):
             try:

@@ -124,10 +124,13 @@ def check_generation_args(*, prompt_len: int, max_new_tokens: int, temperature: 
         raise ConfigError("the prompt must hold at least one token; got an empty prompt")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1; got max_new_tokens={max_new_tokens}")
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0 (0 is greedy); got temperature={temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"temperature must be >= 0 and finite (0 is greedy); got temperature={temperature}")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1]; got top_p={top_p}")
+    if prompt_len > max_position_embeddings:
+        raise ConfigError(f"the prompt is {prompt_len} tokens, more than the model's {max_position_embeddings} "
+                          f"positions (max_position_embeddings)")
     if prompt_len + max_new_tokens > max_position_embeddings:
         raise ConfigError(f"prompt length + max_new_tokens must be <= max_position_embeddings; got "
                           f"{prompt_len} + {max_new_tokens} > {max_position_embeddings}")

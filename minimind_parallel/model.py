@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MiniMindConfig
+from .config import ConfigError, MiniMindConfig
+from .data.batches import shift_labels
 
 
 @dataclass
@@ -147,9 +148,18 @@ class MiniMindModel(nn.Module):
 
 
 class MiniMindForCausalLM(nn.Module):
-    """`MiniMindForCausalLM(config)(input_ids, targets=None)` -> CausalLMOutput(logits, loss).
+    """`MiniMindForCausalLM(config)(input_ids, labels=labels)` -> CausalLMOutput(logits, loss), as in
+    MiniMind's model/model_minimind.py and transformers' causal LMs.
 
-    targets [B, S] are already shifted: targets[:, s] is the token after position s."""
+    - `labels` [B, S] are unshifted (usually the ids themselves, -100 where nothing is learned): the
+      loss predicts labels[:, s + 1] from position s, shifted here (`data.batches.shift_labels`).
+    - `targets` [B, S] are already shifted (targets[:, s] is the token after position s): what the
+      data module's `Batch` holds. Give one of the two, or neither.
+    - `attention_mask` [B, S]: accepted as MiniMind and transformers pass it, all ones only (this
+      model has no padding inside a row); any zero is refused.
+    - `logits_to_keep`: 0 keeps the logits of every position; k > 0 those of the last k; a tensor of
+      positions those positions (MiniMind's and transformers' convention). Not with a loss.
+    """
 
     def __init__(self, config: MiniMindConfig | None = None):
         super().__init__()
@@ -160,10 +170,49 @@ class MiniMindForCausalLM(nn.Module):
             self.model.embed_tokens.weight = self.lm_head.weight
         self.apply(_init_weights)
 
-    def forward(self, input_ids, targets=None):
-        logits = self.lm_head(self.model(input_ids))
+    def forward(self, input_ids, attention_mask=None, *, labels=None, logits_to_keep=0, targets=None):
+        check_attention_mask(attention_mask, input_ids)
+        if labels is not None:
+            if targets is not None:
+                raise ConfigError("give labels (unshifted) or targets (shifted), not both")
+            targets = shift_labels(labels)
+        if targets is not None and not _keeps_all(logits_to_keep):
+            raise ConfigError(f"a loss needs the logits of every position: logits_to_keep must be 0 with labels "
+                              f"or targets; got logits_to_keep={_describe_keep(logits_to_keep)}")
+        hidden = self.model(input_ids)                          # [B, S, H]
+        logits = self.lm_head(hidden[:, _keep_slice(logits_to_keep)])  # [B, S or kept, V]
         loss = next_token_cross_entropy(logits, targets) if targets is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
+
+
+def check_attention_mask(attention_mask, input_ids) -> None:
+    """ConfigError unless `attention_mask` is None or all ones of input_ids' shape (no padding inside rows)."""
+    if attention_mask is None:
+        return
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ConfigError(f"attention_mask must have input_ids' shape {list(input_ids.shape)}; "
+                          f"got {list(attention_mask.shape)}")
+    zeros = int((attention_mask != 1).sum())
+    if zeros:
+        raise ConfigError(f"attention_mask must be all ones (this model attends causally over whole rows, no "
+                          f"padding inside them); got {zeros} of {attention_mask.numel()} entries not 1")
+
+
+def _keeps_all(logits_to_keep) -> bool:
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
+def _describe_keep(logits_to_keep) -> str:
+    return str(logits_to_keep) if isinstance(logits_to_keep, int) else f"a tensor of {logits_to_keep.numel()} positions"
+
+
+def _keep_slice(logits_to_keep):
+    """0: every position; k: the last k; a tensor: those positions."""
+    if isinstance(logits_to_keep, int):
+        if logits_to_keep < 0:
+            raise ConfigError(f"logits_to_keep must be >= 0 (0: every position); got logits_to_keep={logits_to_keep}")
+        return slice(-logits_to_keep, None)
+    return logits_to_keep
 
 
 def _init_weights(m):

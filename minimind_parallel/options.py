@@ -99,7 +99,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num_key_value_heads", type=int, default=4)
     p.add_argument("--vocab_size", type=int, default=6400)
     p.add_argument("--intermediate_size", type=int, default=None)
-    p.add_argument("--tie_word_embeddings", action="store_true", help="tie lm_head to the embedding")
+    p.add_argument("--tie_word_embeddings", action=argparse.BooleanOptionalAction, default=False,
+                   help="lm_head shares the embedding's matrix (MiniMind's default; train, export and generate "
+                        "default to it, benchmark and validate to two matrices as the book's runs)")
     p.add_argument("--micro_batch_size", type=int, default=2)
     p.add_argument("--num_microbatches", type=int, default=1)
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")

@@ -98,7 +98,7 @@ class _Pair:
     def step(self, step: int, compare: bool) -> list[Row]:
         """Forward both (and backward, grads finalised); -> the loss and logits rows when compared
         (the last stage only)."""
-        ref = self.dense(*self.batch)
+        ref = self.dense(self.batch.input_ids, targets=self.batch.targets)
         out = run_schedule(self.model, self.groups, self.microbatches, schedule=self.schedule,
                            forward_only=not self.backward, collect_logits=compare)
         rows = self._output_rows(step, out, ref) if compare and out.loss is not None else []

@@ -49,3 +49,21 @@ def one_line_error(exc_type, fn, *args, **kwargs) -> str:
         assert "\n" not in message, message
         return message
     raise AssertionError(f"{fn.__name__} did not raise {exc_type.__name__}")
+
+
+def _save_on_one_rank(save_dir: str, state: dict, config):
+    from minimind_parallel import ParallelConfig, ProcessGroups
+    from minimind_parallel.checkpoint import save_checkpoint
+    from minimind_parallel.training import build_parallel_model, make_optimizer
+    par = ParallelConfig()
+    groups = ProcessGroups.build(par)
+    model = build_parallel_model(config, par, groups, state)
+    return save_checkpoint(save_dir, 1, model=model, optimizer=make_optimizer(model, 1e-3), config=config, par=par,
+                           groups=groups, extra={})
+
+
+def save_as_checkpoint(save_dir: str, model: MiniMindForCausalLM, state: dict | None = None) -> str:
+    """`model` (or `state` in its place) saved as a one-rank checkpoint at step 1 of `save_dir`."""
+    from distributed import run_ranks
+    state = model.state_dict() if state is None else state
+    return run_ranks(_save_on_one_rank, 1, str(save_dir), {k: v.clone() for k, v in state.items()}, model.config)[0]

@@ -26,7 +26,7 @@ def test_a_split_of_the_sequence_keeps_the_target_of_each_chunks_last_token():
     torch.manual_seed(0)
     model = MiniMindForCausalLM(TINY).double()
     ids, targets = random_batch(0, 2, 16, TINY.vocab_size)
-    out = model(ids, targets)
+    out = model(ids, targets=targets)
     chunks = zip(out.logits.chunk(4, dim=1), targets.chunk(4, dim=1))
     total = sum(F.cross_entropy(x.reshape(-1, x.shape[-1]), y.reshape(-1), reduction="sum") for x, y in chunks)
     assert sum(count_targets(y) for y in targets.chunk(4, dim=1)) == count_targets(targets) == 2 * (16 - 2)
@@ -39,8 +39,8 @@ def test_random_batches_give_every_row_the_same_targets_so_the_dp_mean_is_the_gl
     batch = random_batch(3, 4, 12, TINY.vocab_size)
     assert ((batch.targets != IGNORE_INDEX).sum(dim=1) == 12 - 2).all()
     assert (batch.targets[:, 0] == IGNORE_INDEX).all() and (batch.targets[:, -1] == IGNORE_INDEX).all()
-    per_rank = [model(*dp_rows(batch, r, 2)).loss for r in range(2)]
-    torch.testing.assert_close(sum(per_rank) / 2, model(*batch).loss, rtol=1e-12, atol=0)
+    per_rank = [model(rows.input_ids, targets=rows.targets).loss for rows in (dp_rows(batch, r, 2) for r in range(2))]
+    torch.testing.assert_close(sum(per_rank) / 2, model(batch.input_ids, targets=batch.targets).loss, rtol=1e-12, atol=0)
 
 
 def test_dp_rows_and_microbatches_partition_the_batch():

@@ -11,7 +11,7 @@ import transformers  # a test dependency (pyproject's `test` extra)
 from interop_helpers import lively_model, one_line_error, write_word_tokenizer
 from minimind_parallel import ConfigError
 from minimind_parallel.data.tokenizer import load_tokenizer
-from minimind_parallel.generation import KVCache, forward_cached, generate, generate_text, sample_next
+from minimind_parallel.generation import KVCache, forward_cached, generate, generate_text, prompt_ids, sample_next
 from minimind_parallel.interop import export_hf
 
 PROMPT = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -60,6 +60,28 @@ def test_greedy_generation_equals_transformers_generate_on_the_export(tmp_path):
     want = hf.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=steps, min_new_tokens=steps,
                        do_sample=False, pad_token_id=0)
     assert torch.equal(generate(model, PROMPT, max_new_tokens=steps), want)
+
+
+def test_transformers_tokenizer_and_greedy_generate_on_the_export_give_our_text_token_for_token(tmp_path):
+    """What a transformers user runs on the export: `tok(prompt)` (bos first, as our prompt and the
+    training rows start) then greedy `generate`, decoded: our tokens and our text."""
+    tok_dir = write_word_tokenizer(str(tmp_path / "tok"))
+    tok = load_tokenizer(tok_dir)
+    model = lively_model(vocab_size=tok.vocab_size).eval()
+    out = export_hf(model.state_dict(), model.config, str(tmp_path / "hf"), tokenizer_dir=tok_dir)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    prompt = "the cat sat on"
+    inputs = hf_tok(prompt, return_tensors="pt")
+    ids = prompt_ids(tok, prompt, vocab_size=model.config.vocab_size)
+    assert inputs.input_ids[0, 0].item() == tok.bos_id and inputs.input_ids[0].tolist() == ids
+    theirs = hf.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=tok.eos_id,
+                         pad_token_id=tok.pad_id)
+    ours = generate(model, torch.tensor([ids]), max_new_tokens=8, eos_id=tok.eos_id)
+    assert len(set(ours[0, len(ids):].tolist())) > 2                 # the model wanders, the test can tell
+    assert theirs.tolist() == ours.tolist()
+    text = hf_tok.decode(theirs[0, len(ids):], skip_special_tokens=True)
+    assert text == generate_text(model, tok, prompt, max_new_tokens=8)
 
 
 def test_generation_stops_at_eos_and_fills_finished_rows_with_it():

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from interop_helpers import TINY, lively_model, one_line_error, write_word_tokenizer
 from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM
+from minimind_parallel.data.tokenizer import load_tokenizer
 from minimind_parallel.interop import (export_hf, load_minimind_state_dict, minimind_weight_name, qwen3_config_dict,
                                        save_minimind_state_dict)
 
@@ -170,8 +171,21 @@ def test_hf_export_carries_the_tokenizer_and_its_ids(tmp_path):
     generation = transformers.GenerationConfig.from_pretrained(out)
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 0)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-    assert hf_tok("the cat sat").input_ids == [3, 4, 5]
+    assert hf_tok("the cat sat").input_ids == [1, 3, 4, 5]              # bos first, as the training rows start
+    assert hf_tok("the cat sat", add_special_tokens=False).input_ids == [3, 4, 5]
+    assert hf_tok.decode(hf_tok("the cat sat").input_ids, skip_special_tokens=True) == "the cat sat"
     assert hf_tok.eos_token == "<|im_end|>" and hf_tok.bos_token == "<|im_start|>"
+    assert load_tokenizer(tok_dir).tokenizer.encode("the cat").ids == [3, 4]  # the training tokenizer unchanged
+
+
+def test_every_file_of_the_hf_export_is_mode_0644(tmp_path):
+    """safetensors' save_file writes a new file of mode 0600; the export's files are ordinary data files."""
+    model = lively_model()
+    out = export_hf(model.state_dict(), model.config, str(tmp_path / "hf"),
+                    tokenizer_dir=write_word_tokenizer(str(tmp_path / "tok")))
+    modes = {name: oct(os.stat(os.path.join(out, name)).st_mode & 0o777) for name in os.listdir(out)}
+    assert modes["model.safetensors"] == oct(0o644)
+    assert set(modes.values()) == {oct(0o644)}, modes
 
 
 def test_qwen3_config_maps_every_size(tmp_path):
@@ -230,3 +244,35 @@ def test_hf_export_refuses_bad_input_before_writing(tmp_path):
     assert "exists and is not a folder" in one_line_error(
         ConfigError, export_hf, model.state_dict(), model.config, str(tmp_path / "file"))
     assert sorted(os.listdir(tmp_path)) == ["file", "tok"]
+
+
+def test_an_atomic_write_ends_mode_0644_also_when_the_writer_put_its_own_file_in_place(tmp_path):
+    """A writer (safetensors' save_file, for one) that replaces the temporary file with a private one."""
+    from minimind_parallel.files import atomic_path
+    target = tmp_path / "out.bin"
+    with atomic_path(str(target)) as tmp:
+        os.remove(tmp)
+        os.close(os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o600))
+    assert os.stat(target).st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("file_tied", [True, False])
+def test_whether_a_pth_is_tied_is_read_from_it_and_a_mismatch_with_the_model_is_one_line(file_tied, tmp_path):
+    """A tied file holds the one matrix twice (equal tensors); an untied one two different matrices.
+    Loaded into a model of the other kind, each is refused naming the flag that would fit it."""
+    model = lively_model(tie_word_embeddings=file_tied)
+    path = str(tmp_path / "pretrain_64.pth")
+    minimind_writes(model, path)
+    saved = torch.load(path, weights_only=True)
+    assert torch.equal(saved[EMBED], saved[HEAD]) == file_tied
+    other = MiniMindConfig(**TINY, tie_word_embeddings=not file_tied)
+    message = one_line_error(ConfigError, load_minimind_state_dict, path, other)
+    if file_tied:
+        assert message == (f"{path} holds a tied model (model.embed_tokens.weight and lm_head.weight are equal) but "
+                           f"the model has tie_word_embeddings=False; pass --tie_word_embeddings")
+    else:
+        assert message.startswith(f"{path}: model.embed_tokens.weight and lm_head.weight differ (max abs ")
+        assert message.endswith("an untied model, but tie_word_embeddings=True shares them; "
+                                "pass --no-tie_word_embeddings")
+    state = load_minimind_state_dict(path, model.config)        # the matching model loads it
+    assert torch.equal(state[HEAD], model.state_dict()[HEAD].half().float())

@@ -11,7 +11,9 @@ import torch
 import transformers  # a test dependency (pyproject's `test` extra)
 
 from distributed import run_ranks
-from interop_helpers import lively_model
+import json
+
+from interop_helpers import lively_model, save_as_checkpoint, write_word_tokenizer
 from minimind_parallel import cli, tasks
 from minimind_parallel.checkpoint import checkpoint_model_config
 from minimind_parallel.config import ConfigError, ParallelConfig
@@ -49,7 +51,9 @@ def trained(corpus, tmp_path_factory):  # noqa: F811
     launch, args = cli.parse(argv)
     tasks.get("train").check(launch, args)
     shards = run_ranks(_train_and_keep, 2, argv)
-    return save_dir, gather_state_dict(shards, ParallelConfig(tp=2, sequence_parallel=True))
+    weights = gather_state_dict(shards, ParallelConfig(tp=2, sequence_parallel=True))
+    assert args.tie_word_embeddings and "lm_head.weight" not in weights      # train's default: one matrix
+    return save_dir, weights | {"lm_head.weight": weights["model.embed_tokens.weight"]}
 
 
 def dense_model(save_dir, state) -> MiniMindForCausalLM:
@@ -69,14 +73,18 @@ def rel_l2(a, b):
 
 # ---------------------------------------------------------------- export
 
-def test_minimind_export_of_a_tp2_sp_checkpoint_is_its_trained_weights_in_half_precision(trained, tmp_path):
+def test_minimind_export_of_a_tp2_sp_checkpoint_is_its_trained_weights_in_half_precision(trained, tmp_path, capsys):
     save_dir, weights = trained
+    assert checkpoint_model_config(str(save_dir)).tie_word_embeddings       # train's default: MiniMind's
     assert export("--checkpoint", save_dir, "--format", "minimind", "--out", tmp_path) == 0
     assert os.listdir(tmp_path) == ["pretrain_64.pth"]          # MiniMind's {weight}_{hidden}.pth
     saved = torch.load(tmp_path / "pretrain_64.pth", weights_only=True)
     assert list(saved) == list(dense_model(save_dir, weights).state_dict())
     for key, value in weights.items():
         assert saved[key].dtype == torch.float16 and torch.equal(saved[key], value.half()), key
+    assert torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])  # tied: the matrix twice
+    assert capsys.readouterr().out == (f"export: minimind {tmp_path / 'pretrain_64.pth'} from {save_dir} "
+                                       f"(tied: lm_head.weight is model.embed_tokens.weight, MiniMind's default)\n")
 
 
 def test_hf_export_of_a_tp2_sp_checkpoint_loads_in_transformers_with_our_logits(trained, corpus, tmp_path):  # noqa: F811
@@ -98,7 +106,18 @@ def test_hf_export_of_a_tp2_sp_checkpoint_loads_in_transformers_with_our_logits(
     baseline = rel_l2(got, want)
     assert 0 < baseline < 1e-5
     assert rel_l2(theirs, got) <= 10 * baseline
-    assert transformers.AutoTokenizer.from_pretrained(out)(PROMPT).input_ids  # the tokenizer came along
+    assert json.load(open(out / "config.json"))["tie_word_embeddings"] is True
+    assert {oct(os.stat(out / name).st_mode & 0o777) for name in os.listdir(out)} == {oct(0o644)}
+
+    # What a transformers user runs: the tokenizer puts bos first, as the training rows start, and greedy
+    # generate continues with our tokens.
+    from minimind_parallel.tasks.generate import generate_dense
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    inputs = hf_tok(PROMPT, return_tensors="pt")
+    assert inputs.input_ids[0, 0].item() == hf_tok.bos_token_id == 1
+    launch, args = cli.parse(generate_argv(["--checkpoint", str(save_dir)], corpus))
+    new = hf.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs.input_ids.shape[1]:].tolist()
+    assert new == generate_dense(args, torch.device("cpu")) and len(new) >= 1
 
 
 def _validate_rank(argv):
@@ -113,7 +132,7 @@ def test_the_pth_reimported_into_validate_at_another_layout_equals_the_dense_mod
     save_dir, weights = trained
     assert export("--checkpoint", save_dir, "--format", "minimind", "--out", tmp_path / "w.pth") == 0
     argv = ["validate", *layout, "--", *MODEL, "--seq_len", "32", "--optimizer_steps", "2", *flags,
-            "--from_weight", str(tmp_path / "w.pth")]
+            "--tie_word_embeddings", "--from_weight", str(tmp_path / "w.pth")]   # validate defaults to untied
     launch, args = cli.parse(argv)
     tasks.get("validate").check(launch, args)
     for key, value in initial_state(args).items():            # both models start from the .pth
@@ -179,6 +198,7 @@ def test_generate_prints_text_from_the_trained_model_on_one_rank_and_tp2(trained
     two = cli_generate(generate_argv(source, corpus, launcher_args=["--tp_size", "2"]))
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     assert one.stdout.startswith(PROMPT) and len(one.stdout.strip()) > len(PROMPT)
+    assert one.stdout.endswith("\n")                               # the shell's prompt starts on a line of its own
     assert two.stdout == one.stdout                                 # rank 0 prints, the same text
 
 
@@ -221,6 +241,13 @@ def test_bad_input_is_one_line_before_anything_starts(trained, corpus, tmp_path,
         (generate_argv(ckpt, corpus, launcher_args=["--pp_size", "2"]), "generate runs under tensor parallelism"),
         (generate_argv(ckpt + small[:2], corpus), "give exactly one of --checkpoint"),
         (generate_argv(ckpt, corpus, launcher_args=["--tp_size", "3"]), "divisible"),
+        (generate_argv(ckpt, corpus, "--temperature", "nan"), "temperature must be >= 0 and finite (0 is greedy); "
+                                                               "got temperature=nan"),
+        (generate_argv(ckpt, corpus, "--temperature", "-0.5"), "got temperature=-0.5"),
+        (["export", "--", *ckpt, "--format", "minimind", "--out", str(tmp_path / "taken.pth" / "w.pth")],
+         f"--out {tmp_path / 'taken.pth' / 'w.pth'} cannot be written: {tmp_path / 'taken.pth'} is a file, not a folder"),
+        (["export", "--", *ckpt, "--format", "hf", "--out", str(tmp_path / "taken.pth" / "a" / "hf"),
+          "--tokenizer_path", str(corpus / "tokenizer")], f"{tmp_path / 'taken.pth'} is a file, not a folder"),
     ]
     for argv, message in cases:
         assert_refused_before_launch(argv, message, monkeypatch, capsys)
@@ -239,3 +266,99 @@ def test_overwrite_replaces_an_existing_export(trained, corpus, tmp_path):  # no
         tasks.get("export").check(*cli.parse(["export", "--", "--checkpoint", str(save_dir), "--format", "hf",
                                               "--out", str(tmp_path / "hf"), "--tokenizer_path",
                                               str(corpus / "tokenizer")]))
+
+
+# ---------------------------------------------------------------- tied or not, finite weights, lengths
+
+def test_train_export_and_generate_tie_by_default_as_minimind_does_and_validate_benchmark_do_not(corpus):  # noqa: F811
+    tied = {task: cli.parse([task, "--", *tail])[1].tie_word_embeddings for task, tail in [
+        ("train", data_args(corpus)), ("generate", ["--tokenizer_path", "t", "--prompt", "p"]),
+        ("validate", []), ("benchmark", [])]}
+    assert tied == {"train": True, "generate": True, "validate": False, "benchmark": False}
+    assert cli.parse(["train", "--", *data_args(corpus), "--no-tie_word_embeddings"])[1].tie_word_embeddings is False
+    assert cli.parse(["validate", "--", "--tie_word_embeddings"])[1].tie_word_embeddings is True
+
+
+def test_a_pth_whose_tying_differs_from_the_flag_is_one_line_in_train_validate_and_generate(
+        trained, corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """The trained run is tied (train's default): its .pth holds the matrix twice. Each task refuses it
+    for an untied model, before launch, naming the flag."""
+    save_dir, _ = trained
+    assert export("--checkpoint", save_dir, "--format", "minimind", "--out", tmp_path / "w.pth") == 0
+    pth = ["--from_weight", str(tmp_path / "w.pth")]
+    message = "holds a tied model (model.embed_tokens.weight and lm_head.weight are equal) but the model has " \
+              "tie_word_embeddings=False; pass --tie_word_embeddings"
+    for argv in (["validate", "--", *MODEL, "--seq_len", "32", *pth],
+                 generate_argv([*pth, *MODEL, "--no-tie_word_embeddings"], corpus),
+                 ["train", "--", *data_args(corpus, save_dir=tmp_path / "run"), "--no-tie_word_embeddings", *pth]):
+        assert_refused_before_launch(argv, message, monkeypatch, capsys)
+
+
+def _nan_at(state, key):
+    state = {k: v.clone() for k, v in state.items()}
+    state[key].view(-1)[3] = float("nan")
+    return state
+
+
+def test_weights_that_are_not_finite_are_one_line_naming_the_tensor_in_every_task(
+        trained, corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """A bit-flipped .pth (train, validate, generate) and a checkpoint holding nan (export, generate); a
+    finite checkpoint whose values float16 cannot hold (export to MiniMind's half precision)."""
+    save_dir, weights = trained
+    key = "model.layers.1.mlp.up_proj.weight"
+    save_minimind_state_dict(_nan_at(weights, key), str(tmp_path / "nan.pth"))
+    pth = ["--from_weight", str(tmp_path / "nan.pth")]
+    message = f"{tmp_path / 'nan.pth'}: {key} is not finite (1 nan and 0 inf of its "
+    for argv in (["validate", "--", *MODEL, "--seq_len", "32", "--tie_word_embeddings", *pth],
+                 generate_argv([*pth, *MODEL], corpus),
+                 ["train", "--", *data_args(corpus, save_dir=tmp_path / "run"), *pth]):
+        assert_refused_before_launch(argv, message, monkeypatch, capsys)
+
+    model = dense_model(save_dir, weights)
+    nan_ckpt = save_as_checkpoint(tmp_path / "nan_run", model, _nan_at(weights, key))
+    message = f"{nan_ckpt}: {key} is not finite (1 nan and 0 inf of its "
+    for argv in (["export", "--", "--checkpoint", nan_ckpt, "--format", "minimind", "--out", str(tmp_path / "x.pth")],
+                 ["export", "--", "--checkpoint", nan_ckpt, "--format", "hf", "--out", str(tmp_path / "hf"),
+                  "--tokenizer_path", str(corpus / "tokenizer")],
+                 generate_argv(["--checkpoint", nan_ckpt], corpus)):
+        assert_refused_before_launch(argv, message, monkeypatch, capsys)
+
+    big = {k: v.clone() for k, v in weights.items()}
+    big[key].view(-1)[0] = 1e5
+    big_ckpt = save_as_checkpoint(tmp_path / "big_run", model, big)
+    assert_refused_before_launch(["export", "--", "--checkpoint", big_ckpt, "--format", "minimind", "--out",
+                                  str(tmp_path / "x.pth")], f"{key} overflows float16 (max abs 1e+05", monkeypatch,
+                                 capsys)
+    assert export("--checkpoint", big_ckpt, "--format", "hf", "--out", tmp_path / "hf32", "--tokenizer_path",
+                  corpus / "tokenizer") == 0                          # float32 holds it
+    assert not (tmp_path / "x.pth").exists() and not (tmp_path / "hf").exists()    # nothing written when refused
+
+
+def test_an_untied_checkpoint_exports_saying_so_in_its_line_and_hf_config(corpus, tmp_path, capsys):  # noqa: F811
+    model = lively_model(tie_word_embeddings=False, vocab_size=320)
+    ckpt = save_as_checkpoint(tmp_path / "run", model)
+    assert export("--checkpoint", ckpt, "--format", "hf", "--out", tmp_path / "hf", "--tokenizer_path",
+                  corpus / "tokenizer") == 0
+    assert capsys.readouterr().out.endswith("(untied: lm_head.weight is its own matrix; MiniMind loads it with "
+                                            "MiniMindConfig(tie_word_embeddings=False))\n")
+    assert json.load(open(tmp_path / "hf" / "config.json"))["tie_word_embeddings"] is False
+
+
+def test_a_prompt_beyond_the_model_s_positions_is_refused_and_beyond_the_trained_length_noted(
+        trained, corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
+    tok = write_word_tokenizer(str(tmp_path / "tok"))
+    short = save_as_checkpoint(tmp_path / "run", lively_model(vocab_size=15))   # max_position_embeddings=64
+    argv = ["generate", "--", "--checkpoint", short, "--tokenizer_path", tok, "--prompt", " ".join(["the"] * 70),
+            "--max_new_tokens", "4"]
+    assert_refused_before_launch(argv, "the prompt is 71 tokens, more than the model's 64 positions "
+                                       "(max_position_embeddings)", monkeypatch, capsys)
+
+    save_dir, _ = trained                                              # trained at --max_seq_len 32
+    launch, args = cli.parse(generate_argv(["--checkpoint", str(save_dir)], corpus, "--max_new_tokens", "40"))
+    tasks.get("generate").check(launch, args)
+    err = capsys.readouterr().err
+    assert err.startswith("generate: note: bos + prompt (") and err.count("\n") == 1
+    assert "beyond the 32 the model was trained on (train --max_seq_len 32)" in err
+    launch, args = cli.parse(generate_argv(["--checkpoint", str(save_dir)], corpus))   # 12 new tokens: within
+    tasks.get("generate").check(launch, args)
+    assert capsys.readouterr().err == ""

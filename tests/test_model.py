@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig
+from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM, ParallelConfig
 from minimind_parallel.data.batches import shift_labels
 from minimind_parallel.sharding import gather_state_dict, shard_state_dict
 
@@ -63,6 +63,56 @@ def test_loss_is_shifted_and_ignores_minus_100():
     keep = tgt != -100
     want = -logp.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep].mean()
     torch.testing.assert_close(out.loss, want)
+
+
+def test_labels_are_shifted_inside_as_minimind_and_transformers_take_them():
+    """`model(ids, labels=labels)`: unshifted labels, -100 ignored, the same loss as pre-shifted targets
+    and as MiniMind's forward writes it (logits[:, :-1] against labels[:, 1:])."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(**TINY))
+    ids = torch.randint(0, 128, (2, 10))
+    labels = ids.clone()
+    labels[0, 3:6] = -100
+    out = model(ids, labels=labels)
+    logits = out.logits[:, :-1]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, want, rtol=1e-6, atol=0)
+    assert torch.equal(out.loss, model(ids, targets=shift_labels(labels)).loss)
+    assert not torch.equal(out.loss, model(ids, targets=labels).loss)  # an unshifted loss would differ
+
+
+def test_attention_mask_of_ones_is_accepted_and_any_other_is_refused_in_one_line():
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(**TINY))
+    ids = torch.randint(0, 128, (2, 10))
+    want = model(ids, labels=ids)
+    got = model(ids, torch.ones_like(ids), labels=ids)          # positionally, as MiniMind's generate passes it
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    assert torch.equal(model(ids, attention_mask=torch.ones(2, 10, dtype=torch.bool)).logits, want.logits)
+    padded = torch.ones_like(ids)
+    padded[1, 7:] = 0
+    with pytest.raises(ConfigError, match=r"^attention_mask must be all ones .*; got 3 of 20 entries not 1$"):
+        model(ids, attention_mask=padded)
+    with pytest.raises(ConfigError, match=r"attention_mask must have input_ids' shape \[2, 10\]; got \[2, 9\]"):
+        model(ids, attention_mask=torch.ones(2, 9))
+
+
+def test_logits_to_keep_keeps_the_last_positions_or_the_ones_named():
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(**TINY))
+    ids = torch.randint(0, 128, (2, 10))
+    full = model(ids).logits
+    assert torch.equal(model(ids, logits_to_keep=0).logits, full)
+    torch.testing.assert_close(model(ids, logits_to_keep=1).logits, full[:, -1:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model(ids, logits_to_keep=3).logits, full[:, -3:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model(ids, logits_to_keep=torch.tensor([0, 4])).logits, full[:, [0, 4]],
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match="logits_to_keep must be 0 with labels or targets; got logits_to_keep=1"):
+        model(ids, labels=ids, logits_to_keep=1)
+    with pytest.raises(ConfigError, match="logits_to_keep must be >= 0"):
+        model(ids, logits_to_keep=-1)
+    with pytest.raises(ConfigError, match="give labels .* or targets .*, not both"):
+        model(ids, labels=ids, targets=shift_labels(ids))
 
 
 def test_flash_and_manual_attention_agree():

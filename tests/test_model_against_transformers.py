@@ -79,3 +79,33 @@ def test_dense_model_matches_transformers_qwen3_logits_and_every_grad(tied, flas
         baseline = rel_l2(got_grads[name], want)
         err = rel_l2(got_grads[name], ref_grads[name])
         assert err <= K * baseline, f"grad {name}: rel-L2 {err:.2e} vs {K} x float32 round-off {baseline:.2e}"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loss_on_unshifted_labels_equals_transformers_qwen3_on_the_same_labels(tied):
+    """`model(ids, labels=labels).loss` as a transformers user calls it: Qwen3 shifts the same labels,
+    ignores the same -100s; within 10x the dense model's own float32 error on the loss. The kept
+    logits of `logits_to_keep` are Qwen3's too."""
+    c = MiniMindConfig(**TINY, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    ours = MiniMindForCausalLM(c)
+    ref = qwen3(c, "sdpa")
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    exact = MiniMindForCausalLM(c).double()
+    exact.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, c.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :5] = -100                                   # a prompt not learned, as SFT masks it
+    labels[1, 20:] = -100
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        got = ours(ids, mask, labels=labels).loss
+        want = exact(ids, mask, labels=labels).loss
+        theirs = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+        unmasked = ref(input_ids=ids, labels=ids).loss
+        kept, ref_kept = ours(ids, logits_to_keep=4).logits, ref(input_ids=ids, logits_to_keep=4).logits
+    baseline = abs(got.double() - want).item()
+    assert abs(theirs.double() - got.double()).item() <= K * max(baseline, 1e-7 * want.item())
+    assert abs(unmasked - theirs).item() > 1e-3             # the -100s matter: ignoring them is seen
+    assert kept.shape == (2, 4, c.vocab_size)
+    assert rel_l2(kept, ref_kept) <= K * rel_l2(kept, exact(ids).logits[:, -4:].detach())

@@ -81,7 +81,7 @@ def _uneven_targets(schedule):
     model = build_parallel_model(config, par, groups, dense.state_dict())
     ids, targets = random_batch(3, 6, 16, config.vocab_size)
     targets[:2, 1:11] = -100                     # microbatch 0 has far fewer targets than 1 and 2
-    ref = dense(ids, targets)
+    ref = dense(ids, targets=targets)
     ref.loss.backward()
     out = forward_backward(model, groups, split_microbatches(ids, targets, 3), schedule=schedule)
     name = "model.layers.0.mlp.up_proj.weight" if groups.pp_rank == 0 else "lm_head.weight"

@@ -96,7 +96,7 @@ def _partial_grads(par):
     dense = MiniMindForCausalLM(config).double()
     model = build_parallel_model(config, par, groups, dense.state_dict(), dtype=torch.float64)
     ids, targets = random_batch(0, 2, 16, config.vocab_size)
-    dense(ids, targets).loss.backward()
+    dense(ids, targets=targets).loss.backward()
     model(ids, targets).loss.backward()
     grads = dict(dense.named_parameters())
     differs = {n: not torch.allclose(p.grad, dense_slice(n, grads[n].grad, par, groups.tp_rank), rtol=1e-9,

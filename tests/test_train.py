@@ -192,7 +192,7 @@ def test_model_flops_per_token_count_every_matmul_of_forward_and_backward():
                                 vocab_size=256, tie_word_embeddings=tied, flash_attn=False)  # math attention: counted
         model, ids = MiniMindForCausalLM(config), torch.randint(0, 256, (2, 32))
         with FlopCounterMode(display=False) as counter:
-            model(ids, ids).loss.backward()
+            model(ids, labels=ids).loss.backward()
         assert counter.get_total_flops() == model_flops_per_token(config, 32) * ids.numel()
 
 

@@ -49,7 +49,7 @@ def worst_shard_error(model, dense, groups, of) -> float:
 def _clip(par, tied, microbatches):
     dense, model, groups = dense_and_parallel(par, tied)
     batch = random_batch(1, 4 * par.dp, SEQ, VOCAB)
-    dense(*batch).loss.backward()
+    dense(batch.input_ids, targets=batch.targets).loss.backward()
     full_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")).item()
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1 * full_norm)  # clips: coefficient 0.1
     forward_backward(model, groups, split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), microbatches))
@@ -91,7 +91,7 @@ def _dp_step(par, microbatches, grad_clip):
     dense, model, groups = dense_and_parallel(par, tied=False)
     batch = uneven_batch(4)
     lr = 0.1
-    dense_loss = dense(*batch).loss
+    dense_loss = dense(batch.input_ids, targets=batch.targets).loss
     dense_loss.backward()
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     torch.optim.SGD(dense.parameters(), lr=lr).step()
@@ -148,7 +148,7 @@ def _mixed_step(par, compute_dtype):
     precision = Precision.of("mixed", compute_dtype, "cpu")
     batch = uneven_batch(4)
     with precision.forward_context():
-        dense_loss = dense(*batch).loss
+        dense_loss = dense(batch.input_ids, targets=batch.targets).loss
     dense_loss.backward()
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf"))
     stats = pretrain_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups,

@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from ..config import ConfigError
 from ..files import atomic_path
@@ -95,6 +95,17 @@ def load_tokenizer(path: str) -> LoadedTokenizer:
         pad_id=_special_id(tokenizer, config.get("pad_token", PAD_TOKEN), file),
         bos_id=_special_id(tokenizer, config.get("bos_token", BOS_TOKEN), file),
         eos_id=_special_id(tokenizer, config.get("eos_token", EOS_TOKEN), file))
+
+
+def bos_first(loaded: LoadedTokenizer) -> Tokenizer:
+    """A copy of the tokenizer that puts bos before every text it encodes, as MiniMind's pretraining
+    rows start (`data.pretrain`) -- for the Hugging Face export, where `tokenizer(text)` is the whole
+    recipe. The training tokenizer itself encodes the text alone: the rows add bos and eos themselves."""
+    out = Tokenizer.from_str(loaded.tokenizer.to_str())
+    bos = out.id_to_token(loaded.bos_id)
+    out.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
+                                                       special_tokens=[(bos, loaded.bos_id)])
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

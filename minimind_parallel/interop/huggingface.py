@@ -7,7 +7,9 @@ scripts/convert_model.py produces through `Qwen3ForCausalLM.save_pretrained`. It
 without transformers: the config as JSON (flat `rope_theta` with `rope_scaling: null`, which
 transformers 4.x and 5.x both read, as MiniMind's converter writes it), the weights with
 `safetensors.torch.save_file`. With tied embeddings only `model.embed_tokens.weight` is stored,
-as `save_pretrained` does for a tied model (`lm_head.weight` is re-tied on load).
+as `save_pretrained` does for a tied model (`lm_head.weight` is re-tied on load). The tokenizer
+puts bos first (`data.tokenizer.bos_first`), so `tokenizer(text)` gives the ids a pretraining row
+starts with, and `generate` on them continues as ours does; every file is mode 0644.
 
 The folder is written beside `out_dir` under a temporary name and renamed into place, so an
 interrupted export never leaves a half-written folder; an existing non-empty folder is refused
@@ -25,7 +27,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ConfigError, MiniMindConfig
-from ..data.tokenizer import LoadedTokenizer, load_tokenizer
+from ..data.tokenizer import LoadedTokenizer, bos_first, load_tokenizer, tokenizer_config
+from ..files import atomic_path
 from .minimind import HEAD_KEY, dense_state_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -89,16 +92,30 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
+def _write_tokenizer(folder: str, tok: LoadedTokenizer, model_max_length: int) -> None:
+    """The tokenizer files, with bos put first by `tokenizer(text)` as the training rows start (the
+    tokenizer.json's post-processor, which transformers applies unless add_special_tokens=False)."""
+    source = os.path.dirname(tok.path)
+    bos_first(tok).save(os.path.join(folder, "tokenizer.json"))
+    config_file = os.path.join(source, "tokenizer_config.json")
+    config = tokenizer_config(model_max_length)
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    _write_json(os.path.join(folder, "tokenizer_config.json"), config | {"add_bos_token": True})
+    for name in TOKENIZER_FILES:
+        if name not in ("tokenizer.json", "tokenizer_config.json") and os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
+
+
 def _write_folder(folder: str, tensors: dict, config_json: dict, tok: LoadedTokenizer | None) -> None:
     _write_json(os.path.join(folder, "config.json"), config_json)
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with atomic_path(os.path.join(folder, "model.safetensors")) as tmp:  # 0644: save_file alone makes it 0600
+        save_file(tensors, tmp, metadata={"format": "pt"})
     if tok is not None:
         ids = {k: config_json[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         _write_json(os.path.join(folder, "generation_config.json"), generation_config_dict(**ids))
-        source = os.path.dirname(tok.path)
-        for name in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(source, name)):
-                shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
+        _write_tokenizer(folder, tok, config_json["max_position_embeddings"])
 
 
 def _replace_folder(tmp: str, out_dir: str) -> None:

@@ -7,9 +7,11 @@ state dict names the one matrix twice, `model.embed_tokens.weight` and `lm_head.
 file holds both (two equal half-precision copies); the RoPE tables are non-persistent buffers and
 are not in it. The keys are the dense model's (`minimind_parallel/model.py`).
 
-MiniMind itself loads with `strict=False`; here every key of the dense model must be present with
-its exact shape and no other key may be, so a file of another size is refused with one line
-naming the first key that differs, instead of training from a silently half-loaded model.
+Here every key of the dense model must be present with its exact shape and no other key may be,
+so a file of another size is refused with one line naming the first key that differs. Whether the
+file is tied is read from it (the two shared keys hold equal tensors) and must agree with the
+model's `tie_word_embeddings`: MiniMind's strict `load_state_dict` into its tied default class
+accepts an untied file without a word (the last of the two keys wins), with wrong logits.
 """
 from __future__ import annotations
 
@@ -86,23 +88,70 @@ def _fill_tied(state: Mapping[str, torch.Tensor], config: MiniMindConfig, source
         embed, head = state[EMBED_KEY], state[HEAD_KEY]
         if embed.shape == head.shape and not torch.equal(embed, head):
             diff = (embed.double() - head.double()).abs().max().item()
-            raise ConfigError(f"{source}: {EMBED_KEY} and {HEAD_KEY} differ (max abs {diff:.3g}) "
-                              f"but tie_word_embeddings=True shares them")
+            raise ConfigError(f"{source}: {EMBED_KEY} and {HEAD_KEY} differ (max abs {diff:.3g}), an untied model, "
+                              f"but tie_word_embeddings=True shares them; pass --no-tie_word_embeddings")
     elif present:
         state[EMBED_KEY] = state[HEAD_KEY] = state[present[0]]
     return state
 
 
+def is_tied(state: Mapping[str, torch.Tensor]) -> bool | None:
+    """Whether a MiniMind state dict holds a tied model: its two shared keys hold equal tensors (MiniMind's
+    file of a tied model has the one matrix twice). None when one of the keys is not there."""
+    embed, head = state.get(EMBED_KEY), state.get(HEAD_KEY)
+    if not (isinstance(embed, torch.Tensor) and isinstance(head, torch.Tensor)):
+        return None
+    return embed.shape == head.shape and torch.equal(embed, head)
+
+
+def check_tying(state: Mapping[str, torch.Tensor], config: MiniMindConfig, source: str) -> None:
+    """ConfigError when a file holds a tied model and `config` unties it. (Two different matrices under a
+    tied config are refused by `dense_state_dict`: they cannot be one.)"""
+    if is_tied(state) and not config.tie_word_embeddings:
+        raise ConfigError(f"{source} holds a tied model ({EMBED_KEY} and {HEAD_KEY} are equal) but the model has "
+                          f"tie_word_embeddings=False; pass --tie_word_embeddings")
+
+
+def _not_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def _count(value: torch.Tensor) -> str:
+    nan, inf = int(value.isnan().sum()), int(value.isinf().sum())
+    return f"{nan} nan and {inf} inf of its {value.numel()} values"
+
+
+def check_finite(state: Mapping[str, torch.Tensor], *, source: str = "state dict") -> None:
+    """ConfigError (one line naming the first tensor) when a tensor of `state` holds nan or inf: a model
+    started or exported from it would only ever compute nan."""
+    bad = _not_finite(state)
+    if bad:
+        raise ConfigError(f"{source}: {bad[0]} is not finite ({_count(state[bad[0]])}){_and_more(bad)}; "
+                          f"refusing weights that are not finite")
+
+
+def _check_cast(cast: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], dtype, source: str) -> None:
+    """ConfigError when casting finite weights to `dtype` made some infinite (beyond float16's range)."""
+    bad = _not_finite(cast)
+    if bad:
+        top = state[bad[0]].abs().max().item()
+        raise ConfigError(f"{source}: {bad[0]} overflows {str(dtype).removeprefix('torch.')} (max abs {top:.4g}, "
+                          f"largest finite {torch.finfo(dtype).max:.4g}){_and_more(bad)}")
+
+
 def dense_state_dict(state: Mapping[str, torch.Tensor], config: MiniMindConfig, *, source: str = "state dict",
                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The dense model's state dict from `state`, checked strictly, cast to `dtype`, in the model's key order.
+    """The dense model's state dict from `state`, checked strictly and for finite values, cast to `dtype`
+    (which must hold them: float16 ends at 65504), in the model's key order.
 
     With tied embeddings the result names the one tensor under both keys (as `model.state_dict()` does),
     whether `state` gave one of them or both.
     """
     state = _fill_tied(state, config, source)
     check_dense_state(state, config, source=source)
+    check_finite(state, source=source)
     out = {k: state[k].detach().to(dtype) for k in expected_shapes(config)}
+    _check_cast(out, state, dtype, source)
     if config.tie_word_embeddings:
         out[HEAD_KEY] = out[EMBED_KEY]
     return out
@@ -125,6 +174,7 @@ def load_minimind_state_dict(path: str, config: MiniMindConfig, *,
     if isinstance(loaded.get("model"), dict) and "optimizer" in loaded:
         raise ConfigError(f"{path} is a MiniMind resume checkpoint (model and optimizer); pass the weights file "
                           f"{{weight}}_{{hidden_size}}.pth that MiniMind writes beside it")
+    check_tying(loaded, config, path)
     return dense_state_dict(loaded, config, source=path, dtype=dtype)
 
 

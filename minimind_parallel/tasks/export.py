@@ -8,6 +8,7 @@ No ranks: the launcher process reads every saved shard into the dense state dict
 (`checkpoint.read_dense_state`) and writes it with `interop.save_minimind_state_dict` (half
 precision, both tied keys, as MiniMind's trainer writes) or `interop.export_hf` (config.json for
 Qwen3, model.safetensors, the tokenizer files). An existing output is refused unless --overwrite.
+The output line says whether the model is tied (the HF config's `tie_word_embeddings` says it too).
 """
 from __future__ import annotations
 
@@ -57,8 +58,20 @@ def check_single_process(launch, task: str) -> None:
                           + ", ".join(f"--{k} {v}" for k, v in given.items()))
 
 
+def check_out_parent(out: str) -> None:
+    """ConfigError when --out cannot be made: a path above it is a file, or the folder it goes in is not writable."""
+    above = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ConfigError(f"--out {out} cannot be written: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out} cannot be written: the folder {above} is not writable")
+
+
 def check(launch, args) -> None:
     check_single_process(launch, "export")
+    check_out_parent(args.out)
     config = check_checkpoint(args.checkpoint)
     if args.format == "minimind":
         if args.dtype is not None or args.tokenizer_path is not None:
@@ -69,12 +82,26 @@ def check(launch, args) -> None:
         path = minimind_path(args, config.hidden_size)
         if os.path.exists(path) and not args.overwrite:
             raise ConfigError(f"{path} already exists; pass --overwrite to replace it")
-        return
-    from ..interop.huggingface import check_export_folder, load_export_tokenizer
-    if args.tokenizer_path is None:
-        raise ConfigError("--format hf writes the tokenizer files with the model: give --tokenizer_path DIR")
-    check_export_folder(args.out, args.overwrite)
-    load_export_tokenizer(args.tokenizer_path, config)
+    else:
+        from ..interop.huggingface import check_export_folder, load_export_tokenizer
+        if args.tokenizer_path is None:
+            raise ConfigError("--format hf writes the tokenizer files with the model: give --tokenizer_path DIR")
+        check_export_folder(args.out, args.overwrite)
+        load_export_tokenizer(args.tokenizer_path, config)
+    check_weights(args)
+
+
+def export_dtype(args) -> torch.dtype:
+    """The dtype the weights are written in: MiniMind's half precision, or the HF folder's --dtype."""
+    return torch.float16 if args.format == "minimind" else HF_DTYPES[args.dtype or "float32"]
+
+
+def check_weights(args) -> None:
+    """Read the checkpoint whole once before anything is written: every tensor finite, and finite in the
+    dtype it is written in (ConfigError naming the tensor)."""
+    from ..interop import dense_state_dict
+    config, dense = read_source(args)
+    dense_state_dict(dense, config, source=args.checkpoint, dtype=export_dtype(args))
 
 
 def launch_export(launch, args, argv: list[str]) -> int:
@@ -86,9 +113,16 @@ def launch_export(launch, args, argv: list[str]) -> int:
                                        overwrite=args.overwrite)
     else:
         out = export_hf(dense, config, args.out, tokenizer_dir=args.tokenizer_path, overwrite=args.overwrite,
-                        dtype=HF_DTYPES[args.dtype or "float32"])
-    print(f"export: {args.format} {out} from {args.checkpoint}")
+                        dtype=export_dtype(args))
+    print(f"export: {args.format} {out} from {args.checkpoint} ({tying(config)})")
     return 0
+
+
+def tying(config) -> str:
+    """Which model the export holds: MiniMind's default class ties, so an untied one needs saying."""
+    if config.tie_word_embeddings:
+        return "tied: lm_head.weight is model.embed_tokens.weight, MiniMind's default"
+    return "untied: lm_head.weight is its own matrix; MiniMind loads it with MiniMindConfig(tie_word_embeddings=False)"
 
 
 def run_rank(launch, args, device) -> int:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..options import Parser, add_model_args, check_world
 from ..training import DTYPES
 from .task import Task, launch_once
-from .weights import add_source_args, check_source, read_source
+from .weights import add_source_args, check_source, read_source, trained_length
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top_p", type=float, default=1.0, help="sample from the smallest set of tokens of this mass")
-    p.set_defaults(seed=0)
+    p.set_defaults(seed=0, tie_word_embeddings=True)  # MiniMind's default (--no-tie_word_embeddings: two matrices)
     return p
 
 
@@ -56,6 +56,17 @@ def check(launch, args) -> None:
     check_generation_args(prompt_len=len(ids), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p, max_position_embeddings=config.max_position_embeddings)
     check_world(launch, launch.tp_size, args.dtype)
+    note_trained_length(len(ids), args.max_new_tokens, trained_length(args))
+
+
+def note_trained_length(prompt_len: int, max_new_tokens: int, trained: int | None) -> None:
+    """One line on stderr when the text runs past the length the model was trained on (it still runs:
+    RoPE has the positions, but the model never learned them)."""
+    if trained is not None and prompt_len + max_new_tokens > trained:
+        print(f"generate: note: bos + prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+              f"{prompt_len + max_new_tokens} positions, beyond the {trained} the model was trained on "
+              f"(train --max_seq_len {trained}); the text past position {trained} is extrapolation",
+              file=sys.stderr)
 
 
 def sample_args(args) -> dict:

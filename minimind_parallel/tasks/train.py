@@ -100,7 +100,8 @@ def parser() -> argparse.ArgumentParser:
                    help="end this process after step N, saving a checkpoint there; --resume continues the run")
     # Launcher -> worker plumbing: where the ranks say why a run stopped early; not for users.
     p.add_argument("--outcome_json", default=None, help=argparse.SUPPRESS)
-    p.set_defaults(micro_batch_size=32, num_microbatches=8, learning_rate=5e-4, dtype="bfloat16")
+    p.set_defaults(micro_batch_size=32, num_microbatches=8, learning_rate=5e-4, dtype="bfloat16",
+                   tie_word_embeddings=True)  # MiniMind's default (--no-tie_word_embeddings: two matrices)
     return p
 
 
@@ -368,7 +369,8 @@ class Run:
     def _save(self) -> None:
         from .. import checkpoint
         extra = {"step": self.step, "sampler": self.sampler.state_dict(), "total_steps": self.total,
-                 "data": self.data_identity, "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
+                 "data": self.data_identity, "max_seq_len": self.args.seq_len,  # generate warns beyond it
+                 "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
         try:
             path = checkpoint.save_checkpoint(self.args.save_dir, self.step, model=self.model,
                                               optimizer=self.optimizer, config=self.config, par=self.par,

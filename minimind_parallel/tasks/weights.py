@@ -30,17 +30,22 @@ def check_checkpoint(path: str) -> MiniMindConfig:
 
 
 def check_source(args) -> MiniMindConfig:
-    """The model config of the weights args name (the checkpoint's, or the model arguments' for a .pth,
-    which is read and checked strictly here)."""
+    """The model config of the weights args name (the checkpoint's, or the model arguments' for a .pth);
+    the weights are read and checked here: strictly against the model, tying, finite values."""
     if (args.checkpoint is None) == (args.from_weight is None):
         raise ConfigError(f"give exactly one of --checkpoint DIR and --from_weight PATH.pth; got "
                           f"--checkpoint {args.checkpoint}, --from_weight {args.from_weight}")
-    if args.checkpoint is not None:
-        return check_checkpoint(args.checkpoint)
-    from ..interop import load_minimind_state_dict
-    config = model_config(args)
-    load_minimind_state_dict(args.from_weight, config)
+    config, _ = read_source(args)  # read whole: every key, shape and value checked (finite) before launch
     return config
+
+
+def trained_length(args) -> int | None:
+    """The sequence length the checkpoint's run trained on (`train --max_seq_len`); None for a .pth
+    (MiniMind's weight file does not say) or a checkpoint that does not record it."""
+    if args.checkpoint is None:
+        return None
+    from ..checkpoint.directory import read_meta
+    return read_meta(args.checkpoint).get("extra", {}).get("max_seq_len")
 
 
 def read_source(args) -> tuple[MiniMindConfig, dict[str, torch.Tensor]]:
