@@ -13,6 +13,7 @@ import pytest
 from minimind_parallel import cli, files, launcher
 from minimind_parallel.tasks import benchmark
 from minimind_parallel.tasks import benchmark_outputs as outputs_module
+from test_cli import assert_refused_before_launch
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
         "--seq_len", "16", "--warmup_iters", "1", "--benchmark_iters", "2"]
@@ -183,6 +184,18 @@ def test_relative_outputs_in_a_directory_not_made_yet_are_written_there(monkeypa
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
                      "--output_csv", "results/quickstart.csv"]) == 0
     assert len(read_csv(tmp_path / "results" / "quickstart.csv")) == 1
+
+
+@pytest.mark.parametrize("option", ["--output_csv", "--output_json", "--output_plot"])
+def test_an_output_where_nothing_can_be_created_is_one_line_before_launch(option, tmp_path, monkeypatch, capsys):
+    """/proc refuses new files even to root, whom every permission check lets through."""
+    paths = {"--output_csv": tmp_path / "b.csv", "--output_json": tmp_path / "b.json", "--output_plot": tmp_path / "b.png"}
+    paths[option] = "/proc/benchmark/b" + os.path.splitext(paths[option])[1]
+    argv = ["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
+            *[str(x) for pair in paths.items() for x in pair]]
+    assert_refused_before_launch(argv, f"cannot write {option}: nothing can be created in directory /proc (",
+                                 monkeypatch, capsys)
+    assert not os.listdir(tmp_path)
 
 
 # ---------------------------------------------------------------- real runs

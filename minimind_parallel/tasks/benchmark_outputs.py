@@ -8,6 +8,7 @@ import math
 import os
 import re
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -90,14 +91,19 @@ def check_paths(args, kind: str) -> None:
 
 
 def check_directory(what: str, directory: str) -> None:
-    """`directory` exists or can be made (its nearest existing ancestor is a writable directory)."""
+    """`directory` exists or can be made: its nearest existing ancestor is a directory in which an
+    entry can be made. Tried, not asked of `os.access`: root passes every permission check, yet
+    cannot create files under /proc or /sys or on a read-only mount."""
     here = os.path.abspath(directory)
     while not os.path.exists(here):   # the root exists: this ends
         here = os.path.dirname(here)
     if not os.path.isdir(here):
         raise ConfigError(f"cannot create the directory of {what}: {here} is a file; got {directory}")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write {what}: directory {here} is not writable; got {directory}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=here))
+    except OSError as e:
+        raise ConfigError(f"cannot write {what}: nothing can be created in directory {here} ({e.strerror or e}); "
+                          f"got {directory}") from None
 
 
 def claim_paths(args, kind: str) -> Paths:
