@@ -35,14 +35,20 @@ def temp_path(path: str) -> str:
 
 def check_directory(what: str, directory: str) -> None:
     """ConfigError (one line) unless `directory` exists or can be made: its nearest existing
-    ancestor is a writable directory. Creates nothing (a refused run leaves no directory behind)."""
+    ancestor is a directory in which an entry can be made. Tried (an entry made and removed at
+    once), not asked of `os.access`: root passes every permission check, yet cannot create files
+    under /proc or /sys or on a read-only mount. Leaves nothing behind (a refused run makes no
+    directory)."""
     here = os.path.abspath(directory)
     while not os.path.exists(here):   # the root exists: this ends
         here = os.path.dirname(here)
     if not os.path.isdir(here):
         raise ConfigError(f"cannot create the directory of {what}: {here} is a file; got {directory}")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write {what}: directory {here} is not writable; got {directory}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=here))
+    except OSError as e:
+        raise ConfigError(f"cannot write {what}: nothing can be created in directory {here} ({e.strerror or e}); "
+                          f"got {directory}") from None
 
 
 def fsync(path: str) -> None:

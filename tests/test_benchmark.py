@@ -13,6 +13,7 @@ import pytest
 from minimind_parallel import cli, files, launcher
 from minimind_parallel.tasks import benchmark
 from minimind_parallel.tasks import benchmark_outputs as outputs_module
+from test_cli import assert_refused_before_launch
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
         "--seq_len", "16", "--warmup_iters", "1", "--benchmark_iters", "2"]
@@ -87,9 +88,10 @@ def test_kind_is_only_for_the_benchmark(monkeypatch, capsys):
 
 # ---------------------------------------------------------------- rows per cell, failures recorded
 
-def fake_torchrun(oom_cell, hung_cell=None):
+def fake_torchrun(oom_cell, hung_cell=None, times=None):
     """Stands in for the ranks: writes the result file the worker would, or a log of a rank that ran
-    out of memory, or returns what run_torchrun returns after killing hung ranks."""
+    out of memory, or returns what run_torchrun returns after killing hung ranks. `times`: cell name ->
+    (fastest, median, slowest) step ms (default: 10 ms per layer, no spread given)."""
     calls = []
 
     def run(launch, world, worker_argv, *, async_communication=False, timeout=None, log=None):
@@ -102,10 +104,14 @@ def fake_torchrun(oom_cell, hung_cell=None):
             with open(log, "w") as f:
                 f.write("Traceback (most recent call last):\n[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n")
             return 1
+        spread = {}
+        if times is not None:
+            fastest, median, slowest = times[cell.name]
+            spread = {"step_ms": median, "step_ms_min": fastest, "step_ms_max": slowest}
         with open(args.result_json, "w") as f:
             json.dump({"step_ms": 10.0 * cell.num_hidden_layers, "tokens_per_s": 1.0, "peak_bytes": 2**20 *
                        (100 if cell.mode == "ddp" else 60) * cell.num_hidden_layers,
-                       "breakdown": {"params": 2**20, "activations": 2**21}}, f)
+                       "breakdown": {"params": 2**20, "activations": 2**21}, **spread}, f)
         return 0
     return run, calls
 
@@ -161,6 +167,43 @@ def test_every_cell_gets_a_row_and_a_failed_cell_does_not_stop_the_sweep(monkeyp
     assert "vs ddp: -120.00 MiB (-40.0%), time +0.0%" in out and "oom: torch.OutOfMemoryError" in out
 
 
+def test_a_time_difference_within_the_cells_spread_is_marked_as_noise(monkeypatch, tmp_path, capsys):
+    """At 1 layer tp is 40 ms faster than ddp and every tp iteration is faster than every ddp one (its
+    own spread of 50 ms notwithstanding): a difference. At 2 layers tp is 20 ms slower, but its
+    iterations lie inside ddp's (70-130 ms): the +20% is marked, and named at the end."""
+    run, _ = fake_torchrun(oom_cell=None, times={"ddp:1": (95, 100, 105), "tp:1": (40, 60, 90),
+                                                 "ddp:2": (70, 100, 130), "tp:2": (115, 120, 125)})
+    monkeypatch.setattr(launcher, "run_torchrun", run)
+    assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--num_hidden_layers", "1", "2",
+                     *TINY, *outputs(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "b.csv")
+    assert list(rows[0])[-3:] == ["step_ms_min", "step_ms_max", "delta_step_within_spread"]  # added at the end
+    assert [(r["step_ms_min"], r["step_ms"], r["step_ms_max"]) for r in rows] == [
+        ("95", "100", "105"), ("40", "60", "90"), ("70", "100", "130"), ("115", "120", "125")]
+    assert [r["delta_step_within_spread"] for r in rows] == ["", "False", "", "True"]
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][3]["delta_step_within_spread"] is True
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("tp ")]
+    assert "time -40.0%" in lines[0] and "within spread" not in lines[0] and "40.00-90.00" in lines[0]
+    assert "time +20.0% (within spread)" in lines[1]
+    assert "benchmark: 1 time difference(s) within the step-time spread" in out and ": tp:2;" in out
+
+
+def png_width(path) -> int:
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(24)[16:20], "big")   # the IHDR chunk's width
+
+
+def test_the_plot_leaves_out_the_step_time_panel_when_nothing_was_timed(monkeypatch, tmp_path):
+    run, _ = fake_torchrun(oom_cell=None, times={"tp:1": (9, 10, 12)})
+    monkeypatch.setattr(launcher, "run_torchrun", run)
+    sweep = ["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY]
+    assert cli.main([*sweep, *outputs(tmp_path / "timed")]) == 0
+    assert cli.main([*sweep, "--estimate", *outputs(tmp_path / "estimated")]) == 0
+    timed, estimated = png_width(tmp_path / "timed" / "b.png"), png_width(tmp_path / "estimated" / "b.png")
+    assert estimated < 0.6 * timed     # one panel (memory) beside two (memory, step time)
+
+
 def test_rows_are_written_as_each_cell_finishes(monkeypatch, tmp_path):
     run, _ = fake_torchrun(oom_cell=None)
     seen = []
@@ -183,6 +226,18 @@ def test_relative_outputs_in_a_directory_not_made_yet_are_written_there(monkeypa
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
                      "--output_csv", "results/quickstart.csv"]) == 0
     assert len(read_csv(tmp_path / "results" / "quickstart.csv")) == 1
+
+
+@pytest.mark.parametrize("option", ["--output_csv", "--output_json", "--output_plot"])
+def test_an_output_where_nothing_can_be_created_is_one_line_before_launch(option, tmp_path, monkeypatch, capsys):
+    """/proc refuses new files even to root, whom every permission check lets through."""
+    paths = {"--output_csv": tmp_path / "b.csv", "--output_json": tmp_path / "b.json", "--output_plot": tmp_path / "b.png"}
+    paths[option] = "/proc/benchmark/b" + os.path.splitext(paths[option])[1]
+    argv = ["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
+            *[str(x) for pair in paths.items() for x in pair]]
+    assert_refused_before_launch(argv, f"cannot write {option}: nothing can be created in directory /proc (",
+                                 monkeypatch, capsys)
+    assert not os.listdir(tmp_path)
 
 
 # ---------------------------------------------------------------- real runs
@@ -247,6 +302,7 @@ def test_a_real_sweep_under_torchrun_records_an_out_of_memory_cell_and_goes_on(t
     assert float(ddp["step_ms"]) > 0 and float(ddp["tokens_per_s"]) > 0 and float(ddp["peak_mib"]) > 0
     assert ddp["dp"] == "2" and ddp["global_batch"] == "4"  # fixed_per_rank: 2 rows on each of 2 replicas
     assert float(ddp["tokens_per_s"]) == pytest.approx(4 * 16 / (float(ddp["step_ms"]) / 1e3))
+    assert 0 < float(ddp["step_ms_min"]) <= float(ddp["step_ms"]) <= float(ddp["step_ms_max"])
     assert "ddp" in r.stdout and "1 of 2 cells ok" in r.stdout
     # The real cell's peak is the analytic prediction and the same cell measured without running
     # it (--estimate), to the byte: nothing the harness keeps across its measured steps counts.

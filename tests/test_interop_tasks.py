@@ -245,9 +245,9 @@ def test_bad_input_is_one_line_before_anything_starts(trained, corpus, tmp_path,
                                                                "got temperature=nan"),
         (generate_argv(ckpt, corpus, "--temperature", "-0.5"), "got temperature=-0.5"),
         (["export", "--", *ckpt, "--format", "minimind", "--out", str(tmp_path / "taken.pth" / "w.pth")],
-         f"--out {tmp_path / 'taken.pth' / 'w.pth'} cannot be written: {tmp_path / 'taken.pth'} is a file, not a folder"),
+         f"cannot create the directory of --out {tmp_path / 'taken.pth' / 'w.pth'}: {tmp_path / 'taken.pth'} is a file"),
         (["export", "--", *ckpt, "--format", "hf", "--out", str(tmp_path / "taken.pth" / "a" / "hf"),
-          "--tokenizer_path", str(corpus / "tokenizer")], f"{tmp_path / 'taken.pth'} is a file, not a folder"),
+          "--tokenizer_path", str(corpus / "tokenizer")], f"{tmp_path / 'taken.pth'} is a file; got"),
     ]
     for argv, message in cases:
         assert_refused_before_launch(argv, message, monkeypatch, capsys)

@@ -252,6 +252,8 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
         done = [cell for cell, r in zip(cells, results) if r["status"] == "ok"]
         print(compare_cells(paths.csv, done) or "benchmark: no profile finished")
     failed = [r for r in results if r["status"] != "ok"]
+    if outputs.noise_note(results):
+        print(outputs.noise_note(results))
     print(f"benchmark: {len(results) - len(failed)} of {len(results)} cells ok; wrote {paths.csv}, {paths.json}, "
           f"{paths.plot}")
     if interrupted:
@@ -355,6 +357,7 @@ def launch_cell(launch, argv, cell: Cell, par: ParallelConfig, async_communicati
         row["status"], row["reason"] = outputs.failure_from_log(log, code)
         return
     row["step_ms"], row["tokens_per_s"] = result["step_ms"], result["tokens_per_s"]
+    row["step_ms_min"], row["step_ms_max"] = result.get("step_ms_min"), result.get("step_ms_max")  # profile: none
     if result["peak_bytes"] is not None:
         outputs.fill_memory(row, result["peak_bytes"], result["breakdown"])
     if par.pp > 1:
@@ -407,7 +410,8 @@ def run_cell(launch, args, device) -> int:
 
 
 def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
-    """Median step time over the measured iterations, max over ranks; with kind memory the
+    """Median step time over the measured iterations, max over ranks, and its spread (each rank's
+    fastest and slowest iteration, max over ranks: min <= median <= max); with kind memory the
     worst rank's peak (MemoryMeter around the measured iterations)."""
     steps = []
 
@@ -429,14 +433,16 @@ def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
         meter = MemoryMeter(device, model, optimizer)
     with meter or nullcontext():
         times = [timed_step() for _ in range(args.benchmark_iters)]
-    mine = {"step_s": statistics.median(times), **stage_numbers(groups, steps)}
+    mine = {"step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            **stage_numbers(groups, steps)}
     if meter is not None:
         report = meter.report()
         mine.update(peak_bytes=int(report.peak_bytes), breakdown={k: int(v) for k, v in report.breakdown.items()})
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     worst = max(ranks, key=lambda r: r.get("peak_bytes", 0))
-    return {"step_ms": 1e3 * max(r["step_s"] for r in ranks),
+    return {"step_ms": 1e3 * max(r["step_s"] for r in ranks), "step_ms_min": 1e3 * max(r["min_s"] for r in ranks),
+            "step_ms_max": 1e3 * max(r["max_s"] for r in ranks),
             "peak_bytes": worst.get("peak_bytes"), "breakdown": worst.get("breakdown"),
             "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks],
             "per_rank": per_rank(ranks)}

@@ -24,7 +24,10 @@ COLUMNS = ("kind", "mode", "swept", "value", "num_hidden_layers", "seq_len", "tp
            "pp", "pp_schedule", "num_microbatches", "peak_mib_per_stage", "predicted_mib_per_stage", "in_flight_per_stage",
            "idle_pct_per_stage", "bubble_pct",
            # --estimate --device cuda: predicted torch.cuda.max_memory_allocated and its allocator terms
-           "cuda_allocated_mib", "cuda_workspace_mib", "cuda_rounding_mib", "reason")
+           "cuda_allocated_mib", "cuda_workspace_mib", "cuda_rounding_mib", "reason",
+           # the step time's spread over the measured iterations (max over ranks of each rank's fastest and
+           # slowest), and whether the two cells compared (vs_mode) overlap in it
+           "step_ms_min", "step_ms_max", "delta_step_within_spread")
 
 
 @dataclass
@@ -183,6 +186,35 @@ def compare_with_previous(row: dict, done: list[dict]) -> None:
         row["delta_peak_pct"] = 100 * row["delta_peak_mib"] / prev["peak_mib"]
     if row["step_ms"] is not None and prev["step_ms"]:
         row["delta_step_pct"] = 100 * (row["step_ms"] - prev["step_ms"]) / prev["step_ms"]
+        row["delta_step_within_spread"] = within_spread(row, prev)
+
+
+def step_spread_ms(row: dict) -> float | None:
+    """max - min of the cell's measured step times (None when they were not measured)."""
+    if row.get("step_ms_min") is None or row.get("step_ms_max") is None:
+        return None
+    return row["step_ms_max"] - row["step_ms_min"]
+
+
+def within_spread(row: dict, prev: dict) -> bool | None:
+    """True when two cells' step times overlap (the slower cell's fastest iteration is no slower than
+    the faster cell's slowest): the difference of their medians is within the spread, the machine's
+    noise as much as the modes'. A wide spread beside a difference does not count when the ranges are
+    apart (every iteration of one cell slower than every iteration of the other is a difference).
+    None when a cell's spread was not measured."""
+    if step_spread_ms(row) is None or step_spread_ms(prev) is None:
+        return None
+    return row["step_ms_min"] <= prev["step_ms_max"] and prev["step_ms_min"] <= row["step_ms_max"]
+
+
+def noise_note(rows: list[dict]) -> str | None:
+    """The end-of-run line naming the cells whose time difference is within their spread."""
+    cells = [f"{r['mode']}:{r['value']}" for r in rows if r.get("delta_step_within_spread")]
+    if not cells:
+        return None
+    return (f"benchmark: {len(cells)} time difference(s) within the step-time spread (min-max over iterations) "
+            f"of the cells compared, so not told apart from noise: {' '.join(cells)}; more --benchmark_iters or an "
+            f"idle machine separate them")
 
 
 def fmt(x, spec=".1f", signed=False) -> str:
@@ -200,7 +232,8 @@ class Table:
 
     def header(self) -> str:
         return (f"{'mode':<15} {self.swept:>7} {'status':>6} {'peak MiB':>10} {'params/grads/optim/act/tmp MiB':>31} "
-                f"{'pred MiB':>10} {'deviation':>17} {'step ms':>9} {'tokens/s':>10}  vs previous mode\n" + "-" * 140)
+                f"{'pred MiB':>10} {'deviation':>17} {'step ms':>9} {'min-max ms':>17} {'tokens/s':>10}  "
+                f"vs previous mode\n" + "-" * 158)
 
     def line(self, r: dict) -> str:
         parts = "/".join(fmt(r[f"{k}_mib"], ".0f") for k in BREAKDOWN) if r["peak_mib"] is not None else "-"
@@ -211,9 +244,11 @@ class Table:
             mem = f"{fmt(r['delta_peak_mib'], '.2f', True)} MiB ({fmt(r['delta_peak_pct'], signed=True)}%)" \
                 if r["delta_peak_mib"] is not None else ""
             step = f"time {fmt(r['delta_step_pct'], signed=True)}%" if r["delta_step_pct"] is not None else ""
+            if step and r.get("delta_step_within_spread"):
+                step += " (within spread)"
             vs = f"vs {r['vs_mode']}: " + ", ".join(s for s in (mem, step) if s)
         line = (f"{r['mode']:<15} {r['value']:>7} {r['status']:>6} {fmt(r['peak_mib'], '.2f'):>10} {parts:>31} "
-                f"{fmt(r['predicted_mib'], '.2f'):>10} {dev:>17} {fmt(r['step_ms'], '.2f'):>9} "
+                f"{fmt(r['predicted_mib'], '.2f'):>10} {dev:>17} {fmt(r['step_ms'], '.2f'):>9} {spread_text(r):>17} "
                 f"{fmt(r['tokens_per_s'], '.0f'):>10}  {vs}")
         if r["idle_pct_per_stage"] is not None:
             line += (f"\n    {r['pp_schedule']} pp={r['pp']} M={r['num_microbatches']}: per stage peak MiB "
@@ -230,6 +265,12 @@ class Table:
         if r["status"] != "ok":
             line += f"\n    {r['status']}: {r['reason']}"
         return line.rstrip()
+
+
+def spread_text(r: dict) -> str:
+    if r.get("step_ms_min") is None or r.get("step_ms_max") is None:
+        return "-"
+    return f"{r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}"
 
 
 def csv_value(v):
@@ -251,12 +292,16 @@ def write_json(path: str, rows: list[dict], meta: dict) -> None:
 
 
 def write_plot(path: str, rows: list[dict], swept: str) -> None:
-    """Peak memory (measured solid, predicted dashed) and step time against the swept dimension, per mode."""
+    """Peak memory (measured solid, predicted dashed) and, when some cell was timed, step time (the
+    median, bars from the fastest to the slowest iteration) against the swept dimension, per mode.
+    --estimate times nothing: its plot is the memory panel alone."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (mem, step) = plt.subplots(1, 2, figsize=(11, 4.2))
+    timed_any = any(r["status"] == "ok" and r["step_ms"] is not None for r in rows)
+    fig, axes = plt.subplots(1, 2 if timed_any else 1, figsize=(11, 4.2) if timed_any else (6, 4.2), squeeze=False)
+    mem, step = axes[0][0], (axes[0][1] if timed_any else None)
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     for i, mode in enumerate(modes):
         color = f"C{i}"
@@ -269,16 +314,17 @@ def write_plot(path: str, rows: list[dict], swept: str) -> None:
             mem.plot([r["value"] for r in pred], [r["predicted_mib"] for r in pred], "--", color=color, alpha=0.6,
                      label=f"{mode} (predicted)")
         timed = [r for r in ok if r["step_ms"] is not None]
-        if timed:
-            step.plot([r["value"] for r in timed], [r["step_ms"] for r in timed], "o-", color=color, label=mode)
+        if step is not None and timed:
+            plot_step_times(step, timed, color, mode)
         for r in mine:
             if r["status"] != "ok":
                 mem.axvline(r["value"], color=color, ls=":", alpha=0.5)
     xlabel = {"num_hidden_layers": "num_hidden_layers", "seq_len": "seq_len"}[swept]
     mem.set(xlabel=xlabel, ylabel="peak MiB (worst rank)", title="peak memory")
-    step.set(xlabel=xlabel, ylabel="step ms (median, max over ranks)", title="step time")
+    if step is not None:
+        step.set(xlabel=xlabel, ylabel="step ms (median, max over ranks)", title="step time (bars: min-max)")
     values = sorted({r["value"] for r in rows})
-    for ax in (mem, step):
+    for ax in (mem, step) if step is not None else (mem,):
         ax.set_xticks(values)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -287,3 +333,13 @@ def write_plot(path: str, rows: list[dict], swept: str) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower())
     plt.close(fig)
+
+
+def plot_step_times(ax, timed: list[dict], color: str, mode: str) -> None:
+    """One mode's median step times, with bars to its fastest and slowest iteration where measured."""
+    x, y = [r["value"] for r in timed], [r["step_ms"] for r in timed]
+    if all(step_spread_ms(r) is not None for r in timed):
+        yerr = [[r["step_ms"] - r["step_ms_min"] for r in timed], [r["step_ms_max"] - r["step_ms"] for r in timed]]
+        ax.errorbar(x, y, yerr=yerr, fmt="o-", color=color, label=mode, capsize=3)
+    else:
+        ax.plot(x, y, "o-", color=color, label=mode)

@@ -18,6 +18,7 @@ import os
 import torch
 
 from ..config import ConfigError
+from ..files import check_directory
 from ..options import Parser
 from .task import Task
 from .weights import add_checkpoint_arg, check_checkpoint, read_source
@@ -59,14 +60,9 @@ def check_single_process(launch, task: str) -> None:
 
 
 def check_out_parent(out: str) -> None:
-    """ConfigError when --out cannot be made: a path above it is a file, or the folder it goes in is not writable."""
-    above = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(above):
-        above = os.path.dirname(above)
-    if not os.path.isdir(above):
-        raise ConfigError(f"--out {out} cannot be written: {above} is a file, not a folder")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out} cannot be written: the folder {above} is not writable")
+    """ConfigError when --out cannot be made: a path above it is a file, or nothing can be created
+    in the folder it goes in."""
+    check_directory(f"--out {out}", os.path.dirname(os.path.abspath(out)))
 
 
 def check(launch, args) -> None:

@@ -56,7 +56,7 @@ from ..options import (Parser, add_model_args, check_at_least, check_common, che
 from ..training import DTYPES, build_parallel_model, make_optimizer, wrap_data_parallel
 from ..training.heldout import heldout_loss
 from ..training.lr_schedule import cosine_lr
-from ..training.metrics import (MetricsFile, format_eval, format_line, mfu, model_flops_per_token,
+from ..training.metrics import (MetricsFile, format_eval, format_line, interval_rates, model_flops_per_token,
                                 peak_memory_bytes, peak_tflops, write_loss_plot)
 from ..training.mixed_precision import PRECISIONS, LossScaler, Precision
 from ..training.pretraining import pretrain_step, world_token_mean
@@ -479,16 +479,13 @@ class Run:
         comm.all_reduce(peak, dist.group.WORLD, op=dist.ReduceOp.MAX)
         if not self.lead:
             return
-        seconds = time.perf_counter() - interval.start
-        tokens = interval.steps * rows_per_replica(self.args) * self.par.dp * self.args.seq_len
-        tokens_per_s = tokens / seconds
+        rates = interval_rates(steps=interval.steps, seconds=time.perf_counter() - interval.start,
+                               data_seconds=interval.data_s, rows_per_replica=rows_per_replica(self.args),
+                               dp=self.par.dp, seq_len=self.args.seq_len, ranks=self.par.world_size,
+                               flops_per_token=self.flops_per_token, peak=self.peak)
         record = {"kind": "train", "step": self.step, "total_steps": self.total, "epoch": (self.step - 1) // self.sampler.steps_per_epoch,
-                  "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
-                  "mfu": mfu(self.flops_per_token, tokens_per_s, self.par.world_size, self.peak),
-                  "peak_mem_mib": peak.item() / MIB, "step_ms": 1e3 * seconds / interval.steps,
-                  "data_ms": 1e3 * interval.data_s / interval.steps, "data_share": interval.data_s / seconds,
-                  "loading_tokens_per_s": tokens / self.par.dp / max(interval.data_s, 1e-9),
-                  "time": time.time()}
+                  "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), **rates,
+                  "peak_mem_mib": peak.item() / MIB, "time": time.time()}
         self.metrics.append(record)
         tqdm.write(format_line(record), file=sys.stdout)
 

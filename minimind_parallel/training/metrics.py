@@ -65,6 +65,20 @@ def mfu(flops_per_token: float, tokens_per_s: float, ranks: int, peak: float | N
     return None if peak is None else flops_per_token * tokens_per_s / (ranks * peak * 1e12)
 
 
+def interval_rates(*, steps: int, seconds: float, data_seconds: float, rows_per_replica: int, dp: int, seq_len: int,
+                   ranks: int, flops_per_token: float, peak: float | None) -> dict:
+    """The speed numbers of a "train" record over `steps` optimizer steps that took `seconds`
+    (`data_seconds` of them loading batches, on one rank). A step trains every DP replica's
+    `rows_per_replica` rows of `seq_len` positions: tokens/s counts the whole world's (the global
+    batch), MFU divides its FLOPs by all `ranks`' peak; loading is one replica's rows (each
+    replica loads its own)."""
+    tokens = steps * rows_per_replica * dp * seq_len
+    tokens_per_s = tokens / seconds
+    return {"tokens_per_s": tokens_per_s, "mfu": mfu(flops_per_token, tokens_per_s, ranks, peak),
+            "step_ms": 1e3 * seconds / steps, "data_ms": 1e3 * data_seconds / steps,
+            "data_share": data_seconds / seconds, "loading_tokens_per_s": tokens / dp / max(data_seconds, 1e-9)}
+
+
 def format_line(r: dict) -> str:
     """A "train" record as one log line."""
     mfu_text = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.2f}%"
