@@ -49,7 +49,7 @@ from ..data.pretrain import PretrainSampler, check_fits_model
 from ..data.tokenizer import load_tokenizer
 from ..distributed import comm
 from ..files import atomic_path, check_directory
-from ..groups import ProcessGroups
+from ..groups import ProcessGroups, first_on_node
 from ..model import MiniMindForCausalLM
 from ..options import (Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout,
                        model_config, parallel_config, split_argv)
@@ -508,7 +508,7 @@ def run_rank(launch, args, device) -> int:
             if dist.get_rank() == 0:
                 print(f"error: train: {e}", file=sys.stderr)
             return 1
-        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+        if first_on_node():
             with atomic_path(args.outcome_json) as tmp, open(tmp, "w") as f:
                 json.dump({"stopped": str(e)}, f)
     return 0
