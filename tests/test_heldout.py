@@ -59,7 +59,7 @@ def _heldout(par: ParallelConfig):
                              precision=Precision.of("pure", torch.float64, "cpu"))
     every_row = Batch(*(torch.cat(t) for t in zip(*batches)))
     with torch.no_grad():
-        dense_loss = dense(*every_row).loss.item()    # the mean over all targets of both batches at once
+        dense_loss = dense(every_row.input_ids, targets=every_row.targets).loss.item()    # the mean over all targets of both batches at once
     counts = [int(count_targets(b.targets)) for b in mine]   # this rank's targets of each batch
     return loss, ppl, dense_loss, counts
 
@@ -113,5 +113,5 @@ def test_a_dp2_run_logs_the_global_tokens_per_second_and_the_dense_heldout_loss(
     heldout = open_dataset(str(corpus / "heldout.jsonl"), load_tokenizer(args.tokenizer_path), args.seq_len)
     rows = Rows(heldout, np.arange(len(heldout))).batch(np.arange(2 * 16))
     with torch.no_grad():
-        dense_loss = dense(*rows).loss.item()
+        dense_loss = dense(rows.input_ids, targets=rows.targets).loss.item()
     assert evaluation["step"] == 2 and evaluation["eval_loss"] == pytest.approx(dense_loss, rel=1e-5)
