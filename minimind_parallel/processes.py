@@ -45,14 +45,17 @@ class Interrupted(BaseException):
 @contextlib.contextmanager
 def signals_raise(signums=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
     """Within the block, the first of `signums` raises Interrupted in the main thread; later ones
-    are ignored (the job is being ended already). Does nothing outside the main thread."""
+    are ignored (the job is being ended already). Does nothing outside the main thread. A child
+    forked in the block (subprocess's fork before its exec) that receives the signal -- Ctrl-C
+    reaches the whole process group -- ignores it: it is about to exec, and raising there would
+    only print an ignored traceback from its after-fork hooks."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    fired = []
+    fired, owner = [], os.getpid()
 
     def handler(signum, frame):
-        if not fired:
+        if os.getpid() == owner and not fired:
             fired.append(signum)
             raise Interrupted(signum)
 

@@ -322,3 +322,20 @@ def test_a_rank_dies_with_torchrun(mark):
         assert_none_left(mark, within=30.0)
     finally:
         kill_on_failure(torchrun, mark)
+
+
+def test_a_child_forked_before_its_exec_ignores_the_launchers_ctrl_c():
+    """Ctrl-C reaches the whole process group, also a child subprocess has forked and not yet
+    exec'd (torchrun starting): the launcher's handler raises only in the launcher itself."""
+    with processes.signals_raise():
+        pid = os.fork()
+        if pid == 0:  # the child, still running the launcher's handler
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):   # let the handler run (it runs between bytecodes)
+                    time.sleep(0.0001)
+            except BaseException:
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
