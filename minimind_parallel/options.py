@@ -14,7 +14,7 @@ from .config import CP_COMM_TYPES, RECOMPUTE_MODES, ConfigError, MiniMindConfig,
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 # What one CPU rank holds before any model: a Python process with torch and gloo (about 230 MiB
-# resident, measured), rounded up. A node starts a rank per this much available memory at most.
+# resident: scripts/rank_process_rss.py), rounded up. A node starts a rank per this much available memory at most.
 RANK_PROCESS_BYTES = 256 * 2**20
 
 # Mode presets: the TP-feature flags each mode turns on (flags given explicitly are kept too).

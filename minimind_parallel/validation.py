@@ -42,8 +42,8 @@ DEFAULT_TOL = {  # (max-abs, relative-L2): an item fails only when it exceeds bo
     torch.float16: (1e-2, 1e-2),
 }
 # Parameters after AdamW steps, and the loss and logits of later steps, get a wider relative-L2
-# bound below float64 (measured: the dense float32 model's own logits after 3 steps end 2.1e-4
-# from float64's, its parameters 2.0e-4): Adam's first update
+# bound below float64 (scripts/tolerance_baseline.py: the dense float32 model's own logits after
+# 3 steps end 2.1e-4 from float64's, its parameters 2.0e-4): Adam's first update
 # is lr * g / (|g| + eps) ~ lr * sign(g), so an element whose gradient is within round-off of
 # zero can move by up to 2 lr on one side and not the other (the dense float32 model itself ends
 # 2.0e-4 from float64, above). Forward values, losses and gradients keep the round-off bounds

@@ -40,17 +40,6 @@ def write_word_tokenizer(directory: str) -> str:
     return directory
 
 
-def one_line_error(exc_type, fn, *args, **kwargs) -> str:
-    """Call fn, expect exc_type, return its message after checking that it is one line."""
-    try:
-        fn(*args, **kwargs)
-    except exc_type as e:
-        message = str(e)
-        assert "\n" not in message, message
-        return message
-    raise AssertionError(f"{fn.__name__} did not raise {exc_type.__name__}")
-
-
 def _save_on_one_rank(save_dir: str, state: dict, config):
     from minimind_parallel import ParallelConfig, ProcessGroups
     from minimind_parallel.checkpoint import save_checkpoint

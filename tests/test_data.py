@@ -14,6 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
+from helpers import MAX_DOCS, one_line_error, write_stdlib_corpus
 from minimind_parallel.config import ConfigError
 from minimind_parallel.data import token_cache
 from minimind_parallel.data.corpus import write_corpus
@@ -24,31 +25,18 @@ from minimind_parallel.data.token_cache import build_token_cache
 from minimind_parallel.data.tokenizer import load_tokenizer, train_tokenizer
 from minimind_parallel.training.lr_schedule import cosine_lr
 
-MAX_DOCS, VOCAB = 200, 512
-
-
-def write_stdlib_corpus(path):
-    """The corpus command, in its own process (its imports stay out of the test process)."""
-    r = subprocess.run([sys.executable, "-m", "minimind_parallel.data.corpus", "--out", str(path),
-                        "--max_docs", str(MAX_DOCS)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return path
+VOCAB = 512
 
 
 @pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    return write_stdlib_corpus(tmp_path_factory.mktemp("corpus") / "stdlib.jsonl")
-
-
-@pytest.fixture(scope="session")
-def tok(corpus, tmp_path_factory):
-    return train_tokenizer(str(corpus), str(tmp_path_factory.mktemp("tokenizer")), vocab_size=VOCAB)
+def tok(stdlib_corpus, tmp_path_factory):
+    return train_tokenizer(str(stdlib_corpus), str(tmp_path_factory.mktemp("tokenizer")), vocab_size=VOCAB)
 
 
 @pytest.fixture
-def data(corpus, tmp_path):
+def data(stdlib_corpus, tmp_path):
     """A private copy of the corpus: caches are written next to it."""
-    return str(shutil.copy(corpus, tmp_path / "stdlib.jsonl"))
+    return str(shutil.copy(stdlib_corpus, tmp_path / "stdlib.jsonl"))
 
 
 def texts_of(path):
@@ -60,17 +48,10 @@ def write_jsonl(path, texts):
     return str(path)
 
 
-def one_line_error(fn, *args, **kwargs) -> str:
-    with pytest.raises(ConfigError) as e:
-        fn(*args, **kwargs)
-    assert "\n" not in str(e.value)
-    return str(e.value)
-
-
 # ---- corpus -------------------------------------------------------------------------------------
 
-def test_corpus_is_minimind_jsonl_of_text_lines(corpus):
-    lines = corpus.read_text(encoding="utf-8").splitlines()
+def test_corpus_is_minimind_jsonl_of_text_lines(stdlib_corpus):
+    lines = stdlib_corpus.read_text(encoding="utf-8").splitlines()
     records = [json.loads(line) for line in lines]
     assert len(records) == MAX_DOCS
     assert all(set(r) == {"text"} and isinstance(r["text"], str) and r["text"].strip() for r in records)
@@ -78,8 +59,8 @@ def test_corpus_is_minimind_jsonl_of_text_lines(corpus):
     assert records[0]["text"].startswith("abc\n\n")  # modules in sorted order
 
 
-def test_corpus_is_the_same_on_every_build(corpus, tmp_path):
-    assert write_stdlib_corpus(tmp_path / "again.jsonl").read_bytes() == corpus.read_bytes()
+def test_corpus_is_the_same_on_every_build(stdlib_corpus, tmp_path):
+    assert write_stdlib_corpus(tmp_path / "again.jsonl").read_bytes() == stdlib_corpus.read_bytes()
 
 
 def test_corpus_stops_at_the_byte_cap(tmp_path):
@@ -100,8 +81,8 @@ def test_tokenizer_has_minimind_special_ids(tok):
     assert tok.tokenizer.encode("<|im_start|>hi<|im_end|>").ids == [1] + tok.tokenizer.encode("hi").ids + [2]
 
 
-def test_tokenizer_round_trips_text(tok, corpus):
-    for text in texts_of(corpus)[:50] + ["naïve café — 東京 🙂\n\ttabs  and  spaces"]:
+def test_tokenizer_round_trips_text(tok, stdlib_corpus):
+    for text in texts_of(stdlib_corpus)[:50] + ["naïve café — 東京 🙂\n\ttabs  and  spaces"]:
         assert tok.tokenizer.decode(tok.tokenizer.encode(text).ids) == text
 
 
@@ -120,7 +101,7 @@ def test_tokenizer_config_is_minimind_format(tok):
 
 def test_a_tokenizer_without_minimind_special_tokens_is_refused(tmp_path):
     Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
-    assert "lacks the special token '<|endoftext|>'" in one_line_error(load_tokenizer, str(tmp_path))
+    assert "lacks the special token '<|endoftext|>'" in one_line_error(ConfigError, load_tokenizer, str(tmp_path))
 
 
 # ---- token cache --------------------------------------------------------------------------------
@@ -168,15 +149,15 @@ def test_a_tokenisation_that_fails_midway_leaves_no_cache(tmp_path, tok, monkeyp
     path = write_jsonl(tmp_path / "bad.jsonl", ["a good line"] * 10)
     with open(path, "a") as f:
         f.write("{not json\n")
-    assert "bad.jsonl:11: malformed jsonl line" in one_line_error(build_token_cache, path, tok)
+    assert "bad.jsonl:11: malformed jsonl line" in one_line_error(ConfigError, build_token_cache, path, tok)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no cache, no temporary file
 
 
-def test_a_vocab_beyond_uint16_is_refused(tmp_path, corpus):
+def test_a_vocab_beyond_uint16_is_refused(tmp_path, stdlib_corpus):
     vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])}
     vocab.update({f"w{i}": i for i in range(3, 70000)})
     Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")).save(str(tmp_path / "tokenizer.json"))
-    message = one_line_error(build_token_cache, str(corpus), load_tokenizer(str(tmp_path)))
+    message = one_line_error(ConfigError, build_token_cache, str(stdlib_corpus), load_tokenizer(str(tmp_path)))
     assert "vocab_size must be <= 65536" in message and "vocab_size=70000" in message
 
 
@@ -196,25 +177,26 @@ def test_bad_data_is_refused_with_one_line(tmp_path, tok, content, expected):
         path.mkdir()
     elif content is not None:
         path.write_text(content)
-    assert expected in one_line_error(build_token_cache, str(path), tok)
+    assert expected in one_line_error(ConfigError, build_token_cache, str(path), tok)
 
 
 def test_a_missing_tokenizer_is_refused_with_one_line(tmp_path):
-    assert "cannot load tokenizer" in one_line_error(load_tokenizer, str(tmp_path / "none"))
+    assert "cannot load tokenizer" in one_line_error(ConfigError, load_tokenizer, str(tmp_path / "none"))
 
 
 def test_data_that_does_not_fit_the_model_is_refused():
-    message = one_line_error(check_fits_model, tokenizer_vocab=6400, model_vocab=512, max_seq_len=32,
+    message = one_line_error(ConfigError, check_fits_model, tokenizer_vocab=6400, model_vocab=512, max_seq_len=32,
                              max_positions=64)
     assert "tokenizer vocab=6400, vocab_size=512" in message
-    message = one_line_error(check_fits_model, tokenizer_vocab=512, model_vocab=512, max_seq_len=128,
+    message = one_line_error(ConfigError, check_fits_model, tokenizer_vocab=512, model_vocab=512, max_seq_len=128,
                              max_positions=64)
     assert "max_seq_len=128, max_position_embeddings=64" in message
     check_fits_model(tokenizer_vocab=512, model_vocab=512, max_seq_len=64, max_positions=64)
 
 
 def test_a_dataset_smaller_than_one_global_batch_is_refused():
-    assert "got 7 rows, dp_size=2, batch_size=4" in one_line_error(PretrainSampler, 7, batch_size=4, dp_size=2)
+    assert "got 7 rows, dp_size=2, batch_size=4" in one_line_error(ConfigError, PretrainSampler, 7, batch_size=4,
+                                                                   dp_size=2)
 
 
 # ---- rows ---------------------------------------------------------------------------------------
@@ -300,7 +282,7 @@ def test_resume_from_a_saved_position_gives_the_next_batches(data, tok):
 
 def test_a_position_saved_for_other_data_is_refused():
     saved = PretrainSampler(100, batch_size=4, seed=1).state_dict()
-    message = one_line_error(PretrainSampler(101, batch_size=4, seed=1).load_state_dict, saved)
+    message = one_line_error(ConfigError, PretrainSampler(101, batch_size=4, seed=1).load_state_dict, saved)
     assert "num_rows=100" in message and "num_rows=101" in message
 
 
@@ -327,7 +309,7 @@ def test_lr_warms_up_linearly_then_follows_the_cosine():
     assert lrs[:11] == pytest.approx([s / 10 for s in range(11)])
     assert lrs[10:111] == pytest.approx([minimind_get_lr(s, 100, 1.0) for s in range(101)])
     assert lrs[111:] == pytest.approx([0.1] * 10)  # past the end: the floor
-    assert "warmup_steps=10, total_steps=10" in one_line_error(cosine_lr, 0, 10, 1.0, warmup_steps=10)
+    assert "warmup_steps=10, total_steps=10" in one_line_error(ConfigError, cosine_lr, 0, 10, 1.0, warmup_steps=10)
 
 
 def test_the_commands_refuse_bad_input_with_one_line(tmp_path):

@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers  # a test dependency (pyproject's `test` extra)
 
-from interop_helpers import lively_model, one_line_error, write_word_tokenizer
+from helpers import one_line_error
+from interop_helpers import lively_model, write_word_tokenizer
 from minimind_parallel import ConfigError
 from minimind_parallel.data.tokenizer import load_tokenizer
 from minimind_parallel.generation import KVCache, forward_cached, generate, generate_text, prompt_ids, sample_next

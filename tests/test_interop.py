@@ -10,7 +10,8 @@ import torch
 import transformers  # a test dependency (pyproject's `test` extra)
 from safetensors import safe_open
 
-from interop_helpers import TINY, lively_model, one_line_error, write_word_tokenizer
+from helpers import one_line_error, rel_l2
+from interop_helpers import TINY, lively_model, write_word_tokenizer
 from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM
 from minimind_parallel.data.tokenizer import load_tokenizer
 from minimind_parallel.interop import (export_hf, load_minimind_state_dict, minimind_weight_name, qwen3_config_dict,
@@ -22,10 +23,6 @@ EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 def minimind_writes(model, path):
     """What jingyaogong/minimind's trainer writes (trainer_utils.lm_checkpoint), stated here independently."""
     torch.save({k: v.half().cpu() for k, v in model.state_dict().items()}, path)
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def test_interop_and_generation_import_without_transformers():

@@ -13,6 +13,7 @@ import transformers  # a test dependency (pyproject's `test` extra)
 from distributed import run_ranks
 import json
 
+from helpers import rel_l2
 from interop_helpers import lively_model, save_as_checkpoint, write_word_tokenizer
 from minimind_parallel import cli, tasks
 from minimind_parallel.checkpoint import checkpoint_model_config
@@ -65,10 +66,6 @@ def dense_model(save_dir, state) -> MiniMindForCausalLM:
 
 def export(*task_args, launcher_args=()) -> int:
     return cli.main(["export", *launcher_args, "--", *map(str, task_args)])
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---------------------------------------------------------------- export

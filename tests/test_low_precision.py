@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
+from helpers import rel_l2
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.pipeline_parallel import forward_backward
@@ -29,11 +30,6 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_
 # layout error is 1/e ~ 100x larger. The loss is one number whose bf16 rounding may be lucky, so
 # its baseline is the larger of its own error and that of the logits it is computed from.
 K = 3
-
-
-def rel_l2(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _dense(model, ids, targets):

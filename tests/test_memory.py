@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distributed import run_ranks
-from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
+from helpers import one_line_error
+from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
 from minimind_parallel.memory import (MemoryMeter, StorageTracker, estimate_step_memory, parameter_shapes,
                                       predict_memory)
 from minimind_parallel.memory.analytic import activations_by_kind
+from minimind_parallel.memory.estimate import fake_process_group
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
@@ -103,6 +103,14 @@ def test_estimate_equals_the_real_cpu_run(measured):
         assert real[name].peak_bytes == estimate[name].peak_bytes, name
         assert real[name].breakdown == estimate[name].breakdown, name
         assert sum(real[name].breakdown.values()) == real[name].peak_bytes
+
+
+def test_a_torch_build_without_the_fake_process_group_refuses_the_estimate_with_one_line(monkeypatch):
+    """The fake backend's store is private to PyTorch's tests; a build without it costs --estimate
+    alone, with one line (None in sys.modules: the import fails as if the module were missing)."""
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.distributed.fake_pg", None)
+    message = one_line_error(ConfigError, estimate_step_memory, TINY, ParallelConfig(), seq_len=S, micro_batch_size=B)
+    assert "--estimate needs PyTorch's fake process group" in message and torch.__version__ in message, message
 
 
 def _check_model(pred, meas, name):
@@ -212,12 +220,9 @@ PIPE = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=8
 
 def _stage_parameters(config, par, stage):
     """(name, shape) of every parameter of a stage's model, in the optimizer's order."""
-    dist.init_process_group("fake", store=FakeStore(), rank=stage * par.tp, world_size=par.world_size)
-    try:
+    with fake_process_group(stage * par.tp, par.world_size):
         model = ParallelMiniMindForCausalLM(config, par, ProcessGroups.build(par))
         return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("par", [ParallelConfig(), ParallelConfig(pp=2, tp=2, vocab_parallel=True), ParallelConfig(pp=4)])

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers  # a test dependency (pyproject's `test` extra)
 
+from helpers import rel_l2
 from minimind_parallel import MiniMindConfig, MiniMindForCausalLM
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -47,10 +48,6 @@ def logits_and_grads(model, ids):
     logits = model(ids).logits
     loss_of(logits, ids).backward()
     return logits.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -6,11 +6,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
+from minimind_parallel.memory.estimate import fake_process_group
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 from minimind_parallel.plan import (PLAN, Style, grad_is_partial, grad_is_shared_over_stages, plan_of, stage_of,
                                     stage_parameters)
@@ -30,11 +29,8 @@ LAYOUTS = {
 
 def _rank_model(config, par, stage, tp_rank):
     """TP rank `tp_rank` of pipeline stage `stage`, built in a fake process group (no peers)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=stage * par.tp + tp_rank, world_size=par.world_size)
-    try:
+    with fake_process_group(stage * par.tp + tp_rank, par.world_size):
         return ParallelMiniMindForCausalLM(config, par, ProcessGroups.build(par))
-    finally:
-        dist.destroy_process_group()
 
 
 def _dense_slice_by_style(key, dense, par, tp_rank):

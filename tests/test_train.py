@@ -22,7 +22,7 @@ from minimind_parallel.training.metrics import curves, model_flops_per_token
 from minimind_parallel.model import MiniMindForCausalLM
 from test_cli import assert_refused_before_launch
 
-MAX_DOCS, VOCAB, TRAIN_DOCS = 200, 320, 32
+VOCAB, TRAIN_DOCS = 320, 32
 LN_VOCAB = math.log(VOCAB)
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--num_hidden_layers", "2",
         "--vocab_size", str(VOCAB), "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps", "2",
@@ -30,15 +30,13 @@ TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_he
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A few hundred stdlib documents, a tokenizer of VOCAB ids trained on them, and a training
-    file of the first TRAIN_DOCS documents (small enough that a tiny model learns it by heart)."""
+def corpus(stdlib_corpus, tmp_path_factory):
+    """The stdlib documents (conftest.py), a tokenizer of VOCAB ids trained on them, a training file
+    of the first TRAIN_DOCS documents (small enough that a tiny model learns it by heart) and a
+    held-out file of the next TRAIN_DOCS."""
     root = tmp_path_factory.mktemp("train_corpus")
-    r = subprocess.run([sys.executable, "-m", "minimind_parallel.data.corpus", "--out", str(root / "stdlib.jsonl"),
-                        "--max_docs", str(MAX_DOCS)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    train_tokenizer(str(root / "stdlib.jsonl"), str(root / "tokenizer"), vocab_size=VOCAB)
-    lines = (root / "stdlib.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    train_tokenizer(str(stdlib_corpus), str(root / "tokenizer"), vocab_size=VOCAB)
+    lines = stdlib_corpus.read_text(encoding="utf-8").splitlines(keepends=True)
     (root / "train.jsonl").write_text("".join(lines[:TRAIN_DOCS]), encoding="utf-8")
     (root / "heldout.jsonl").write_text("".join(lines[TRAIN_DOCS:2 * TRAIN_DOCS]), encoding="utf-8")
     return root

@@ -10,8 +10,10 @@ running", from its issue to its return and again around `wait()`:
       `collective_region()` context manager, so it can tell a backend's own buffers (e.g. gloo's
       reduce-scatter works on a copy made out of our sight) from ours. A new collective is
       counted correctly by wrapping it in `collective(...)`; the tracker needs no change.
-Each returns (or its handle's wait() returns) only once the backend has let go of the tensors
-(`_issue`, `_Release`), so a tensor dies where the program drops it.
+While an observer counts when tensors die (the memory tracker: its `waits_for_release`), each
+returns (or its handle's wait() returns) only once the backend has let go of the tensors
+(`_issue`, `_Release`), so a tensor dies where the program drops it; otherwise (train, generate)
+nothing waits for that.
 
 Sequence collectives act on dim 0 because activations are sequence-first [S, B, H].
 """
@@ -35,13 +37,24 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _observers() -> list:
+    """The active dispatch modes that observe collectives (have `collective_region()`)."""
+    return [m for m in _get_current_dispatch_mode_stack() if hasattr(m, "collective_region")]
+
+
+def _release_awaited() -> bool:
+    """Whether an active observer asks for each collective's release (`waits_for_release`: the
+    memory tracker while it measures). Outside a measurement nothing counts the moment a tensor
+    dies, so nothing waits for it."""
+    return any(getattr(mode, "waits_for_release", False) for mode in _observers())
+
+
 @contextlib.contextmanager
 def _observed():
     """Every active dispatch mode that observes collectives (has `collective_region()`) is
     inside one until this returns."""
-    observers = [m for m in _get_current_dispatch_mode_stack() if hasattr(m, "collective_region")]
     with contextlib.ExitStack() as stack:
-        for mode in observers:
+        for mode in _observers():
             stack.enter_context(mode.collective_region())
         yield
 
@@ -61,22 +74,26 @@ class _Done:
 
 
 class _Release:
-    """Waits, after a collective, until the backend has let go of our tensors.
+    """Waits, after a collective, until the backend has let go of our tensors -- only while an
+    observer asks for it (`_release_awaited`: a memory meter measuring); otherwise it waits for
+    nothing and reads no reference count.
 
     gloo runs a collective on a worker thread that marks it done -- wait() returns -- and only then
     drops its reference to the work, and with it the work's references to our tensors. A tensor
     the caller frees right after the collective could so outlive its last use by a moment, at
-    random (after about one gloo call in three on two loaded cores), and a memory meter would see
-    it held. So each tensor's references are counted before the collective is issued -- to the
-    tensor itself (the work may hold it) and to its storage (the work may hold views of it) -- and
-    once the work is done and ours dropped, we wait until both are back, at most RELEASE_WAIT_S,
-    then warn. CPU tensors only: NCCL's lifetimes are the CUDA caching allocator's (stream-ordered).
-    The counts are PyTorch's private `Tensor._use_count` and `torch._C._storage_Use_Count`; a
-    release without them waits for nothing, and tests/test_distributed_comm.py fails."""
+    random (after up to about one gloo call in five on two loaded cores, as counted by
+    scripts/gloo_release_lag.py), and a memory meter would see it held. So each tensor's references are counted before the
+    collective is issued -- to the tensor itself (the work may hold it) and to its storage (the
+    work may hold views of it) -- and once the work is done and ours dropped, we wait until both
+    are back, at most RELEASE_WAIT_S, then warn. CPU tensors only: NCCL's lifetimes are the CUDA
+    caching allocator's (stream-ordered). The counts are PyTorch's private `Tensor._use_count` and
+    `torch._C._storage_Use_Count`; a release without them waits for nothing, and
+    tests/test_distributed_comm.py fails."""
 
     def __init__(self, tensors):
         counted = hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
-        self._tensors = [t for t in tensors if t.device.type == "cpu"] if counted else []
+        awaited = counted and _release_awaited()
+        self._tensors = [t for t in tensors if t.device.type == "cpu"] if awaited else []
         self._before = self._counts()
 
     def _counts(self) -> list[tuple[int, int]]:
@@ -84,6 +101,8 @@ class _Release:
 
     def wait(self) -> None:
         """Called once our references to the work are gone: wait for the backend's to go."""
+        if not self._tensors:
+            return
         deadline = time.monotonic() + RELEASE_WAIT_S
         while any(now[0] > then[0] or now[1] > then[1] for now, then in zip(self._counts(), self._before)):
             if time.monotonic() > deadline:

@@ -22,7 +22,8 @@ allocator and kept: `getChosenWorkspaceSize` = `CUBLAS_WORKSPACE_CONFIG` parsed 
 pairs (KiB x count, summed; an unparsable value falls back to the default), else 32 MiB on
 compute capability 9.0 and `4096 KiB x 2 + 16 KiB x 8` elsewhere. A training step runs GEMMs on
 two threads -- the caller's (forward, optimizer) and autograd's device thread (backward) -- so
-two workspaces: 64 MiB on an H100/H200, measured on the H200. cuBLASLt keeps its own workspaces
+two workspaces: 64 MiB on an H100/H200, measured on the H200 by scripts/cuda_memory_gap.py (the
+allocator's baseline before the step; docs/memory.md, "On a GPU"). cuBLASLt keeps its own workspaces
 (`CUBLASLT_WORKSPACE_SIZE` KiB, default 1024, capped at the cuBLAS size) only for the GEMMs that
 take that path (`lt_threads`; none showed in the H200 run: its excess was 64.00 MiB).
 

@@ -3,17 +3,22 @@
 One process stands in for the worst rank of a dp*pp*cp*tp world: the model, optimizer and batch
 are FakeTensors (shapes and dtypes, no data), collectives go to PyTorch's fake backend, no
 kernel runs. The steps are the real `train_step`, so the tensors that live and die are those of
-a real run, and a 64-layer seq-2048 configuration is measured in seconds on a laptop.
+a real run, and a 64-layer seq-2048 configuration is measured in seconds on a laptop
+(scripts/memory_book_table.py prints how long its table, up to 64 layers, takes).
+
+The fake backend's store is PyTorch's private `torch.testing._internal.distributed.fake_pg`; this
+module alone imports it (`fake_process_group`), and a torch build without it refuses with one line.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ..config import MiniMindConfig, ParallelConfig, check_layout
+from ..config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 from ..context_parallel import ContextLayout
 from ..data.batches import Batch, cp_tokens, shift_labels
 from ..groups import ProcessGroups
@@ -22,6 +27,29 @@ from ..training import make_optimizer, train_step
 from .analytic import as_dtype
 from .meter import MemoryMeter
 from .tracker import MemoryReport
+
+
+def _fake_store():
+    """The fake backend's store. Imported here, not at the top: the module is private to PyTorch's
+    tests and may be missing from a torch build, which should cost --estimate only."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        raise ConfigError("--estimate needs PyTorch's fake process group (torch.testing._internal.distributed"
+                          f".fake_pg), which this torch build ({torch.__version__}) lacks") from None
+    return FakeStore()
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """torch.distributed initialised on PyTorch's fake backend as `rank` of `world_size` for the
+    block, destroyed after: no peers, every collective returns at once and a receive gets an empty
+    buffer of its shape."""
+    dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _to_dtype(model, dtype):
@@ -86,8 +114,7 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
         raise RuntimeError("estimate_step_memory needs its own (fake) process group; "
                            "call it from a process without torch.distributed initialised")
     rank = (stage * par.cp + cp_rank) * par.tp  # the grid is (dp, pp, cp, tp): dp and tp rank 0
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.world_size)
-    try:
+    with fake_process_group(rank, par.world_size):
         groups = ProcessGroups.build(par)  # real (fake-backend) groups, built outside the fake mode
         with FakeTensorMode():
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
@@ -107,5 +134,3 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
                     if on_step is not None:
                         on_step(meter.tracker)
         return meter.report()
-    finally:
-        dist.destroy_process_group()

@@ -9,7 +9,9 @@
 CPU: the live-storage tracker (exact bytes by category). CUDA: the allocator's own peak
 (`torch.cuda.max_memory_allocated` after a reset) is the number; the same tracker runs beside it
 for the breakdown, and whatever the allocator holds beyond the tracked tensors (512-byte
-rounding, library workspaces) is counted as temporaries.
+rounding, library workspaces) is counted as temporaries. Inside `with meter:` every collective
+returns only once the backend has let go of its tensors (the tracker's `waits_for_release`,
+`distributed.comm._Release`), so a tensor dies where the program drops it.
 """
 from __future__ import annotations
 

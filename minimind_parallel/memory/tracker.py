@@ -65,6 +65,11 @@ def _describe(func, out) -> str:
 class StorageTracker(TorchDispatchMode):
     """`with StorageTracker() as t: ...` then `t.report()`. Register known storages with `mark`."""
 
+    # While this tracker is active, every collective of `distributed.comm` returns only once the
+    # backend has let go of its tensors (`comm._Release`), so a tensor dies where the program drops
+    # it; outside a measurement nothing waits for that.
+    waits_for_release = True
+
     def __init__(self, *, detail: bool = False):
         """detail=True also keeps, for the peak, every live storage with the op that made it
         (`peak_items`) and the op at the peak (`peak_op`): slow, for finding out what is there."""

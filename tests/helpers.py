@@ -1,0 +1,34 @@
+"""Helpers shared by the test files: the relative-L2 error of the numeric checks, the one-line
+refusal check, and the stdlib corpus the data and train tests start from (conftest.py's
+`stdlib_corpus` fixture writes it once per session)."""
+import subprocess
+import sys
+
+import torch
+
+MAX_DOCS = 200  # documents of the stdlib corpus the tests train and tokenise on
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| in float64, b the reference."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def one_line_error(exc_type, fn, *args, **kwargs) -> str:
+    """Call fn, expect exc_type, return its message after checking that it is one line."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as e:
+        message = str(e)
+        assert "\n" not in message, message
+        return message
+    raise AssertionError(f"{fn.__name__} did not raise {exc_type.__name__}")
+
+
+def write_stdlib_corpus(path, max_docs: int = MAX_DOCS):
+    """The corpus command, in its own process (its imports stay out of the test process)."""
+    r = subprocess.run([sys.executable, "-m", "minimind_parallel.data.corpus", "--out", str(path),
+                        "--max_docs", str(max_docs)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return path
