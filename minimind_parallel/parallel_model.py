@@ -33,13 +33,11 @@ from .groups import ProcessGroups
 from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope_tables
 from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, is_lean, norm_with_recompute,
                         swiglu_linear)
-from .plan import (grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage, stage_layers,
-                   stage_of)
+from .plan import (LAYER, grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage,
+                   stage_layers, stage_of)
 from .styles import build_layer
 from .tensor_parallel import (column_parallel, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                               mark_partial_grad, scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
-
-LAYER = "model.layers.*."   # the plan's key of a parameter of any layer
 
 
 class ParallelAttention(nn.Module):

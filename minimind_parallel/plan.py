@@ -85,23 +85,23 @@ def _head(c):
     return (c.head_dim,)
 
 
-L = "model.layers.*."
+LAYER = "model.layers.*."   # the key prefix of a parameter of any layer
 # In the model's parameter order (the optimizer's): first stage, each layer, last stage.
 PLAN: tuple[ParamPlan, ...] = (
     ParamPlan(pattern="model.embed_tokens.weight", style=Style.VOCAB_EMBEDDING, shape=_vocab, owner=Owner.FIRST,
               tied=True),
-    ParamPlan(pattern=L + "self_attn.q_proj.weight", style=Style.COLUMN, shape=_q),
-    ParamPlan(pattern=L + "self_attn.k_proj.weight", style=Style.COLUMN, shape=_kv),
-    ParamPlan(pattern=L + "self_attn.v_proj.weight", style=Style.COLUMN, shape=_kv),
-    ParamPlan(pattern=L + "self_attn.o_proj.weight", style=Style.ROW, shape=lambda c: _q(c)[::-1]),
-    ParamPlan(pattern=L + "self_attn.q_norm.weight", style=Style.NORM, shape=_head, partial=Partial.WHEN_TP),
-    ParamPlan(pattern=L + "self_attn.k_norm.weight", style=Style.NORM, shape=_head, partial=Partial.WHEN_TP),
-    ParamPlan(pattern=L + "input_layernorm.weight", style=Style.NORM, shape=_hidden, partial=Partial.UNDER_SP),
-    ParamPlan(pattern=L + "post_attention_layernorm.weight", style=Style.NORM, shape=_hidden,
+    ParamPlan(pattern=LAYER + "self_attn.q_proj.weight", style=Style.COLUMN, shape=_q),
+    ParamPlan(pattern=LAYER + "self_attn.k_proj.weight", style=Style.COLUMN, shape=_kv),
+    ParamPlan(pattern=LAYER + "self_attn.v_proj.weight", style=Style.COLUMN, shape=_kv),
+    ParamPlan(pattern=LAYER + "self_attn.o_proj.weight", style=Style.ROW, shape=lambda c: _q(c)[::-1]),
+    ParamPlan(pattern=LAYER + "self_attn.q_norm.weight", style=Style.NORM, shape=_head, partial=Partial.WHEN_TP),
+    ParamPlan(pattern=LAYER + "self_attn.k_norm.weight", style=Style.NORM, shape=_head, partial=Partial.WHEN_TP),
+    ParamPlan(pattern=LAYER + "input_layernorm.weight", style=Style.NORM, shape=_hidden, partial=Partial.UNDER_SP),
+    ParamPlan(pattern=LAYER + "post_attention_layernorm.weight", style=Style.NORM, shape=_hidden,
               partial=Partial.UNDER_SP),
-    ParamPlan(pattern=L + "mlp.gate_proj.weight", style=Style.COLUMN, shape=_up),
-    ParamPlan(pattern=L + "mlp.down_proj.weight", style=Style.ROW, shape=lambda c: _up(c)[::-1]),
-    ParamPlan(pattern=L + "mlp.up_proj.weight", style=Style.COLUMN, shape=_up),
+    ParamPlan(pattern=LAYER + "mlp.gate_proj.weight", style=Style.COLUMN, shape=_up),
+    ParamPlan(pattern=LAYER + "mlp.down_proj.weight", style=Style.ROW, shape=lambda c: _up(c)[::-1]),
+    ParamPlan(pattern=LAYER + "mlp.up_proj.weight", style=Style.COLUMN, shape=_up),
     ParamPlan(pattern="model.norm.weight", style=Style.NORM, shape=_hidden, partial=Partial.UNDER_SP,
               owner=Owner.LAST),
     ParamPlan(pattern="lm_head.weight", style=Style.VOCAB_HEAD, shape=_vocab, owner=Owner.LAST, tied=True),
@@ -112,7 +112,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 def plan_of(key: str) -> ParamPlan:
     """The table entry of the state-dict key `key` (KeyError for a name the plan does not know)."""
-    pattern = _LAYER.sub(L, key, count=1)
+    pattern = _LAYER.sub(LAYER, key, count=1)
     for entry in PLAN:
         if entry.pattern == pattern:
             return entry

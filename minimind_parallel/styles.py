@@ -71,9 +71,8 @@ LAYERS: dict[Style, Builder] = {
 
 
 def build_layer(key: str, c: MiniMindConfig, par: ParallelConfig, group) -> nn.Module:
-    """The module holding parameter `key` (a state-dict key; "*" stands for any layer index) on
-    one rank of the TP group `group`, as its plan row's style says, with `.weight` at its local
-    shape (`plan.local_shape`). Weights are left uninitialised or at torch's default init; they
-    are filled by sharding a dense state dict (`sharding`)."""
+    """The module holding parameter `key` (a state-dict key; `plan.LAYER` for any layer) on one
+    rank of the TP group `group`, as its plan row's style says, with `.weight` at its local shape
+    (`plan.local_shape`); the weights are filled by sharding a dense state dict (`sharding`)."""
     entry = plan_of(key)
     return LAYERS[entry.style](entry.shape(c), c, par, group)
