@@ -19,8 +19,8 @@ block; `--loss_chunks K` computes the head and the loss over K token chunks.
 
 Under pipeline parallelism (P stages) a rank builds only its stage: layers
 [p*L/P, (p+1)*L/P), the embedding on stage 0, the final norm and lm_head on stage P-1. Which
-stage builds what, and which grads are partial over TP or shared between stages, is read from
-the parallel plan (`plan.py`).
+layer holds each parameter (its style: `styles.build_layer`), which stage builds what, and which
+grads are partial over TP or shared between stages, is read from the parallel plan (`plan.py`).
 """
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ from .config import MiniMindConfig, ParallelConfig
 from .context_parallel import ContextLayout, context_parallel_attention
 from .groups import ProcessGroups
 from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope_tables
-from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, is_lean, make_rms_norm,
-                        norm_with_recompute, swiglu_linear)
-from .plan import (grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage, stage_layers,
-                   stage_of)
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel,
-                              copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, mark_partial_grad,
-                              scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, is_lean, norm_with_recompute,
+                        swiglu_linear)
+from .plan import (LAYER, grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage,
+                   stage_layers, stage_of)
+from .styles import build_layer
+from .tensor_parallel import (column_parallel, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                              mark_partial_grad, scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
 
 class ParallelAttention(nn.Module):
@@ -45,22 +45,19 @@ class ParallelAttention(nn.Module):
         super().__init__()
         t = par.tp
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
-        self.flash, self.shared, self.lean = c.flash_attn, par.shared_sp_gather, is_lean(par.recompute)
+        self.flash, self.lean = c.flash_attn, is_lean(par.recompute)
         self.cp_group, self.cp_comm_type = cp_group, par.cp_comm_type
-        col = dict(group=group, sequence_parallel=par.sequence_parallel, async_communication=par.async_communication)
-        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_attention_heads * c.head_dim, **col)
-        self.k_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, **col)
-        self.v_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, **col)
-        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, group=group,
-                                        sequence_parallel=par.sequence_parallel)
+        self.q_proj = build_layer(LAYER + "self_attn.q_proj.weight", c, par, group)   # [heads/T * d, H]
+        self.k_proj = build_layer(LAYER + "self_attn.k_proj.weight", c, par, group)   # [kv_heads/T * d, H]
+        self.v_proj = build_layer(LAYER + "self_attn.v_proj.weight", c, par, group)
+        self.o_proj = build_layer(LAYER + "self_attn.o_proj.weight", c, par, group)   # [H, heads/T * d]
         # each rank normalises only its own heads
-        self.q_norm = make_rms_norm(c.head_dim, c.rms_norm_eps, lean=self.lean)
-        self.k_norm = make_rms_norm(c.head_dim, c.rms_norm_eps, lean=self.lean)
+        self.q_norm = build_layer(LAYER + "self_attn.q_norm.weight", c, par, group)
+        self.k_norm = build_layer(LAYER + "self_attn.k_norm.weight", c, par, group)
 
     def forward(self, x, cos, sin, layout: ContextLayout | None = None):
         # x: [S/T, B, H] under SP, else [S, B, H]; under CP S is this rank's S/C tokens (`layout`)
-        projs = [self.q_proj, self.k_proj, self.v_proj]
-        q, k, v = column_parallel(projs, x) if self.shared else [p(x) for p in projs]  # [S, B, heads/T * d]
+        q, k, v = column_parallel([self.q_proj, self.k_proj, self.v_proj], x)  # [S, B, heads/T * d]
         s, b = q.shape[:2]
         q = q.view(s, b, self.n_heads, self.head_dim)
         k = k.view(s, b, self.n_kv, self.head_dim)
@@ -86,16 +83,13 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
         super().__init__()
-        self.shared, self.lean = par.shared_sp_gather, is_lean(par.recompute)
-        col = dict(group=group, sequence_parallel=par.sequence_parallel, async_communication=par.async_communication)
-        self.gate_proj = ColumnParallelLinear(c.hidden_size, c.intermediate_size, **col)
-        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, group=group,
-                                           sequence_parallel=par.sequence_parallel)
-        self.up_proj = ColumnParallelLinear(c.hidden_size, c.intermediate_size, **col)
+        self.lean = is_lean(par.recompute)
+        self.gate_proj = build_layer(LAYER + "mlp.gate_proj.weight", c, par, group)   # [I/T, H]
+        self.down_proj = build_layer(LAYER + "mlp.down_proj.weight", c, par, group)   # [H, I/T]
+        self.up_proj = build_layer(LAYER + "mlp.up_proj.weight", c, par, group)       # [I/T, H]
 
     def forward(self, x):
-        projs = [self.gate_proj, self.up_proj]
-        gate, up = column_parallel(projs, x) if self.shared else [p(x) for p in projs]  # [S, B, I/T]
+        gate, up = column_parallel([self.gate_proj, self.up_proj], x)   # [S, B, I/T]
         if self.lean:                                               # keeps gate and up only
             return self.down_proj.leave_region(swiglu_linear(gate, up, self.down_proj.weight))
         return self.down_proj(F.silu(gate) * up)
@@ -105,9 +99,8 @@ class ParallelBlock(nn.Module):
     def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, cp_group=None):
         super().__init__()
         self.self_attn = ParallelAttention(c, par, group, cp_group)
-        lean = is_lean(par.recompute)
-        self.input_layernorm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=lean)
-        self.post_attention_layernorm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=lean)
+        self.input_layernorm = build_layer(LAYER + "input_layernorm.weight", c, par, group)
+        self.post_attention_layernorm = build_layer(LAYER + "post_attention_layernorm.weight", c, par, group)
         self.mlp = ParallelMLP(c, par, group)
         self.norm_recompute = par.recompute == "selective"   # under `full` the checkpoint's hooks rule
 
@@ -137,15 +130,10 @@ class ParallelMiniMindModel(nn.Module):
         self.seq_shards = par.tp if par.sequence_parallel else 1
         self.checkpoint = par.recompute == "full"
         self.par, self.cp_rank = par, cp_rank
-        self.embed_tokens = None
-        if embedding and par.vocab_parallel:
-            self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group,
-                                                       sequence_parallel=par.sequence_parallel)
-        elif embedding:
-            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = build_layer("model.embed_tokens.weight", c, par, group) if embedding else None
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
         self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group, cp_group) for i in layers})
-        self.norm = make_rms_norm(c.hidden_size, c.rms_norm_eps, lean=is_lean(par.recompute)) if final_norm else None
+        self.norm = build_layer("model.norm.weight", c, par, group) if final_norm else None
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
@@ -200,13 +188,7 @@ class ParallelMiniMindForCausalLM(nn.Module):
                                            embedding=holds("model.embed_tokens.weight"),
                                            final_norm=holds("model.norm.weight"), cp_group=groups.cp,
                                            cp_rank=groups.cp_rank)
-        self.lm_head = None
-        if holds("lm_head.weight") and par.vocab_parallel:
-            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, group=groups.tp,
-                                                sequence_parallel=par.sequence_parallel,
-                                                async_communication=par.async_communication)
-        elif holds("lm_head.weight"):
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = build_layer("lm_head.weight", config, par, groups.tp) if holds("lm_head.weight") else None
         if config.tie_word_embeddings and self.model.embed_tokens is not None and self.lm_head is not None:
             self.model.embed_tokens.weight = self.lm_head.weight
         self._mark_grads()

@@ -2,15 +2,18 @@
 gradient is partial over TP, which pipeline stage owns it and its dense shape -- one table.
 
 As in torchtitan's layer plan (a dict from module path to ColwiseParallel / RowwiseParallel /
-SequenceParallel), the layout is data: the model's construction (`parallel_model`: which stage
-builds the embedding, final norm and lm_head; which grads are marked partial or shared), the
-sharding of a state dict (`sharding`), the dense slices of validation and the memory model's
-parameters (`memory.analytic`) all read `PLAN` through the functions below. Adding a layer or a
-parallelism edits this table; tests/test_plan.py fails when the table and the model disagree.
+SequenceParallel), the layout is data: the model's construction (`parallel_model`: the layer each
+style builds, `styles.build_layer`; which stage builds the embedding, final norm and lm_head;
+which grads are marked partial or shared), the sharding of a state dict (`sharding`), the dense
+slices of validation and the memory model's parameters (`memory.analytic`) all read `PLAN`
+through the functions below. Adding a layer or a parallelism edits this table (and, for a new
+style, adds its layer to `styles.py`); tests/test_plan.py fails when the table and the model
+disagree.
 
     style        COLUMN: dim 0 (output features) split over TP;  ROW: dim 1 (input features);
-                 VOCAB: dim 0 (vocabulary rows) with --vocab_parallel, else replicated;
-                 REPLICATED: every TP rank holds all of it
+                 VOCAB_EMBEDDING, VOCAB_HEAD: dim 0 (vocabulary rows) of the embedding / the
+                 lm_head with --vocab_parallel, else replicated;
+                 NORM: a norm's weight, every TP rank holds all of it
     partial      when the gradient on one TP rank is a part of the full one, summed over TP by
                  `training.finalize_grads`: NEVER; UNDER_SP (a norm that runs on sequence
                  shards); WHEN_TP (q_norm/k_norm: each rank normalises only its own heads)
@@ -31,8 +34,9 @@ from .config import MiniMindConfig, ParallelConfig
 class Style(Enum):
     COLUMN = "column"
     ROW = "row"
-    VOCAB = "vocab"
-    REPLICATED = "replicated"
+    VOCAB_EMBEDDING = "vocab embedding"
+    VOCAB_HEAD = "vocab head"
+    NORM = "norm"
 
 
 class Partial(Enum):
@@ -81,25 +85,26 @@ def _head(c):
     return (c.head_dim,)
 
 
-L = "model.layers.*."
+LAYER = "model.layers.*."   # the key prefix of a parameter of any layer
 # In the model's parameter order (the optimizer's): first stage, each layer, last stage.
 PLAN: tuple[ParamPlan, ...] = (
-    ParamPlan(pattern="model.embed_tokens.weight", style=Style.VOCAB, shape=_vocab, owner=Owner.FIRST, tied=True),
-    ParamPlan(pattern=L + "self_attn.q_proj.weight", style=Style.COLUMN, shape=_q),
-    ParamPlan(pattern=L + "self_attn.k_proj.weight", style=Style.COLUMN, shape=_kv),
-    ParamPlan(pattern=L + "self_attn.v_proj.weight", style=Style.COLUMN, shape=_kv),
-    ParamPlan(pattern=L + "self_attn.o_proj.weight", style=Style.ROW, shape=lambda c: _q(c)[::-1]),
-    ParamPlan(pattern=L + "self_attn.q_norm.weight", style=Style.REPLICATED, shape=_head, partial=Partial.WHEN_TP),
-    ParamPlan(pattern=L + "self_attn.k_norm.weight", style=Style.REPLICATED, shape=_head, partial=Partial.WHEN_TP),
-    ParamPlan(pattern=L + "input_layernorm.weight", style=Style.REPLICATED, shape=_hidden, partial=Partial.UNDER_SP),
-    ParamPlan(pattern=L + "post_attention_layernorm.weight", style=Style.REPLICATED, shape=_hidden,
+    ParamPlan(pattern="model.embed_tokens.weight", style=Style.VOCAB_EMBEDDING, shape=_vocab, owner=Owner.FIRST,
+              tied=True),
+    ParamPlan(pattern=LAYER + "self_attn.q_proj.weight", style=Style.COLUMN, shape=_q),
+    ParamPlan(pattern=LAYER + "self_attn.k_proj.weight", style=Style.COLUMN, shape=_kv),
+    ParamPlan(pattern=LAYER + "self_attn.v_proj.weight", style=Style.COLUMN, shape=_kv),
+    ParamPlan(pattern=LAYER + "self_attn.o_proj.weight", style=Style.ROW, shape=lambda c: _q(c)[::-1]),
+    ParamPlan(pattern=LAYER + "self_attn.q_norm.weight", style=Style.NORM, shape=_head, partial=Partial.WHEN_TP),
+    ParamPlan(pattern=LAYER + "self_attn.k_norm.weight", style=Style.NORM, shape=_head, partial=Partial.WHEN_TP),
+    ParamPlan(pattern=LAYER + "input_layernorm.weight", style=Style.NORM, shape=_hidden, partial=Partial.UNDER_SP),
+    ParamPlan(pattern=LAYER + "post_attention_layernorm.weight", style=Style.NORM, shape=_hidden,
               partial=Partial.UNDER_SP),
-    ParamPlan(pattern=L + "mlp.gate_proj.weight", style=Style.COLUMN, shape=_up),
-    ParamPlan(pattern=L + "mlp.down_proj.weight", style=Style.ROW, shape=lambda c: _up(c)[::-1]),
-    ParamPlan(pattern=L + "mlp.up_proj.weight", style=Style.COLUMN, shape=_up),
-    ParamPlan(pattern="model.norm.weight", style=Style.REPLICATED, shape=_hidden, partial=Partial.UNDER_SP,
+    ParamPlan(pattern=LAYER + "mlp.gate_proj.weight", style=Style.COLUMN, shape=_up),
+    ParamPlan(pattern=LAYER + "mlp.down_proj.weight", style=Style.ROW, shape=lambda c: _up(c)[::-1]),
+    ParamPlan(pattern=LAYER + "mlp.up_proj.weight", style=Style.COLUMN, shape=_up),
+    ParamPlan(pattern="model.norm.weight", style=Style.NORM, shape=_hidden, partial=Partial.UNDER_SP,
               owner=Owner.LAST),
-    ParamPlan(pattern="lm_head.weight", style=Style.VOCAB, shape=_vocab, owner=Owner.LAST, tied=True),
+    ParamPlan(pattern="lm_head.weight", style=Style.VOCAB_HEAD, shape=_vocab, owner=Owner.LAST, tied=True),
 )
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -107,7 +112,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 def plan_of(key: str) -> ParamPlan:
     """The table entry of the state-dict key `key` (KeyError for a name the plan does not know)."""
-    pattern = _LAYER.sub(L, key, count=1)
+    pattern = _LAYER.sub(LAYER, key, count=1)
     for entry in PLAN:
         if entry.pattern == pattern:
             return entry
@@ -117,7 +122,7 @@ def plan_of(key: str) -> ParamPlan:
 def tp_split_dim(key: str, par: ParallelConfig) -> int | None:
     """The dim of `key` that TP splits, or None if every TP rank holds all of it."""
     style = plan_of(key).style
-    if style is Style.VOCAB:
+    if style in (Style.VOCAB_EMBEDDING, Style.VOCAB_HEAD):
         return 0 if par.vocab_parallel else None
     return {Style.COLUMN: 0, Style.ROW: 1}.get(style)
 

@@ -1,11 +1,12 @@
 """The parallel plan (minimind_parallel/plan.py) and the model agree: every stage of every layout
-builds exactly the plan's parameters at the plan's local shapes, every shard is the dense slice
-the plan's style names, and the grads the plan calls partial over TP are exactly those that
-differ from the dense gradient before they are summed."""
+builds exactly the plan's parameters at the plan's local shapes, each in the layer its style
+names, every shard is the dense slice the plan's style names, and the grads the plan calls
+partial over TP are exactly those that differ from the dense gradient before they are summed."""
 from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
@@ -13,7 +14,11 @@ from minimind_parallel.memory.estimate import fake_process_group
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 from minimind_parallel.plan import (PLAN, Style, grad_is_partial, grad_is_shared_over_stages, plan_of, stage_of,
                                     stage_parameters)
+from minimind_parallel.model import RMSNorm
+from minimind_parallel.recompute import LeanRMSNorm
 from minimind_parallel.sharding import gather_state_dict, shard_state_dict
+from minimind_parallel.styles import LAYERS
+from minimind_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       vocab_size=128, max_position_embeddings=64)
@@ -37,7 +42,7 @@ def _dense_slice_by_style(key, dense, par, tp_rank):
     """What each style means, written out: column splits the output rows, row the input columns,
     vocab the vocabulary rows (with --vocab_parallel), replicated nothing."""
     style = plan_of(key).style
-    if style is Style.COLUMN or (style is Style.VOCAB and par.vocab_parallel):
+    if style is Style.COLUMN or (style in (Style.VOCAB_EMBEDDING, Style.VOCAB_HEAD) and par.vocab_parallel):
         rows = dense.shape[0] // par.tp
         return dense[tp_rank * rows:(tp_rank + 1) * rows]
     if style is Style.ROW:
@@ -57,6 +62,51 @@ def test_every_stage_builds_the_plans_parameters_at_its_local_shapes(name, tied)
         for n, p in model.named_parameters():
             assert getattr(p, "tp_partial_grad", False) == grad_is_partial(n, par), n
             assert getattr(p, "shared_embedding", False) == grad_is_shared_over_stages(n, config, par), n
+
+
+# layout -> whether the norms are the lean ones (--recompute selective | full)
+LAYER_LAYOUTS = {
+    "single": (ParallelConfig(), False),
+    "tp2": (ParallelConfig(tp=2), False),
+    "tp2_sp_async_shared_vp_selective": (ParallelConfig(tp=2, sequence_parallel=True, async_communication=True,
+                                                        shared_sp_gather=True, vocab_parallel=True,
+                                                        recompute="selective"), True),
+    "pp2_tp2_sp_vp_full": (ParallelConfig(pp=2, tp=2, sequence_parallel=True, vocab_parallel=True,
+                                          recompute="full"), True),
+}
+
+
+def _layer_the_style_names(style, par, lean):
+    """What each style builds, written out: column / row-parallel linears; the embedding and the
+    lm_head vocab-parallel with --vocab_parallel, else torch's; MiniMind's RMSNorm or the lean one."""
+    return {Style.COLUMN: ColumnParallelLinear, Style.ROW: RowParallelLinear,
+            Style.VOCAB_EMBEDDING: VocabParallelEmbedding if par.vocab_parallel else nn.Embedding,
+            Style.VOCAB_HEAD: ColumnParallelLinear if par.vocab_parallel else nn.Linear,
+            Style.NORM: LeanRMSNorm if lean else RMSNorm}[style]
+
+
+def test_every_style_builds_a_layer():
+    assert set(LAYERS) == set(Style)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("name", list(LAYER_LAYOUTS))
+def test_every_parameter_sits_in_the_layer_its_style_names(name, tied):
+    """Each parameter has a plan row, and the module holding it is the layer the row's style
+    names, with the layout's TP features: SP on every TP layer, the async linear and the shared
+    all-gather on the column-parallel ones."""
+    (par, lean), config = LAYER_LAYOUTS[name], replace(TINY, tie_word_embeddings=tied)
+    for stage in range(par.pp):
+        model = _rank_model(config, par, stage, 0)
+        for key, _ in model.named_parameters():
+            style = plan_of(key).style                      # KeyError: a parameter without a row
+            layer = model.get_submodule(key.rpartition(".")[0])
+            assert type(layer) is _layer_the_style_names(style, par, lean), (key, type(layer))
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                assert layer.sequence_parallel == par.sequence_parallel, key
+            if isinstance(layer, ColumnParallelLinear):
+                assert layer.async_communication == par.async_communication, key
+                assert layer.shared_input == (par.shared_sp_gather and style is Style.COLUMN), key
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

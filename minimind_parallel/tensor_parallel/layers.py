@@ -29,15 +29,17 @@ class ColumnParallelLinear(nn.Module):
 
     Entering the TP region: plain TP -> f (copy; backward all-reduce); SP -> all-gather of the
     sequence shard (backward reduce-scatter); --async_communication -> LinearWithAsyncCommunication.
+    With `shared_input` (--shared_sp_gather) the linears that read one input (`column_parallel`)
+    enter the region once for all of them.
     """
 
     def __init__(self, in_features, out_features, *, group=None, bias=False, sequence_parallel=False,
-                 async_communication=False, gather_output=False, dtype=None):
+                 async_communication=False, shared_input=False, gather_output=False, dtype=None):
         super().__init__()
         t = comm.group_size(group)
         assert out_features % t == 0, f"out_features {out_features} not divisible by TP size {t}"
         self.group, self.sequence_parallel, self.async_communication = group, sequence_parallel, async_communication
-        self.gather_output = gather_output
+        self.shared_input, self.gather_output = shared_input, gather_output
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features // t, dtype=dtype)) if bias else None
 
@@ -47,11 +49,14 @@ class ColumnParallelLinear(nn.Module):
 
 
 def column_parallel(linears: list[ColumnParallelLinear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Run column-parallel linears that read the same input, entering the TP region once.
+    """Run column-parallel linears that read the same input: entering the TP region once for all
+    of them when they share it (`shared_input` of the first), else once each.
 
     x: [S/T, B, H] under SP, else [S, B, H] (replicated) -> one [S, B, N_i/T] per linear.
     """
     first = linears[0]
+    if len(linears) > 1 and not first.shared_input:
+        return tuple(y for l in linears for y in column_parallel([l], x))
     group, sp = first.group, first.sequence_parallel
     if first.async_communication and comm.group_size(group) > 1:
         return linear_with_async_communication(x, [l.weight for l in linears], [l.bias for l in linears], group, sp)
