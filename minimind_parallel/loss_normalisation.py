@@ -15,15 +15,15 @@ and what is divided, in the loss (forward) and in the grads (backward):
                                         targets as the dense mean
                                         (tensor_parallel.cross_entropy,
                                         recompute.chunked_loss)
-  TP, SP         H/T, or S/T of a row   the head sees every token of the rank's  nothing (the partial grads of
-                                        rows: the loss is that of no TP          replicated params are summed over
-                                                                                 TP by training.finalize_grads)
-  CP             S/C tokens of a row    the rank's sum over its own targets      the loss x C before backward
+  TP, SP         1/T of every layer's   the head's input is whole again: every   nothing (the partial grads of
+                 heads and features     TP rank has the loss of no TP            replicated params are summed over
+                 (SP: S/T of each row)                                           TP by training.finalize_grads)
+  CP             S/C tokens of a row    the rank's mean over its own targets     the loss x C before backward
                                         (`token_mean`: 0, not NaN, when it has   (`cp_loss_factor`): the grads are
-                                        none), weighted by its share of every    averaged over DP x CP (below), so
-                                        CP rank's targets (`microbatch_weights`) over CP they add up
-                                        the CP parts add up (`replica_loss`:
-                                        summed over CP)
+                                        none) x its share of every CP rank's     averaged over DP x CP (below), so
+                                        targets (`microbatch_weights`): its sum  over CP they add up
+                                        over the replica's count; the CP parts
+                                        add up (`replica_loss`: summed over CP)
   microbatches   b of a replica's B     loss_i x targets_i / the replica's       the same weights; the M backwards
   (M)            rows                   targets (`microbatch_weights`), summed   accumulate (sum) the grads
                                         over M: the replica's mean
@@ -40,19 +40,21 @@ and what is divided, in the loss (forward) and in the grads (backward):
   held-out       this replica's rows    sum over batches and replicas of         no backward
                                         mean_r n_r (`token_sum`), / n
                                         (`world_token_mean`)
-  aux losses     (expert parallelism's  a row here: over which tokens its mean   and how its backward is weighted
-                 load balancing)        runs, which group sums it                (with the token loss's weights, or
-                                                                                 per microbatch)
+  aux losses     (to come: expert       a row here: over which tokens its mean   how its backward is weighted (by the
+                 parallelism's load     runs and which group sums it, and a      token loss's weights, or per
+                 balancing)             function below                           microbatch) and reduced
 
-The mean of the D replicas' means (no `dp_loss_share`) is the global mean only when every
-replica holds as many targets: the benchmark's and the memory model's batches do
-(`data.batches.random_batch`, `broadcast_batch`), real padded rows do not.
+The mean of the D replicas' means (no `dp_loss_share`; `equal_replicas_mean` for a reported
+loss) is the global mean only when every replica holds as many targets: the benchmark's, the
+memory model's and validation's batches do (`data.batches.random_batch`, `broadcast_batch`),
+real padded rows do not.
 
 Who calls what: the model (`parallel_model`: `token_mean` under CP), the schedule
 (`pipeline_parallel.schedules`: `microbatch_weights`, `cp_loss_factor`, `backward_loss`,
 `replica_loss`), the step (`training.step`: `dp_loss_share`; `finalize_grads`: `grad_divisor`),
-the held-out loss (`training.heldout`: `replica_targets`, `token_sum`, `world_token_mean`) and the
-train task's log lines (`token_sum`, `world_token_mean`).
+the held-out loss (`training.heldout`: `replica_targets`, `token_sum`, `world_token_mean`), the
+train task's log lines (`token_sum`, `world_token_mean`) and validation's loss row
+(`equal_replicas_mean`).
 """
 from __future__ import annotations
 
@@ -131,6 +133,15 @@ def grad_divisor(par: ParallelConfig) -> int:
 def token_sum(mean: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """A replica's sum of per-token losses (float64 0-dim) from its mean over `count` targets."""
     return mean.double() * count
+
+
+def equal_replicas_mean(loss: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """The mean of the D replicas' mean losses, in place on `loss` (this replica's): the global mean
+    when every replica holds as many targets (validation's `random_batch`). Collective over DP."""
+    if groups.dp is not None:
+        comm.all_reduce(loss, groups.dp)
+        loss /= groups.par.dp
+    return loss
 
 
 def world_token_mean(loss_sum: torch.Tensor | None, count: torch.Tensor, groups: ProcessGroups) -> tuple[float, int]:
