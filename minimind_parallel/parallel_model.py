@@ -30,6 +30,7 @@ from torch import nn
 from .config import MiniMindConfig, ParallelConfig
 from .context_parallel import ContextLayout, context_parallel_attention
 from .groups import ProcessGroups
+from .loss_normalisation import token_mean
 from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope_tables
 from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, is_lean, norm_with_recompute,
                         swiglu_linear)
@@ -226,7 +227,7 @@ class ParallelMiniMindForCausalLM(nn.Module):
             elif self.par.cp > 1:   # a CP rank's tokens may all be padding: 0 targets give 0, not NaN
                 total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
                                         reduction="sum")
-                loss = total / (y != -100).sum().clamp(min=1)
+                loss = token_mean(total, y)
             else:
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
         return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)

@@ -27,6 +27,7 @@ from .context_parallel import ContextLayout
 from .data.batches import Batch, cp_tokens, dp_rows, random_batch, split_microbatches
 from .data_parallel import unwrap, wrap_data_parallel
 from .groups import ProcessGroups
+from .loss_normalisation import equal_replicas_mean
 from .model import MiniMindForCausalLM
 from .pipeline_parallel import forward_backward as run_schedule
 from .plan import stage_of, tp_split_dim
@@ -109,10 +110,7 @@ class _Pair:
 
     def _output_rows(self, step: int, out, ref) -> list[Row]:
         par = self.groups.par
-        loss = out.loss.clone()
-        if self.groups.dp is not None:  # the global-batch loss is the mean over DP replicas
-            dist.all_reduce(loss, group=self.groups.dp)
-            loss /= par.dp
+        loss = equal_replicas_mean(out.loss.clone(), self.groups)     # the global batch's loss
         rtol = self.rtol if step == 0 else self.later_rtol
         rows = [Row(f"step {step} loss", *error(loss, ref.loss), self.atol, rtol)]
         if not out.logits:   # --loss_chunks: the logits never exist whole (loss and grads still compared)

@@ -47,7 +47,7 @@ def _train(model, optimizer, groups, steps) -> list:
     losses = []
     for i in steps:
         batch = dp_rows(random_batch(100 + i, ROWS, SEQ, TINY["vocab_size"]), groups.dp_rank, par.dp)
-        losses.append(train_step(model, optimizer, groups, *batch, num_microbatches=MICROBATCHES))
+        losses.append(train_step(model, optimizer, groups, *batch, num_microbatches=MICROBATCHES).loss)
     return losses
 
 

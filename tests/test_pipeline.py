@@ -13,7 +13,7 @@ from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.data.batches import random_batch, split_microbatches
 from minimind_parallel.pipeline_parallel import deallocate_output_tensor, forward_backward
-from minimind_parallel.training import build_parallel_model, make_optimizer, train_step_detailed
+from minimind_parallel.training import build_parallel_model, make_optimizer, train_step
 from minimind_parallel.validation import compare_with_dense, error, failures, format_report
 
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
@@ -113,7 +113,7 @@ def _tied_copies_after_steps(par, schedule):
     opt = make_optimizer(model, 1e-2)
     for step in range(5):
         ids, targets = random_batch(step, 6, 16, config.vocab_size)
-        train_step_detailed(model, opt, groups, ids, targets, num_microbatches=3, schedule=schedule)
+        train_step(model, opt, groups, ids, targets, num_microbatches=3, schedule=schedule)
     params = dict(model.named_parameters())
     copy = params.get("model.embed_tokens.weight", params.get("lm_head.weight"))  # None on middle stages
     initial = initial.chunk(par.tp)[groups.tp_rank] if par.vocab_parallel else initial
@@ -158,8 +158,8 @@ def _in_flight(par, schedule, microbatches):
         held["peak"] = max(held["peak"], held["now"])
         args[0].register_hook(backwarded)                   # h [S, B, H]: its grad ends the backward
     first_block.register_forward_pre_hook(forwarded)
-    step = train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, targets,
-                               num_microbatches=microbatches, schedule=schedule)
+    step = train_step(model, make_optimizer(model, 1e-3), groups, ids, targets,
+                      num_microbatches=microbatches, schedule=schedule).schedule
     assert held["forwards"] == held["backwards"] == microbatches and held["now"] == 0, held
     return held["peak"], step.max_in_flight
 
@@ -214,8 +214,8 @@ def _activation_peak(par, schedule, microbatches):
     groups, model, (ids, targets) = _stage_and_batch(par, microbatches)
     meter = SavedActivations(model)
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        train_step_detailed(model, make_optimizer(model, 1e-3), groups, ids, targets,
-                            num_microbatches=microbatches, schedule=schedule)
+        train_step(model, make_optimizer(model, 1e-3), groups, ids, targets,
+                   num_microbatches=microbatches, schedule=schedule)
     return meter.peak, meter.now
 
 

@@ -1,7 +1,8 @@
-"""The pretraining step's numerics against the dense model in float64: clipping by the global
+"""The training step's numerics against the dense model in float64: clipping by the global
 grad norm counts every parameter once over TP shards, pipeline stages and tied copies; the loss
 and gradient of a data-parallel step with unevenly padded rows are the dense model's mean over
-every target token of the global batch; mixed precision keeps float32 parameters."""
+every target token of the global batch (`loss_normalisation`); with as many targets on every
+replica the plain step is the token-weighted one; mixed precision keeps float32 parameters."""
 
 import pytest
 import torch
@@ -9,15 +10,16 @@ import torch
 from distributed import run_ranks
 from minimind_parallel.config import MiniMindConfig, ParallelConfig
 from minimind_parallel.context_parallel import ContextLayout
-from minimind_parallel.data.batches import (IGNORE_INDEX, Batch, cp_tokens, dp_rows, random_batch, shift_labels,
-                                            split_microbatches)
+from minimind_parallel.data.batches import (IGNORE_INDEX, Batch, count_targets, cp_tokens, dp_rows, random_batch,
+                                            shift_labels, split_microbatches)
 from minimind_parallel.training.grad_clip import clip_grad_norm_
 from minimind_parallel.groups import ProcessGroups
 from minimind_parallel.training.mixed_precision import LossScaler, Precision
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.pipeline_parallel import forward_backward
-from minimind_parallel.training.pretraining import pretrain_step, world_token_mean
-from minimind_parallel.training import (build_parallel_model, finalize_grads, make_optimizer, unwrap,
+from minimind_parallel.loss_normalisation import (backward_loss, grad_divisor, microbatch_weights, token_mean,
+                                                  world_token_mean)
+from minimind_parallel.training import (build_parallel_model, finalize_grads, make_optimizer, train_step, unwrap,
                                         wrap_data_parallel)
 from minimind_parallel.validation import dense_slice
 
@@ -96,9 +98,9 @@ def _dp_step(par, microbatches, grad_clip):
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     torch.optim.SGD(dense.parameters(), lr=lr).step()
     mine = cp_tokens(dp_rows(batch, groups.dp_rank, par.dp), ContextLayout.of(par, SEQ), groups.cp_rank)
-    stats = pretrain_step(model, torch.optim.SGD(model.parameters(), lr=lr), groups, mine,
-                          num_microbatches=microbatches, schedule="1f1b", grad_clip=grad_clip,
-                          precision=Precision.of("pure", torch.float64, "cpu"))
+    stats = train_step(model, torch.optim.SGD(model.parameters(), lr=lr), groups, *mine,
+                       num_microbatches=microbatches, schedule="1f1b", token_weighted_dp=True, grad_clip=grad_clip,
+                       precision=Precision.of("pure", torch.float64, "cpu"))
     loss_sum = None if stats.loss is None else stats.loss * stats.targets
     loss, n = world_token_mean(loss_sum, stats.targets, groups)
     return (loss, dense_loss.item(), n, int((batch.targets != IGNORE_INDEX).sum()), stats.grad_norm.item(),
@@ -119,6 +121,54 @@ def test_a_data_parallel_step_on_unevenly_padded_rows_is_the_dense_step(par, mic
         assert loss == pytest.approx(dense_loss, rel=1e-12)
         assert norm == pytest.approx(dense_norm, rel=1e-12)
         assert param_error < 1e-14
+
+
+def _plain_and_weighted_steps(par):
+    """Two copies of one model take a step on the same equal-count rows: the plain step (the
+    benchmark's and the memory model's) and the token-weighted one (training's)."""
+    groups = ProcessGroups.build(par)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(tiny(False)).to(torch.float64)
+    batch = random_batch(1, 4 * par.dp, SEQ, VOCAB)   # every row seq_len - 2 targets
+    mine = cp_tokens(dp_rows(batch, groups.dp_rank, par.dp), ContextLayout.of(par, SEQ), groups.cp_rank)
+    params, losses = [], []
+    for weighted in (False, True):
+        model = wrap_data_parallel(build_parallel_model(dense.config, par, groups, dense.state_dict(),
+                                                        dtype=torch.float64), groups)
+        stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), groups, *mine, num_microbatches=2,
+                           token_weighted_dp=weighted)
+        params.append([p.detach().clone() for p in model.parameters()])
+        losses.append(stats.loss)
+        assert (stats.targets is not None) == weighted and stats.grad_norm is None and stats.stepped
+    ddp_divides_by = torch.distributed.get_world_size(groups.dp_cp)
+    return [torch.equal(a, b) for a, b in zip(*params)], torch.equal(*losses), ddp_divides_by, grad_divisor(par)
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(dp=2, cp=2)], ids=["dp2_cp2"])
+def test_with_as_many_targets_on_every_replica_the_plain_step_is_the_token_weighted_step(par):
+    """The mean of the replicas' means is the global mean when they hold as many targets: the
+    plain step takes exactly the token-weighted step (its DP share is 1), and DDP divides the
+    grads by what the loss normalisation says (D x C)."""
+    for same_params, same_loss, ddp_divides_by, divisor in run_ranks(_plain_and_weighted_steps, par.world_size, par):
+        assert all(same_params) and same_loss
+        assert ddp_divides_by == divisor == par.dp * par.cp
+
+
+def test_the_microbatch_weights_are_each_microbatchs_share_and_a_rank_without_targets_has_loss_0():
+    batch = uneven_batch(4)
+    microbatches = split_microbatches(*batch, 2)
+    weights = microbatch_weights(microbatches, torch.float32, None)        # no CP group: this rank's targets
+    counts = torch.tensor([float(count_targets(t)) for _, t in microbatches])
+    assert weights.dtype == torch.float32 and torch.equal(weights, counts / counts.sum())
+    assert microbatch_weights(microbatches, torch.float64, None).dtype == torch.float64
+    none = torch.full((2, SEQ), IGNORE_INDEX)
+    assert token_mean(torch.tensor(0.0), none).item() == 0.0               # 0 targets: 0, not NaN
+    row = batch.targets[:1]
+    assert token_mean(2.0 * count_targets(row), row).item() == 2.0                # the sum over its own targets
+    loss = torch.tensor(0.5)
+    assert backward_loss(loss, 1.0, 1) is loss                             # nothing to scale: the loss itself
+    assert backward_loss(loss, 2.0, 3).item() == 3.0
+    assert backward_loss(loss, torch.tensor(2.0, dtype=torch.float64), 3).item() == 3.0
 
 
 def test_mixed_precision_keeps_float32_parameters_and_computes_in_half():
@@ -151,9 +201,10 @@ def _mixed_step(par, compute_dtype):
         dense_loss = dense(batch.input_ids, targets=batch.targets).loss
     dense_loss.backward()
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf"))
-    stats = pretrain_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups,
-                          dp_rows(batch, groups.dp_rank, par.dp), num_microbatches=1, schedule="1f1b", grad_clip=0.0,
-                          precision=precision, scaler=LossScaler() if precision.needs_loss_scaling else None)
+    stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups,
+                       *dp_rows(batch, groups.dp_rank, par.dp), num_microbatches=1, schedule="1f1b",
+                       token_weighted_dp=True, grad_clip=0.0, precision=precision,
+                       scaler=LossScaler() if precision.needs_loss_scaling else None)
     loss, _ = world_token_mean(None if stats.loss is None else stats.loss * stats.targets, stats.targets, groups)
     dtypes = {p.dtype for p in model.parameters()}
     return loss, dense_loss.item(), stats.grad_norm.item(), dense_norm.item(), dtypes, stats.stepped
@@ -202,8 +253,8 @@ def test_a_float16_step_whose_grads_overflow_is_skipped_and_the_scale_halved_unt
     scaler = LossScaler(init_scale=2.0 ** 8)
 
     def step():
-        return pretrain_step(model, optimizer, groups, batch, num_microbatches=1, schedule="1f1b", grad_clip=1.0,
-                             precision=precision, scaler=scaler)
+        return train_step(model, optimizer, groups, *batch, num_microbatches=1, schedule="1f1b",
+                          token_weighted_dp=True, grad_clip=1.0, precision=precision, scaler=scaler)
     assert step().stepped   # a first step at a small scale: AdamW has state now
     scaler.scale = 2.0 ** 40   # float16 activation grads overflow (> 65504) at this scale
     skipped = 0
@@ -229,8 +280,8 @@ def test_a_step_whose_loss_or_grad_norm_is_not_finite_is_not_taken_and_says_whic
     exact = Precision.of("pure", torch.float32, "cpu")
 
     def step():
-        return pretrain_step(model, optimizer, groups, batch, num_microbatches=1, schedule="1f1b", grad_clip=1.0,
-                             precision=exact)
+        return train_step(model, optimizer, groups, *batch, num_microbatches=1, schedule="1f1b",
+                          token_weighted_dp=True, grad_clip=1.0, precision=exact)
     assert step().stepped and step().nonfinite == ()
     weight = unwrap(model).get_parameter("model.layers.0.mlp.up_proj.weight")
     hook = weight.register_hook(lambda g: g * float("inf"))   # the loss finite, one grad not

@@ -5,16 +5,13 @@
             the remaining backwards                   holds at most P - p (stage p)
 
 Each stage runs its schedule on its own; the p2p calls line the stages up. The loss of every
-microbatch (a mean over its target tokens) is scaled by its share of this replica's target
-tokens before its backward -- 1/M when all microbatches have as many -- so the accumulated
-grads and the reported loss are those of the mean over all target tokens of the batch, exactly
-as the dense model averages. Under context parallelism each CP rank holds a part of every
-microbatch's tokens: its loss (a mean over its own targets) is weighted by its share of the
-targets of all CP ranks, so the CP ranks' weighted losses add up to the global mean (the sum and
-count reduced over CP); the reported loss is summed over CP. Gradient reduction averages over the
-DP x CP group, as Megatron-LM's, so the backward runs on the loss times C (its sum over CP).
-DP, CP and tied-embedding grads are reduced once, after the last microbatch, by
-`training.finalize_grads` (or DDP over DP x CP without a pipeline).
+microbatch (a mean over its target tokens) is weighted by its share of this replica's target
+tokens -- 1/M when all microbatches have as many; under CP by its share of every CP rank's --
+so the accumulated grads and the reported loss are those of the mean over all target tokens of
+the batch, exactly as the dense model averages; the backward runs on it times C under CP
+(`loss_normalisation` says what each group sums and divides). DP, CP and tied-embedding grads
+are reduced once, after the last microbatch, by `training.finalize_grads` (or DDP over DP x CP
+without a pipeline).
 """
 from __future__ import annotations
 
@@ -26,11 +23,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..data.batches import count_targets
 from ..data_parallel import unwrap
-from ..distributed import comm
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
+from ..loss_normalisation import backward_loss, cp_loss_factor, microbatch_weights, replica_loss
 from . import p2p
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -71,12 +67,8 @@ class _Stage:
         seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
         dtype = next(model.parameters()).dtype
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
-        # targets per microbatch, kept on the device (no host sync; works on fake tensors too)
-        counts = torch.stack([count_targets(targets) for _, targets in microbatches])
-        counts = counts.to(torch.promote_types(dtype, torch.float32))  # float64 runs: float64 weights
-        total = comm.all_reduce(counts.sum(), groups.cp)                              # every CP rank's targets
-        self.loss_weights = counts / total.clamp(min=1)          # [M]; summed over M and CP ranks: 1
-        self.grad_scale = par.cp     # grads are averaged over DP x CP but the CP ranks' losses add up
+        self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
+        self.grad_scale = cp_loss_factor(par)    # grads are averaged over DP x CP but the CP ranks' losses add up
         self.held: list = []        # (input, output) of microbatches awaiting their backward, oldest first
         self.losses, self.logits = [], []
         self.max_in_flight, self.busy = 0, 0.0
@@ -97,12 +89,7 @@ class _Stage:
         self.losses.append(loss.detach())
         if self.collect_logits and out.logits is not None:   # --loss_chunks: no whole logits
             self.logits.append(out.logits.detach())
-        # what backward sees: the CP ranks' losses add up (grad_scale), a loss scaler's factor
-        # (loss_scale, a float or a 0-dim tensor); the reported loss is neither
-        if isinstance(self.loss_scale, float):
-            scale = self.loss_scale * self.grad_scale
-            return loss if scale == 1.0 else loss * scale
-        return loss * (self.loss_scale.to(loss.dtype) * self.grad_scale)
+        return backward_loss(loss, self.loss_scale, self.grad_scale)   # the reported loss is not scaled
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -139,9 +126,7 @@ class _Stage:
         return grad
 
     def result(self, wall_s: float) -> StepResult:
-        loss = torch.stack(self.losses).sum() if self.losses else None
-        if loss is not None:
-            loss = comm.all_reduce(loss, self.groups.cp)          # the CP ranks' parts of the mean
+        loss = replica_loss(self.losses, self.groups.cp)          # summed over M and the CP ranks' parts
         return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s)
 
 

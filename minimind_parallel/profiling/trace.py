@@ -3,7 +3,7 @@
 Named ranges in the trace (open it in https://ui.perfetto.dev or chrome://tracing):
     step <k>                                  one train step (after a barrier)
     forward / backward                        the pipeline schedule (pipeline_parallel/schedules.py)
-    finalize_grads / optimizer                training.train_step_detailed
+    finalize_grads / optimizer                training.train_step
     block <i> forward / block <i> backward    hooks installed here, for the profiled steps only
     comm:<kind>, wait:<kind>                  every collective (distributed/comm.py)
     async_linear.dgrad / async_linear.wgrad   the GEMMs of LinearWithAsyncCommunication.backward
@@ -22,7 +22,7 @@ from torch.autograd.profiler import profile, record_function
 
 from ..device_sync import synchronize
 from ..files import atomic_path
-from ..training import train_step_detailed
+from ..training import train_step
 from .overlap import analyze_file, mean_over_ranks
 
 
@@ -83,7 +83,7 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, targets, *, steps: i
     os.makedirs(out_dir, exist_ok=True)
     batches = dict(num_microbatches=num_microbatches, schedule=schedule)
     for _ in range(warmup):
-        train_step_detailed(model, optimizer, groups, ids, targets, **batches)
+        train_step(model, optimizer, groups, ids, targets, **batches)
     # The autograd profiler with kineto writes the same trace as torch.profiler.profile, without
     # the latter's first-use import of torch._inductor (~10 s per process on a small CPU).
     cuda = torch.device(device).type == "cuda"
@@ -93,7 +93,7 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, targets, *, steps: i
             for k in range(steps):
                 synchronize(device)  # ranks start each step together; outside the step window
                 with record_function(f"step {k}"):
-                    steps_run.append(train_step_detailed(model, optimizer, groups, ids, targets, **batches))
+                    steps_run.append(train_step(model, optimizer, groups, ids, targets, **batches).schedule)
                     synchronize(device, barrier=False)
     finally:
         for h in handles:

@@ -40,7 +40,7 @@ from ..options import (MODES, Parser, add_model_args, apply_mode, check_at_least
                        check_number, check_resources, collective_timeout, model_config, parallel_config,
                        program_name, resolve_device, split_argv)
 from ..processes import Interrupted
-from ..training import DTYPES, build_parallel_model, make_optimizer, train_step_detailed, wrap_data_parallel
+from ..training import DTYPES, build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from . import benchmark_outputs as outputs
 from .task import Task
 
@@ -418,8 +418,8 @@ def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
     def timed_step() -> float:
         synchronize(device)
         t0 = time.perf_counter()
-        result = train_step_detailed(model, optimizer, groups, ids, targets,
-                                     num_microbatches=args.num_microbatches, schedule=args.pp_schedule)
+        result = train_step(model, optimizer, groups, ids, targets, num_microbatches=args.num_microbatches,
+                            schedule=args.pp_schedule).schedule
         steps.append(replace(result, loss=None, logits=[]))   # its numbers: no tensor outlives its step
         synchronize(device)
         return time.perf_counter() - t0

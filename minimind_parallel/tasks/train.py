@@ -5,7 +5,7 @@
         --tokenizer_path data/tokenizer --sequence_parallel --save_dir runs/tiny [--resume]
 
 The task composes its rooms: the data (`data.feed`, `data.pretrain`: rows, sampler, held-out
-rows), the step (`pretraining.pretrain_step`: exact token mean over DP, mixed precision, global
+rows), the step (`training.train_step`: exact token mean over DP, mixed precision, global
 grad-norm clipping, AdamW), the schedule (`lr_schedule.cosine_lr`), held-out loss (`heldout`),
 checkpoints (`checkpoint`) and what a person sees (`metrics`). The launcher checks every input
 and builds the token caches before any rank starts (`check`); ranks only open them.
@@ -53,13 +53,13 @@ from ..groups import ProcessGroups, first_on_node
 from ..model import MiniMindForCausalLM
 from ..options import (Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout,
                        model_config, parallel_config, split_argv)
-from ..training import DTYPES, build_parallel_model, make_optimizer, wrap_data_parallel
+from ..loss_normalisation import token_sum, world_token_mean
+from ..training import DTYPES, build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from ..training.heldout import heldout_loss
 from ..training.lr_schedule import cosine_lr
 from ..training.metrics import (MetricsFile, format_eval, format_line, interval_rates, model_flops_per_token,
                                 peak_memory_bytes, peak_tflops, write_loss_plot)
 from ..training.mixed_precision import PRECISIONS, LossScaler, Precision
-from ..training.pretraining import pretrain_step, world_token_mean
 from .task import Task
 
 MIB = 2 ** 20
@@ -306,7 +306,7 @@ class Interval:
         self.data_s += data_s
         self.targets = stats.targets if self.targets is None else self.targets + stats.targets
         if stats.loss is not None:
-            part = stats.loss.double() * stats.targets
+            part = token_sum(stats.loss, stats.targets)
             self.loss_sum = part if self.loss_sum is None else self.loss_sum + part
 
 
@@ -443,9 +443,9 @@ class Run:
         lr = cosine_lr(self.step, self.total, args.learning_rate, args.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        stats = pretrain_step(self.model, self.optimizer, self.groups, batch, num_microbatches=args.num_microbatches,
-                              schedule=args.pp_schedule, grad_clip=args.grad_clip, precision=self.precision,
-                              scaler=self.scaler)
+        stats = train_step(self.model, self.optimizer, self.groups, *batch, num_microbatches=args.num_microbatches,
+                           schedule=args.pp_schedule, token_weighted_dp=True, grad_clip=args.grad_clip,
+                           precision=self.precision, scaler=self.scaler)
         if stats.nonfinite:
             self.stop_not_finite(stats)
         interval.add(stats, data_s)
@@ -466,7 +466,7 @@ class Run:
     def stop_not_finite(self, stats) -> None:
         """A step whose loss or grad norm is not finite (every rank knows): it was not taken, and the
         run stops before any save, so the last checkpoint is the last finite state."""
-        loss, _ = world_token_mean(None if stats.loss is None else stats.loss.double() * stats.targets,
+        loss, _ = world_token_mean(None if stats.loss is None else token_sum(stats.loss, stats.targets),
                                    stats.targets, self.groups)
         values = {"loss": loss, "grad norm": stats.grad_norm.item()}
         what = " and ".join(f"the {q} is {values[q]:g}" for q in stats.nonfinite)

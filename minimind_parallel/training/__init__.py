@@ -1,9 +1,8 @@
 """Training, one component per file (composed by the `train` task, and `step` by every task):
 
-    step             a parallel model from dense weights, the microbatch schedule, gradient
-                     finalisation, the optimizer (what validate and benchmark run too)
-    pretraining      one optimizer step of pretraining: the exact token-mean loss, the loss
-                     scaler, clipping
+    step             a parallel model from dense weights, and the one training step: the
+                     microbatch schedule, gradient finalisation, the loss scaler, clipping, the
+                     finiteness check, the optimizer (what validate and benchmark run too)
     grad_clip        the global gradient norm over every parallel group, and clipping by it
     mixed_precision  fp32 parameters with bf16/fp16 compute, and the fp16 loss scaler
     lr_schedule      MiniMind's cosine schedule
@@ -11,7 +10,7 @@
     metrics          the numbers a person watches: metrics.jsonl, the loss curve, MFU
 """
 from ..data_parallel import unwrap, wrap_data_parallel
-from .step import DTYPES, build_parallel_model, finalize_grads, make_optimizer, train_step, train_step_detailed
+from .step import DTYPES, StepStats, build_parallel_model, finalize_grads, make_optimizer, train_step
 
-__all__ = ["DTYPES", "build_parallel_model", "finalize_grads", "make_optimizer", "train_step", "train_step_detailed",
-           "unwrap", "wrap_data_parallel"]
+__all__ = ["DTYPES", "StepStats", "build_parallel_model", "finalize_grads", "make_optimizer", "train_step", "unwrap",
+           "wrap_data_parallel"]

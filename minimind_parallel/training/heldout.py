@@ -1,8 +1,8 @@
 """Held-out loss and perplexity: forward-only through the pipeline schedule, every layout.
 
 The loss is the mean over every target token of all held-out batches (each data-parallel
-replica's batches summed token-weighted, as `pretraining.world_token_mean` does for training);
-perplexity is exp(loss).
+replica's batches summed token-weighted, `loss_normalisation`'s held-out row, as the train task's
+log line does for training); perplexity is exp(loss).
 """
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..data.batches import Batch, count_targets, split_microbatches
-from ..distributed import comm
+from ..data.batches import Batch, split_microbatches
 from ..groups import ProcessGroups
+from ..loss_normalisation import replica_targets, token_sum, world_token_mean
 from .mixed_precision import Precision
 from ..pipeline_parallel import forward_backward
-from .pretraining import world_token_mean
 
 
 def heldout_loss(model: nn.Module, groups: ProcessGroups, batches: Iterable[Batch], *, num_microbatches: int,
@@ -29,10 +28,10 @@ def heldout_loss(model: nn.Module, groups: ProcessGroups, batches: Iterable[Batc
     for batch in batches:
         result = forward_backward(model, groups, split_microbatches(*batch, num_microbatches), forward_only=True,
                                   forward_context=precision.forward_context)
-        n = comm.all_reduce(count_targets(batch.targets), groups.cp)   # the replica's targets (CP: all ranks')
+        n = replica_targets(batch.targets, groups)   # the replica's targets (CP: all ranks')
         count = n if count is None else count + n
         if result.loss is not None:   # the last stage: this replica's mean over the batch's targets
-            part = result.loss.double() * n
+            part = token_sum(result.loss, n)
             loss_sum = part if loss_sum is None else loss_sum + part
     model.train(was_training)
     loss, _ = world_token_mean(loss_sum, count, groups)

@@ -1,7 +1,32 @@
-"""Building a parallel model from dense weights, and the per-step glue every task shares:
-the microbatch schedule, gradient finalisation (TP sums of partial grads, tied embeddings
-across pipeline stages, DP under PP), the optimizer; DDP wrapping is `data_parallel`'s."""
+"""Building a parallel model from dense weights, and the one training step (train, the
+benchmark's ranks, the memory model, the profiler; validate runs its parts, comparing grads
+between backward and the optimizer): the microbatch
+schedule, gradient finalisation (TP sums of partial grads, tied embeddings across pipeline
+stages, DP under PP), the optimizer; DDP wrapping is `data_parallel`'s.
+
+A step: forward/backward through the schedule (autocast around forwards under mixed
+precision), `finalize_grads`, unscaling (float16 loss scale), the global grad norm and
+clipping, the finiteness check, AdamW (skipped when a float16 step overflowed or something was
+not finite), zero grads. What the step sums and divides to make the loss the mean over every
+target token of the global batch is `loss_normalisation`'s; on real rows the replicas hold
+different numbers of targets, and `token_weighted_dp` weighs each replica's backward by its
+share (`loss_normalisation.dp_loss_share`: D * n_r / n, 1 with equal counts).
+
+The benchmark, the memory model and the profiler run the plain step: equal rows on every
+replica, no grad norm, no finiteness check, no count exchanged (the tensors the memory model
+counts one by one). The train task turns on all of it.
+
+Finiteness (as Megatron-LM checks the loss and the grad norm for NaN/inf before it steps): the
+loss of every replica and the global grad norm are tested once per step on every rank together
+(one all-reduce of two flags over the world), so every rank skips or steps alike. Under a float16
+loss scaler a grad norm that is not finite is an overflow, handled by the scaler (the step is
+skipped, the scale halved); otherwise it is reported in `StepStats.nonfinite`, as is a loss that is
+not finite, and the optimizer does not step: the parameters stay those of the last finite step.
+"""
 from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,9 +38,12 @@ from ..data_parallel import unwrap
 from ..distributed import comm
 from ..distributed.ranges import span
 from ..groups import ProcessGroups
+from ..loss_normalisation import dp_loss_share, grad_divisor
 from ..parallel_model import ParallelMiniMindForCausalLM
 from ..pipeline_parallel import StepResult, forward_backward
 from ..sharding import shard_state_dict
+from .grad_clip import clip_grad_norm_
+from .mixed_precision import LossScaler, Precision
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,12 +63,13 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
     2. PP with tied embeddings: sum the first stage's embedding grad and the last stage's
        lm_head grad over the embedding group, so both copies take the same step;
     3. DP x CP when not done by DDP (pipelines): average every grad over the DP x CP group (the
-       CP ranks' losses were scaled by C in backward, so this sums over CP and averages over DP)."""
+       CP ranks' losses were scaled by C in backward, so this sums over CP and averages over DP;
+       `loss_normalisation.grad_divisor`)."""
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
     _all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], groups.tp)
     _all_reduce_grads([p for p in params if getattr(p, "shared_embedding", False)], groups.embed)
     if not isinstance(model, DistributedDataParallel) and groups.dp_cp is not None:
-        replicas = groups.par.dp * groups.par.cp
+        replicas = grad_divisor(groups.par)
         for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak
             comm.all_reduce(p.grad, groups.dp_cp).div_(replicas)
 
@@ -66,25 +95,63 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, targets,
-               *, num_microbatches: int = 1, schedule: str = "1f1b") -> torch.Tensor | None:
-    """One optimizer step of any layout: the batch (ids, targets) [B, S] of this DP rank in M
-    microbatches through the schedule (PP) or gradient accumulation, grad finalisation, AdamW,
-    zero grads.
-    Returns the detached mean loss; None on pipeline stages other than the last."""
-    step = train_step_detailed(model, optimizer, groups, input_ids, targets, num_microbatches=num_microbatches,
-                               schedule=schedule)
-    return step.loss
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    schedule: StepResult        # the schedule's: this replica's mean loss (last stage), in-flight, busy/wall time
+    targets: torch.Tensor | None = None    # this replica's target tokens (0-dim int64), with token_weighted_dp
+    grad_norm: torch.Tensor | None = None  # global grad norm before clipping (the same on every rank), with grad_clip
+    stepped: bool = True        # False when a float16 step overflowed, or something was not finite
+    nonfinite: tuple[str, ...] = ()   # "loss", "grad norm": not finite (every rank); the step was not taken
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """This replica's mean over its targets, detached (last stage only)."""
+        return self.schedule.loss
 
 
-def train_step_detailed(model, optimizer, groups, input_ids, targets, *, num_microbatches: int = 1,
-                        schedule: str = "1f1b") -> StepResult:
-    """train_step, returning the schedule's StepResult (in-flight microbatches, busy/wall time)."""
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, targets, *,
+               num_microbatches: int = 1, schedule: str = "1f1b", token_weighted_dp: bool = False,
+               grad_clip: float | None = None, precision: Precision | None = None,
+               scaler: LossScaler | None = None) -> StepStats:
+    """One optimizer step of any layout on this replica's rows (ids, targets) [B, S] in
+    `num_microbatches` microbatches through the schedule (PP) or gradient accumulation.
+    `token_weighted_dp`: weigh the replica's backward by its share of the global batch's targets
+    (rows of different lengths). `grad_clip`: measure the global grad norm, clip by it when > 0,
+    and check the loss and the norm for finiteness (None: none of it). `precision`: autocast
+    around the forwards (None: compute in the parameters' dtype). `scaler` (float16): scales the
+    loss, unscales the grads; needs `grad_clip` (its overflow test is the grad norm)."""
+    if scaler is not None and grad_clip is None:
+        raise ValueError("a loss scaler needs the grad norm: pass grad_clip (0: measure, do not clip)")
+    share, mine = dp_loss_share(targets, groups) if token_weighted_dp else (1.0, None)
+    loss_scale = share * (scaler.scale if scaler is not None else 1.0)
     result = forward_backward(model, groups, split_microbatches(input_ids, targets, num_microbatches),
-                              schedule=schedule)
+                              schedule=schedule, loss_scale=loss_scale,
+                              forward_context=precision.forward_context if precision is not None else nullcontext)
     with span("finalize_grads"):
         finalize_grads(model, groups)
+    norm, bad = None, ()
+    if grad_clip is not None:
+        if scaler is not None:
+            scaler.unscale_(model)
+        norm = clip_grad_norm_(model, groups, grad_clip)
+        bad = nonfinite_quantities(result.loss, norm, overflow_is_skipped=scaler is not None)
+    stepped = not bad and (scaler is None or scaler.update(bool(torch.isfinite(norm))))
     with span("optimizer"):
-        optimizer.step()
+        if stepped:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return result
+    return StepStats(schedule=result, targets=mine, grad_norm=norm, stepped=stepped, nonfinite=bad)
+
+
+def nonfinite_quantities(loss: torch.Tensor | None, grad_norm: torch.Tensor, *,
+                         overflow_is_skipped: bool) -> tuple[str, ...]:
+    """Which of "loss" (any replica's; `loss` None off the last stage) and "grad norm" (global) is
+    not finite, the same on every rank; the grad norm is left to the loss scaler when
+    `overflow_is_skipped`. Collective over the world."""
+    flags = torch.zeros(2, dtype=torch.float32, device=grad_norm.device)
+    if loss is not None:
+        flags[0] = (~torch.isfinite(loss.detach())).any().float()
+    if not overflow_is_skipped:
+        flags[1] = (~torch.isfinite(grad_norm.detach())).float()
+    comm.all_reduce(flags, torch.distributed.group.WORLD, op=torch.distributed.ReduceOp.MAX)
+    return tuple(name for name, flag in zip(("loss", "grad norm"), flags.tolist()) if flag)
