@@ -11,6 +11,8 @@ import time
 import pytest
 
 from minimind_parallel import cli, files, launcher
+from minimind_parallel.options import MODES, mode_parallel
+from minimind_parallel.tasks import validate
 from minimind_parallel.tasks.benchmark import outputs as outputs_module
 from minimind_parallel.tasks.benchmark.cells import cell_args, cell_parallel, rows_per_replica, sweep_cells
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
@@ -65,6 +67,69 @@ def test_a_preset_turns_its_flags_on():
     tp, full = (cell_args(args, c) for c in sweep_cells(args))
     assert not (tp.sequence_parallel or tp.async_communication or tp.vocab_parallel)
     assert full.sequence_parallel and full.async_communication and full.vocab_parallel
+
+
+# ---------------------------------------------------------------- the presets: what each mode's name says
+
+MODE_SIZES = [  # launcher sizes -> the modes without extra flags that run on them (ddp on any)
+    ([], ["ddp"]),
+    (["--tp_size", "2"], ["ddp", "tp"]),
+    (["--pp_size", "2"], ["ddp", "pp"]),
+    (["--tp_size", "2", "--pp_size", "2"], ["ddp", "tp_pp"]),
+    (["--cp", "--cp_size", "2"], ["ddp", "cp"]),
+    (["--tp_size", "2", "--cp", "--cp_size", "2"], ["ddp", "tp_cp"]),
+    (["--pp_size", "2", "--cp", "--cp_size", "2"], ["ddp", "pp_cp"]),
+    (["--tp_size", "2", "--pp_size", "2", "--cp", "--cp_size", "2"], ["ddp", "tp_cp_pp"]),
+]
+
+
+@pytest.mark.parametrize("sizes,modes", MODE_SIZES, ids=[" ".join(s) or "one rank" for s, _ in MODE_SIZES])
+def test_each_layout_mode_runs_on_the_sizes_its_name_says_and_no_other(sizes, modes):
+    base = ["ddp", "tp", "pp", "tp_pp", "cp", "tp_cp", "pp_cp", "tp_cp_pp"]
+    launch, _ = cli.parse(["benchmark", *sizes, "--"])
+    assert [m for m in base if MODES[m].mismatch(launch) is None] == modes
+    for mode in modes:  # its layout is the launcher's sizes; ddp spends the same ranks on data parallelism
+        _, args = cli.parse(["benchmark", *sizes, "--", "--modes", mode])
+        par = cell_parallel(launch, cell_args(args, sweep_cells(args)[0]), mode)
+        world = launch.tp_size * launch.pp_size * launch.cp_size
+        expected = (1, 1, 1, world) if mode == "ddp" else (launch.tp_size, launch.pp_size, launch.cp_size, 1)
+        assert (par.tp, par.pp, par.cp, par.dp) == expected
+
+
+PRESET_MISMATCHES = [
+    (["--pp_size", "2", "--tp_size", "2", "--", "--modes", "pp"],
+     "mode pp is not tensor-parallel and needs --tp_size 1; got --tp_size 2 (the modes of these sizes: ddp, tp_pp)"),
+    (["--", "--modes", "pp"], "mode pp is pipeline-parallel and needs --pp_size > 1; got --pp_size 1"),
+    (["--", "--modes", "tp"], "mode tp is tensor-parallel and needs --tp_size > 1; got --tp_size 1"),
+    (["--tp_size", "2", "--pp_size", "2", "--", "--modes", "ddp", "tp_sp"],
+     "mode tp_sp is not pipeline-parallel and needs --pp_size 1; got --pp_size 2"),
+    (["--tp_size", "2", "--cp", "--cp_size", "2", "--", "--modes", "tp", "--estimate"],
+     "mode tp is not context-parallel and needs --cp_size 1; got --cp_size 2 (the modes of these sizes: ddp, tp_cp)"),
+    (["--cp", "--", "--modes", "cp", "--estimate"], "mode cp is context-parallel and needs --cp_size > 1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", PRESET_MISMATCHES, ids=[m for _, m in PRESET_MISMATCHES])
+def test_a_mode_that_is_not_the_launchers_sizes_is_one_line_before_launch(argv, message, monkeypatch, capsys):
+    assert_refused_before_launch(["benchmark", *argv], message, monkeypatch, capsys)
+
+
+def test_validate_checks_its_mode_against_the_sizes_too(monkeypatch, capsys):
+    assert_refused_before_launch(["validate", "--pp_size", "2", "--", "--mode", "tp_pp"],
+                                 "mode tp_pp is tensor-parallel and needs --tp_size > 1", monkeypatch, capsys)
+    launch, args = cli.parse(["validate", "--tp_size", "2", "--", "--mode", "ddp", "--sequence_parallel"])
+    validate.check(launch, args)  # ddp: the two ranks are data-parallel replicas, the TP flags off
+    par = mode_parallel(launch, args, args.mode)
+    assert (par.tp, par.dp, par.sequence_parallel) == (1, 2, False)
+
+
+def test_a_mode_without_tensor_parallelism_turns_the_tp_flags_off_as_ddp_does():
+    launch, args = cli.parse(["benchmark", "--pp_size", "2", "--", "--modes", "ddp", "pp", "--sequence_parallel",
+                              "--vocab_parallel", "--recompute", "selective"])
+    runs = check_benchmark(launch, args, "memory")  # before, pp kept --sequence_parallel on one TP rank: refused
+    for run in runs:
+        assert not (run.par.sequence_parallel or run.par.vocab_parallel) and run.par.recompute == "selective"
+    assert [(r.par.pp, r.par.dp) for r in runs] == [(1, 2), (2, 1)]
 
 
 def test_seq_len_can_be_the_swept_dimension():

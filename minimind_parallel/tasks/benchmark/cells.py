@@ -7,12 +7,11 @@ import argparse
 from dataclasses import dataclass
 
 from ...config import ConfigError, ParallelConfig
-from ...options import apply_mode, parallel_config
+from ...options import MODES, apply_mode
 from ...training import DTYPES
 from .command import batch_policy
 
 SWEEPABLE = ("num_hidden_layers", "seq_len")
-TP_FLAGS = ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel")
 
 
 @dataclass(frozen=True)
@@ -58,20 +57,18 @@ def sweep_cells(args) -> list[Cell]:
 
 
 def cell_args(args, cell: Cell) -> argparse.Namespace:
-    """The task args of one cell: its sizes, its mode's preset flags; ddp drops the TP flags."""
+    """The task args of one cell: its sizes, its mode's preset flags (options.Preset.apply: a mode
+    without tensor parallelism, ddp or pp, turns the TP flags off)."""
     a = argparse.Namespace(**vars(args))
     a.num_hidden_layers, a.seq_len = cell.num_hidden_layers, cell.seq_len
-    if cell.mode == "ddp":
-        for flag in TP_FLAGS:
-            setattr(a, flag, False)
     apply_mode(a, cell.mode)
     return a
 
 
 def cell_parallel(launch, a, mode: str) -> ParallelConfig:
-    """Every mode uses the same ranks: world = dp x pp x cp x tp; ddp spends them all on data parallelism."""
-    par = parallel_config(launch, a)
-    return ParallelConfig(dp=par.world_size) if mode == "ddp" else par
+    """The layout of a cell in `mode` (options.Preset.parallel): every mode uses the same ranks,
+    world = dp x pp x cp x tp; ddp spends them all on data parallelism."""
+    return MODES[mode].parallel(launch, a)
 
 
 def rows_per_replica(kind: str, args, par: ParallelConfig, launch) -> int:
