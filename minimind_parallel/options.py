@@ -9,6 +9,7 @@ import datetime
 import math
 import os
 import sys
+from dataclasses import dataclass, field, replace
 
 from .config import CP_COMM_TYPES, RECOMPUTE_MODES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
 
@@ -17,29 +18,90 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 # resident: scripts/rank_process_rss.py), rounded up. A node starts a rank per this much available memory at most.
 RANK_PROCESS_BYTES = 256 * 2**20
 
-# Mode presets: the TP-feature flags each mode turns on (flags given explicitly are kept too).
-MODES = {
-    "ddp": dict(),
-    "tp": dict(),
-    "tp_sp": dict(sequence_parallel=True),
-    "tp_sp_async": dict(sequence_parallel=True, async_communication=True),
-    "tp_async": dict(async_communication=True),
-    "tp_sp_async_shared": dict(sequence_parallel=True, async_communication=True, shared_sp_gather=True),
-    "tp_vp": dict(vocab_parallel=True),
-    "tp_sp_async_vp": dict(sequence_parallel=True, async_communication=True, vocab_parallel=True),
+TP_FLAGS = ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel")
+# The launcher's size of each model-parallel dimension, and what a mode that uses it is called.
+DIMENSIONS = (("tp", "tensor-parallel", "--tp_size"), ("pp", "pipeline-parallel", "--pp_size"),
+              ("cp", "context-parallel", "--cp_size"))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A mode of `benchmark --modes` and `validate --mode`: the model-parallel dimensions it uses
+    and the flags it turns on (flags given explicitly are kept too).
+
+    A dimension the mode uses takes the launcher's size, which must be above 1 (CP also needs
+    --cp); one it does not use must be 1 at the launcher. `replicas` instead spends every rank of
+    the launcher's world on data parallelism whatever its sizes (DDP: a sweep compares it with the
+    model-parallel modes on the same ranks). A mode without tensor parallelism turns the TP flags
+    (TP_FLAGS) off: flags given on the command line apply to the TP modes of a sweep."""
+
+    name: str
+    tp: bool = False
+    pp: bool = False
+    cp: bool = False
+    replicas: bool = False
+    flags: dict[str, object] = field(default_factory=dict)
+
+    def check(self, launch) -> None:
+        """The launcher's sizes are this mode's: one ConfigError line naming both (and the modes that fit)."""
+        wrong = self.mismatch(launch)
+        if wrong is not None:
+            fitting = ", ".join(p.name for p in PRESETS if not p.flags and p.mismatch(launch) is None)
+            raise ConfigError(f"{wrong} (the modes of these sizes: {fitting})")
+
+    def mismatch(self, launch) -> str | None:
+        """What of the launcher's sizes is not this mode's (None: they are)."""
+        if self.replicas:
+            return None
+        if self.cp and not launch.cp:
+            return f"mode {self.name} is context-parallel and needs --cp --cp_size C; got no --cp"
+        for dim, adjective, option in DIMENSIONS:
+            size = getattr(launch, f"{dim}_size")
+            if getattr(self, dim) and size == 1:
+                return f"mode {self.name} is {adjective} and needs {option} > 1; got {option} 1"
+            if not getattr(self, dim) and size > 1:
+                return f"mode {self.name} is not {adjective} and needs {option} 1; got {option} {size}"
+        return None
+
+    def apply(self, args) -> None:
+        """Turn this mode's flags on in `args`, the TP flags off when it has no tensor parallelism."""
+        if not self.tp:
+            for flag in TP_FLAGS:
+                setattr(args, flag, False)
+        for flag, value in self.flags.items():
+            setattr(args, flag, value)
+
+    def parallel(self, launch, args) -> ParallelConfig:
+        """The layout of a run in this mode (`args` with its flags applied): the launcher's sizes, or
+        with `replicas` every rank of the launcher's world a data-parallel replica."""
+        par = parallel_config(launch, args)
+        return replace(par, tp=1, pp=1, cp=1, dp=par.world_size) if self.replicas else par
+
+
+SP_ASYNC = dict(sequence_parallel=True, async_communication=True)
+PRESETS = (
+    Preset("ddp", replicas=True),
+    Preset("tp", tp=True),
+    Preset("tp_sp", tp=True, flags=dict(sequence_parallel=True)),
+    Preset("tp_sp_async", tp=True, flags=SP_ASYNC),
+    Preset("tp_async", tp=True, flags=dict(async_communication=True)),
+    Preset("tp_sp_async_shared", tp=True, flags={**SP_ASYNC, "shared_sp_gather": True}),
+    Preset("tp_vp", tp=True, flags=dict(vocab_parallel=True)),
+    Preset("tp_sp_async_vp", tp=True, flags={**SP_ASYNC, "vocab_parallel": True}),
     # what a block keeps for backward (`--recompute`, minimind_parallel/recompute/)
-    "tp_sp_async_lean": dict(sequence_parallel=True, async_communication=True, recompute="selective"),
-    "tp_sp_async_full": dict(sequence_parallel=True, async_communication=True, recompute="full"),
-    "tp_sp_async_lean_chunked": dict(sequence_parallel=True, async_communication=True, recompute="selective",
-                                     loss_chunks=8),
-    "pp": dict(),     # stages from --pp_size, schedule from --pp_schedule
-    "tp_pp": dict(),  # plain TP inside each stage (add --sequence_parallel etc. as wanted)
-    # context parallelism (need --cp --cp_size C; the path from --cp_comm_type)
-    "cp": dict(),
-    "tp_cp": dict(),
-    "pp_cp": dict(),
-    "tp_cp_pp": dict(),
-}
+    Preset("tp_sp_async_lean", tp=True, flags={**SP_ASYNC, "recompute": "selective"}),
+    Preset("tp_sp_async_full", tp=True, flags={**SP_ASYNC, "recompute": "full"}),
+    Preset("tp_sp_async_lean_chunked", tp=True, flags={**SP_ASYNC, "recompute": "selective", "loss_chunks": 8}),
+    # stages from --pp_size, schedule from --pp_schedule
+    Preset("pp", pp=True),
+    Preset("tp_pp", tp=True, pp=True),
+    # context parallelism over --cp --cp_size C, the path from --cp_comm_type
+    Preset("cp", cp=True),
+    Preset("tp_cp", tp=True, cp=True),
+    Preset("pp_cp", pp=True, cp=True),
+    Preset("tp_cp_pp", tp=True, cp=True, pp=True),
+)
+MODES = {p.name: p for p in PRESETS}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -126,12 +188,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def apply_mode(args, mode: str | None) -> None:
-    """Turn on the flags of preset `mode` in `args` (None: nothing)."""
+    """Set the flags of preset `mode` in `args` (Preset.apply; None: nothing)."""
     if mode is None:
         return
     check_modes([mode])
-    for flag, value in MODES[mode].items():
-        setattr(args, flag, value)
+    MODES[mode].apply(args)
+
+
+def mode_parallel(launch, args, mode: str | None) -> ParallelConfig:
+    """The layout of a run in preset `mode` (`args` with its flags applied; None: the launcher's sizes)."""
+    return parallel_config(launch, args) if mode is None else MODES[mode].parallel(launch, args)
 
 
 def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
@@ -193,12 +259,12 @@ def check_launcher(launch) -> None:
 
 
 def check_modes(modes: list[str], launch=None) -> None:
-    """Known presets; a context-parallel one (`cp` in its name) needs the launcher's --cp."""
+    """Known presets, each (given the launcher's args) of the launcher's sizes (Preset.check)."""
     for mode in modes:
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}; expected one of: {', '.join(MODES)}")
-        if launch is not None and "cp" in mode.split("_") and not launch.cp:
-            raise ConfigError(f"mode {mode} is context-parallel and needs --cp --cp_size C; got no --cp")
+        if launch is not None:
+            MODES[mode].check(launch)
 
 
 def check_at_least(args, minimum: int, names: tuple[str, ...]) -> None:

@@ -11,8 +11,13 @@ import time
 import pytest
 
 from minimind_parallel import cli, files, launcher
-from minimind_parallel.tasks import benchmark
-from minimind_parallel.tasks import benchmark_outputs as outputs_module
+from minimind_parallel.options import MODES, mode_parallel
+from minimind_parallel.tasks import validate
+from minimind_parallel.tasks.benchmark import outputs as outputs_module
+from minimind_parallel.tasks.benchmark.cells import cell_args, cell_parallel, rows_per_replica, sweep_cells
+from minimind_parallel.tasks.benchmark.checks import check_benchmark
+from minimind_parallel.tasks.benchmark.command import kind_of
+from minimind_parallel.tasks.benchmark.profile import cell_dir
 from test_cli import assert_refused_before_launch
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
@@ -38,8 +43,8 @@ def read_csv(path):
 
 def test_the_seed_command_sweeps_layers_for_each_mode_value_by_value():
     launch, args = cli.parse(SEED_COMMAND)
-    kind = benchmark.kind_of(launch, args)
-    cells = benchmark.check_benchmark(launch, args, kind)
+    kind = kind_of(launch, args)
+    cells = [run.cell for run in check_benchmark(launch, args, kind)]
     assert kind == "memory"
     assert [(c.mode, c.num_hidden_layers) for c in cells] == [
         ("ddp", 8), ("tp", 8), ("ddp", 16), ("tp", 16), ("ddp", 32), ("tp", 32), ("ddp", 64), ("tp", 64)]
@@ -48,36 +53,99 @@ def test_the_seed_command_sweeps_layers_for_each_mode_value_by_value():
 
 def test_tp_flags_apply_to_the_tp_modes_and_ddp_uses_the_same_ranks_for_data_parallelism():
     launch, args = cli.parse(SEED_COMMAND + ["--async_communication"])
-    ddp, tp = benchmark.plan(args)[:2]
-    ddp_args, tp_args = benchmark.cell_args(args, ddp), benchmark.cell_args(args, tp)
+    ddp, tp = sweep_cells(args)[:2]
+    ddp_args, tp_args = cell_args(args, ddp), cell_args(args, tp)
     assert not ddp_args.sequence_parallel and not ddp_args.async_communication
     assert tp_args.sequence_parallel and tp_args.async_communication
-    ddp_par, tp_par = benchmark.cell_parallel(launch, ddp_args, "ddp"), benchmark.cell_parallel(launch, tp_args, "tp")
+    ddp_par, tp_par = cell_parallel(launch, ddp_args, "ddp"), cell_parallel(launch, tp_args, "tp")
     assert (ddp_par.dp, ddp_par.tp) == (2, 1) and (tp_par.dp, tp_par.tp) == (1, 2)
     assert ddp_par.world_size == tp_par.world_size == 2
 
 
 def test_a_preset_turns_its_flags_on():
     _, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "tp_sp_async_vp"])
-    tp, full = (benchmark.cell_args(args, c) for c in benchmark.plan(args))
+    tp, full = (cell_args(args, c) for c in sweep_cells(args))
     assert not (tp.sequence_parallel or tp.async_communication or tp.vocab_parallel)
     assert full.sequence_parallel and full.async_communication and full.vocab_parallel
+
+
+# ---------------------------------------------------------------- the presets: what each mode's name says
+
+MODE_SIZES = [  # launcher sizes -> the modes without extra flags that run on them (ddp on any)
+    ([], ["ddp"]),
+    (["--tp_size", "2"], ["ddp", "tp"]),
+    (["--pp_size", "2"], ["ddp", "pp"]),
+    (["--tp_size", "2", "--pp_size", "2"], ["ddp", "tp_pp"]),
+    (["--cp", "--cp_size", "2"], ["ddp", "cp"]),
+    (["--tp_size", "2", "--cp", "--cp_size", "2"], ["ddp", "tp_cp"]),
+    (["--pp_size", "2", "--cp", "--cp_size", "2"], ["ddp", "pp_cp"]),
+    (["--tp_size", "2", "--pp_size", "2", "--cp", "--cp_size", "2"], ["ddp", "tp_cp_pp"]),
+]
+
+
+@pytest.mark.parametrize("sizes,modes", MODE_SIZES, ids=[" ".join(s) or "one rank" for s, _ in MODE_SIZES])
+def test_each_layout_mode_runs_on_the_sizes_its_name_says_and_no_other(sizes, modes):
+    base = ["ddp", "tp", "pp", "tp_pp", "cp", "tp_cp", "pp_cp", "tp_cp_pp"]
+    launch, _ = cli.parse(["benchmark", *sizes, "--"])
+    assert [m for m in base if MODES[m].mismatch(launch) is None] == modes
+    for mode in modes:  # its layout is the launcher's sizes; ddp spends the same ranks on data parallelism
+        _, args = cli.parse(["benchmark", *sizes, "--", "--modes", mode])
+        par = cell_parallel(launch, cell_args(args, sweep_cells(args)[0]), mode)
+        world = launch.tp_size * launch.pp_size * launch.cp_size
+        expected = (1, 1, 1, world) if mode == "ddp" else (launch.tp_size, launch.pp_size, launch.cp_size, 1)
+        assert (par.tp, par.pp, par.cp, par.dp) == expected
+
+
+PRESET_MISMATCHES = [
+    (["--pp_size", "2", "--tp_size", "2", "--", "--modes", "pp"],
+     "mode pp is not tensor-parallel and needs --tp_size 1; got --tp_size 2 (the modes of these sizes: ddp, tp_pp)"),
+    (["--", "--modes", "pp"], "mode pp is pipeline-parallel and needs --pp_size > 1; got --pp_size 1"),
+    (["--", "--modes", "tp"], "mode tp is tensor-parallel and needs --tp_size > 1; got --tp_size 1"),
+    (["--tp_size", "2", "--pp_size", "2", "--", "--modes", "ddp", "tp_sp"],
+     "mode tp_sp is not pipeline-parallel and needs --pp_size 1; got --pp_size 2"),
+    (["--tp_size", "2", "--cp", "--cp_size", "2", "--", "--modes", "tp", "--estimate"],
+     "mode tp is not context-parallel and needs --cp_size 1; got --cp_size 2 (the modes of these sizes: ddp, tp_cp)"),
+    (["--cp", "--", "--modes", "cp", "--estimate"], "mode cp is context-parallel and needs --cp_size > 1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", PRESET_MISMATCHES, ids=[m for _, m in PRESET_MISMATCHES])
+def test_a_mode_that_is_not_the_launchers_sizes_is_one_line_before_launch(argv, message, monkeypatch, capsys):
+    assert_refused_before_launch(["benchmark", *argv], message, monkeypatch, capsys)
+
+
+def test_validate_checks_its_mode_against_the_sizes_too(monkeypatch, capsys):
+    assert_refused_before_launch(["validate", "--pp_size", "2", "--", "--mode", "tp_pp"],
+                                 "mode tp_pp is tensor-parallel and needs --tp_size > 1", monkeypatch, capsys)
+    launch, args = cli.parse(["validate", "--tp_size", "2", "--", "--mode", "ddp", "--sequence_parallel"])
+    validate.check(launch, args)  # ddp: the two ranks are data-parallel replicas, the TP flags off
+    par = mode_parallel(launch, args, args.mode)
+    assert (par.tp, par.dp, par.sequence_parallel) == (1, 2, False)
+
+
+def test_a_mode_without_tensor_parallelism_turns_the_tp_flags_off_as_ddp_does():
+    launch, args = cli.parse(["benchmark", "--pp_size", "2", "--", "--modes", "ddp", "pp", "--sequence_parallel",
+                              "--vocab_parallel", "--recompute", "selective"])
+    runs = check_benchmark(launch, args, "memory")  # before, pp kept --sequence_parallel on one TP rank: refused
+    for run in runs:
+        assert not (run.par.sequence_parallel or run.par.vocab_parallel) and run.par.recompute == "selective"
+    assert [(r.par.pp, r.par.dp) for r in runs] == [(1, 2), (2, 1)]
 
 
 def test_seq_len_can_be_the_swept_dimension():
     _, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--seq_len", "512", "1024",
                          "--num_hidden_layers", "4"])
-    cells = benchmark.plan(args)
+    cells = sweep_cells(args)
     assert [(c.seq_len, c.num_hidden_layers, c.swept) for c in cells] == [(512, 4, "seq_len"), (1024, 4, "seq_len")]
 
 
 def test_batch_policies():
     launch, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "4"])
-    ddp, tp = (benchmark.cell_parallel(launch, benchmark.cell_args(args, c), c.mode) for c in benchmark.plan(args))
+    ddp, tp = (cell_parallel(launch, cell_args(args, c), c.mode) for c in sweep_cells(args))
     # fixed_per_rank: every replica gets micro_batch_size rows, so ddp's global batch is world x larger
-    assert [benchmark.rows_per_replica("memory", args, p, launch) for p in (ddp, tp)] == [4, 4]
+    assert [rows_per_replica("memory", args, p, launch) for p in (ddp, tp)] == [4, 4]
     # fixed_global (always for throughput): the same global batch in every mode
-    assert [benchmark.rows_per_replica("throughput", args, p, launch) for p in (ddp, tp)] == [2, 4]
+    assert [rows_per_replica("throughput", args, p, launch) for p in (ddp, tp)] == [2, 4]
 
 
 def test_kind_is_only_for_the_benchmark(monkeypatch, capsys):
@@ -96,7 +164,7 @@ def fake_torchrun(oom_cell, hung_cell=None, times=None):
 
     def run(launch, world, worker_argv, *, async_communication=False, timeout=None, log=None):
         _, args = cli.parse(worker_argv)
-        cell = benchmark.plan(args)[0]
+        cell = sweep_cells(args)[0]
         calls.append((cell.name, world, async_communication, timeout))
         if cell.name == hung_cell:
             return launcher.TIMED_OUT
@@ -413,10 +481,9 @@ def test_a_second_run_over_the_same_outputs_keeps_the_first_runs_logs(monkeypatc
 
 
 def test_a_failed_profile_cell_never_reports_an_earlier_runs_profile(monkeypatch, tmp_path, capsys):
-    from minimind_parallel.profiling.sweep import cell_dir
     _, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", *TINY,
                          *outputs(tmp_path)])
-    stale = os.path.join(cell_dir(str(tmp_path / "b.csv"), benchmark.plan(args)[0]), "report.json")
+    stale = os.path.join(cell_dir(str(tmp_path / "b.csv"), sweep_cells(args)[0]), "report.json")
     os.makedirs(os.path.dirname(stale))
     with open(stale, "w") as f:
         json.dump({"summary": {"step_ms": 1.0}, "ranks": []}, f)  # an earlier run's

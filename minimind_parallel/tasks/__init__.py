@@ -1,6 +1,6 @@
-"""The tasks of the command line, by name. A task is one file that declares a `TASK`
-(tasks/task.py: its parser, its pre-launch checks, its launch, what each rank runs);
-registering one is a line here. The launcher and the worker know tasks only through `get`."""
+"""The tasks of the command line, by name. A task is one file (or a package, as benchmark/) that
+declares a `TASK` (tasks/task.py: its parser, its pre-launch checks, its launch, what each rank
+runs); registering one is a line here. The launcher and the worker know tasks only through `get`."""
 from __future__ import annotations
 
 from ..config import ConfigError

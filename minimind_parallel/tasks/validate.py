@@ -16,7 +16,7 @@ from ..config import ConfigError
 from ..files import atomic_path
 from ..groups import ProcessGroups, first_on_node
 from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes, check_number,
-                       check_resources, collective_timeout, model_config, parallel_config, split_argv)
+                       check_resources, collective_timeout, mode_parallel, model_config, split_argv)
 from ..training import DTYPES
 from ..validation import compare_with_dense, failures, format_report
 from .task import Task
@@ -53,7 +53,7 @@ def check(launch, args) -> None:
     check_at_least(args, 1, ("log_interval",))
     for name in ("atol", "rtol"):
         check_number(args, name, minimum=0.0)
-    runs = [(args, parallel_config(launch, args))]
+    runs = [(args, mode_parallel(launch, args, args.mode))]
     check_common(launch, args, runs, steps=steps, sizes=("micro_batch_size", "num_microbatches", "seq_len"))
     check_perturb(args, runs[0][1])
     initial_state(args)
@@ -84,7 +84,7 @@ def launch_validate(launch, args, argv: list[str]) -> int:
     """One torchrun job; the first rank of every node writes the verdict (every rank holds the same
     rows), so a failed comparison is the report and its last line (exit 1), not a failed job, on
     every node. Rank 0 prints the report; another node's launcher says the verdict in one line."""
-    par = parallel_config(launch, args)
+    par = mode_parallel(launch, args, args.mode)
     with tempfile.TemporaryDirectory() as tmp:
         verdict_path = os.path.join(tmp, "verdict.json")
         head, tail = split_argv(argv)
@@ -102,7 +102,7 @@ def launch_validate(launch, args, argv: list[str]) -> int:
 
 def run_rank(launch, args, device) -> int:
     apply_mode(args, args.mode)
-    config, par = model_config(args), parallel_config(launch, args)
+    config, par = model_config(args), mode_parallel(launch, args, args.mode)
     groups = ProcessGroups.build(par, timeout=collective_timeout(launch))
     dtype = DTYPES[args.dtype]
     rows = compare_with_dense(config, par, groups, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,

@@ -11,8 +11,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from ..config import ConfigError
-from ..files import atomic_path, check_directory
+from ...config import ConfigError
+from ...files import atomic_path, check_directory
 
 MIB = 2**20
 BREAKDOWN = ("params", "grads", "optimizer", "activations", "temporaries")

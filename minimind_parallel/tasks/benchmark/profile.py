@@ -1,4 +1,5 @@
-"""`benchmark --kind profile`: the two ends the benchmark driver calls.
+"""`benchmark --kind profile`: the two ends the benchmark driver calls (the traces and reports
+themselves are profiling/'s).
 
     worker, every rank, one cell:  profile_cell(...)   -> the cell's result (step time, summary)
     launcher, after every cell:    compare_cells(...)  -> comparison table, JSON and timeline PNG
@@ -11,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 
-from ..files import atomic_path
-from .overlap import format_comparison, format_report
-from .trace import profile_steps
+from ...files import atomic_path
+from ...profiling.overlap import format_comparison, format_report
+from ...profiling.timeline import plot_timelines
+from ...profiling.trace import profile_steps
+from .cells import Cell
 
 
-def cell_dir(csv_path: str, cell) -> str:
+def cell_dir(csv_path: str, cell: Cell) -> str:
     return os.path.join(os.path.splitext(csv_path)[0] + "_profiles", f"{cell.mode}_{cell.swept}{cell.value}")
 
 
@@ -38,7 +41,6 @@ def compare_cells(csv_path: str, cells) -> str | None:
     an earlier run's report), then the cells side by side. Writes <stem>_profile.json and
     <stem>_timeline.png (one panel per cell, one step per rank); returns the text (None when no
     cell finished)."""
-    from .timeline import plot_timelines
     summaries, timelines = {}, {}
     for cell in cells:
         path = os.path.join(cell_dir(csv_path, cell), "report.json")

@@ -1,0 +1,51 @@
+"""The benchmark's command line: its task args, and the two choices they resolve to (the kind,
+given to the launcher or among the task args, and the batch policy the kind implies)."""
+from __future__ import annotations
+
+import argparse
+
+from ...config import ConfigError
+from ...options import MODES, Parser, add_model_args
+
+BATCH_POLICIES = ("fixed_per_rank", "fixed_global")
+KINDS = ("memory", "throughput", "profile")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="benchmark", description="memory and step time over a sweep of modes x one dimension")
+    add_model_args(p)
+    p.add_argument("--kind", choices=KINDS, default=None, help="default memory (also a launcher option)")
+    p.add_argument("--modes", nargs="+", default=["tp"], help=f"presets: {', '.join(MODES)}")
+    p.add_argument("--batch_policy", choices=BATCH_POLICIES, default=None,
+                   help="fixed_per_rank: every DP replica gets --micro_batch_size rows (memory default); "
+                        "fixed_global: the global batch is micro_batch_size x dp_size in every mode "
+                        "(throughput always)")
+    p.add_argument("--num_hidden_layers", type=int, nargs="+", default=[8])
+    p.add_argument("--seq_len", type=int, nargs="+", default=[2048])
+    p.add_argument("--warmup_iters", type=int, default=2)
+    p.add_argument("--benchmark_iters", type=int, default=5)
+    p.add_argument("--output_csv", default=None, help="default results/benchmark_<kind>_<time>_<pid>_<random>.csv")
+    p.add_argument("--output_json", default=None, help="default: beside the CSV")
+    p.add_argument("--output_plot", default=None, help="default: beside the CSV (PNG)")
+    p.add_argument("--estimate", action="store_true", help="memory under FakeTensorMode, in-process, no kernels")
+    p.add_argument("--cuda_capability", default="9.0", metavar="MAJOR.MINOR",
+                   help="with --estimate --device cuda: the GPU generation whose allocator peak is predicted "
+                        "(cuBLAS workspace size; default 9.0, H100/H200)")
+    p.add_argument("--cell_timeout", type=float, default=None, metavar="SECONDS",
+                   help="kill a cell's ranks after this long and record it as timed out (default: no limit)")
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run of the same name")
+    # Launcher -> worker plumbing and a test hook; not for users.
+    p.add_argument("--result_json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inject_oom", default=None, metavar="MODE:VALUE", help=argparse.SUPPRESS)
+    return p
+
+
+def kind_of(launch, args) -> str:
+    if launch.kind and args.kind and launch.kind != args.kind:
+        raise ConfigError(f"--kind given twice with different values; got {launch.kind} and {args.kind}")
+    return args.kind or launch.kind or "memory"
+
+
+def batch_policy(kind: str, args) -> str:
+    return "fixed_global" if kind == "throughput" else (args.batch_policy or "fixed_per_rank")

@@ -1,0 +1,150 @@
+"""The launcher's side of a benchmark: run every cell (each its own torchrun job, or an estimate
+in this process), a row per cell with the analytic prediction beside the measurement, the
+outputs rewritten after every cell. A cell that fails or runs out of memory is recorded and the
+sweep goes on."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+from tqdm import tqdm
+
+from ... import launcher, memory
+from ...files import new_file
+from ...options import model_config, parallel_config, program_name, resolve_device, split_argv
+from ...pipeline_parallel import bubble_fraction
+from ...processes import Interrupted
+from . import outputs
+from .cells import Cell, CellRun, cell_run, sweep_cells
+from .command import batch_policy, kind_of
+from .estimate import estimate_cell, estimate_device
+from .profile import cell_dir, compare_cells
+
+
+def run_benchmark(launch, args, argv: list[str]) -> int:
+    """Run every cell (checked by `checks.check`); returns 0 when every cell succeeded, 1 otherwise. SIGINT or
+    SIGTERM (processes.Interrupted) ends the running cell's processes, records the cell as
+    interrupted, writes every output with the finished rows, then passes the interruption on."""
+    kind = kind_of(launch, args)
+    cells = sweep_cells(args)
+    paths = outputs.claim_paths(args, kind)
+    if kind == "throughput" and args.batch_policy == "fixed_per_rank":
+        print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
+    device = estimate_device(launch, args) if args.estimate else resolve_device(launch)
+    meta = dict(command=[*program_name().split(), *argv], kind=kind, device=device,
+                swept=cells[0].swept, batch_policy=batch_policy(kind, args))
+    print(f"benchmark: kind={kind} device={device} modes={' '.join(args.modes)} "
+          f"{cells[0].swept}={getattr(args, cells[0].swept)} batch_policy={meta['batch_policy']} "
+          f"dtype={args.dtype} world={parallel_config(launch, args).world_size}", flush=True)
+    table = outputs.Table(cells[0].swept, kind)
+    results: list[dict] = []
+    bar = tqdm(cells, desc="benchmark", unit="cell", file=sys.stderr, dynamic_ncols=True)
+    print(table.header(), flush=True)
+
+    def record(row: dict) -> None:
+        outputs.compare_with_previous(row, results)
+        results.append(row)
+        outputs.write_csv(paths.csv, results)
+        outputs.write_json(paths.json, results, meta)
+        bar.write(table.line(row))
+
+    interrupted, row = None, None
+    try:
+        for cell in bar:
+            bar.set_postfix_str(cell.name)
+            run = cell_run(launch, args, kind, cell)
+            row = new_cell_row(launch, args, kind, run)
+            run_one(launch, args, argv, run, row, paths)
+            record(row)
+    except Interrupted as e:  # the cell's processes are gone (launcher.run_torchrun); keep what finished
+        interrupted = e
+        if len(results) < len(cells):  # the cell running, or about to start, when the signal came
+            if row is None or any(r is row for r in results):
+                row = new_cell_row(launch, args, kind, cell_run(launch, args, kind, cells[len(results)]))
+            row["status"], row["reason"] = "interrupted", f"{e}; the cell's processes were ended"
+            record(row)
+    bar.close()
+    outputs.write_csv(paths.csv, results)  # again: an interruption may have come while they were written
+    outputs.write_json(paths.json, results, meta)
+    outputs.write_plot(paths.plot, results, cells[0].swept)
+    if kind == "profile":  # traces and reports of this run's finished cells; here the modes side by side
+        done = [cell for cell, r in zip(cells, results) if r["status"] == "ok"]
+        print(compare_cells(paths.csv, done) or "benchmark: no profile finished")
+    failed = [r for r in results if r["status"] != "ok"]
+    if outputs.noise_note(results):
+        print(outputs.noise_note(results))
+    print(f"benchmark: {len(results) - len(failed)} of {len(results)} cells ok; wrote {paths.csv}, {paths.json}, "
+          f"{paths.plot}")
+    if interrupted:
+        raise interrupted
+    return 1 if failed else 0
+
+
+def new_cell_row(launch, args, kind: str, run: CellRun) -> dict:
+    """The cell's row before it runs: its sizes and the analytic prediction."""
+    par = run.par
+    row = outputs.new_row(kind, run.cell, par, run.args, run.rows * par.dp, estimate=args.estimate)
+    try:  # a missing prediction must not lose the measurement
+        device = "cpu" if args.estimate else resolve_device(launch)
+        pred = memory.predict_memory(model_config(run.args), par, device=device, **run.sizes)
+        row["predicted_mib"] = pred.peak_bytes / outputs.MIB
+        row["predicted_mib_per_stage"] = " ".join(f"{b / outputs.MIB:.2f}" for b in pred.per_stage)
+    except Exception as e:
+        row["reason"] = "no prediction: " + outputs.one_line(e)
+    return row
+
+
+def run_one(launch, args, argv, run: CellRun, row: dict, paths) -> None:
+    """Run one cell and fill its row (status ok / oom / failed / timeout, with the reason)."""
+    if args.estimate:
+        estimate_cell(launch, args, run, row)
+    else:
+        launch_cell(launch, argv, run.cell, run.par, run.args.async_communication, row, paths,
+                    timeout=args.cell_timeout)
+
+
+def launch_cell(launch, argv, cell: Cell, par, async_communication: bool, row: dict, paths, *,
+                timeout: float | None = None) -> None:
+    """The cell's torchrun job: the same command line narrowed to this cell, plus where to put the result;
+    killed after `timeout` seconds (recorded as timed out). Its log never replaces an earlier run's."""
+    with new_file(os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")) as log_file, \
+            tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        head, tail = split_argv(argv)
+        worker_argv = [*head, "--", *tail, "--modes", cell.mode, "--num_hidden_layers", str(cell.num_hidden_layers),
+                       "--seq_len", str(cell.seq_len), "--result_json", result_path]
+        if row["kind"] == "profile":
+            worker_argv += ["--profile_dir", cell_dir(paths.csv, cell)]
+        code = launcher.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication,
+                                     log=log_file.tmp, timeout=timeout)
+        result = None
+        if os.path.exists(result_path):
+            with open(result_path) as f:
+                result = json.load(f)
+    log = log_file.path
+    if code == launcher.TIMED_OUT:
+        row["status"], row["reason"] = "timeout", f"ranks killed after --cell_timeout {timeout:g} s (log: {log})"
+        return
+    if code != 0 or result is None:
+        row["status"], row["reason"] = outputs.failure_from_log(log, code)
+        return
+    row["step_ms"], row["tokens_per_s"] = result["step_ms"], result["tokens_per_s"]
+    row["step_ms_min"], row["step_ms_max"] = result.get("step_ms_min"), result.get("step_ms_max")  # profile: none
+    if result["peak_bytes"] is not None:
+        outputs.fill_memory(row, result["peak_bytes"], result["breakdown"])
+    if par.pp > 1:
+        fill_pipeline(row, result, par)
+
+
+def fill_pipeline(row: dict, result: dict, par) -> None:
+    """Per stage (worst rank of each): peak MiB, microbatches of activations held, measured idle
+    share (wall time not spent in forward/backward compute: the bubble plus p2p), beside the
+    bubble (P-1)/(M+P-1) of equal stages."""
+    stages = [[r for r in result["per_rank"] if r["pp_rank"] == p] for p in range(par.pp)]
+    peaks = [max((r["peak_bytes"] or 0) for r in ranks) / outputs.MIB for ranks in stages]
+    row["peak_mib_per_stage"] = " ".join(f"{m:.2f}" for m in peaks) if result["peak_bytes"] is not None else None
+    row["in_flight_per_stage"] = " ".join(str(max(r["max_in_flight"] for r in ranks)) for ranks in stages)
+    row["idle_pct_per_stage"] = " ".join(f"{100 * max(r['idle'] for r in ranks):.1f}" for ranks in stages)
+    row["bubble_pct"] = 100 * bubble_fraction(par.pp, row["num_microbatches"])
