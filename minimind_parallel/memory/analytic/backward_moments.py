@@ -24,6 +24,7 @@ from .cp_attention_moments import chunked_attention_backward, ring_attention_bac
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows, top_block_acts, top_block_saved
 
+
 def _head_backward(s: StageSizes) -> tuple[int, int, int]:
     """The loss gradients of the logits [N, V(/T)]."""
     b, f, n, v = s.b, s.f, s.n, s.vocab

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ...context_parallel.blockwise import visible_pairs
 from .stage_sizes import StageSizes, top_block_saved
 
+
 def _residual_grads(s: StageSizes) -> int:
     """The residual stream's grad [Nn, H] while a block's attention runs its backward; on an
     earlier stage the grad received from the next stage too (bound by the schedule)."""

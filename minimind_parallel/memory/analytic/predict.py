@@ -13,6 +13,7 @@ from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import stage_sizes
 
+
 @dataclass
 class MemoryPrediction:
     peak_bytes: int

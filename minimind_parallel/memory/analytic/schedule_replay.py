@@ -22,6 +22,7 @@ from .backward_moments import backward_moments
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows, numel
 
+
 def _last_forward_end(s: StageSizes) -> tuple[int, int]:
     """The end of the last stage's forward, logits alive: (activations, temporaries).
     Replicated head: the loss's scaling by its weight -- everything saved, the loss and its scaled

@@ -18,6 +18,7 @@ from ...config import MiniMindConfig, ParallelConfig
 from ...plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .saved_kinds import activations_by_kind
 
+
 def numel(shape) -> int:
     n = 1
     for s in shape:
@@ -148,6 +149,7 @@ class StageSizes:
 
 def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                 num_microbatches: int, dtype, cp_rank: int = 0) -> StageSizes:
+    """The sizes of pipeline stage `stage` (the whole model when pp = 1) on CP rank `cp_rank`."""
     b = torch.empty((), dtype=dtype).element_size()
     t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
