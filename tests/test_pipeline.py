@@ -4,6 +4,7 @@ stay identical across the first and last stage; 1F1B holds at most P microbatche
 where GPipe holds M; bad pipeline input is refused before launch; a failing stage ends the job."""
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.data.batches import random_batch, split_microbatches
-from minimind_parallel.pipeline_parallel import deallocate_output_tensor, forward_backward
+from minimind_parallel.pipeline_parallel import SCHEDULES, deallocate_output_tensor, forward_backward, schedule_order
+from minimind_parallel.pipeline_parallel.order import Step, backward, check_order, forward
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step
 from minimind_parallel.validation import compare_with_dense, error, failures, format_report
 
@@ -95,6 +97,64 @@ def test_microbatches_with_uneven_targets_give_the_dense_mean_over_tokens(schedu
     assert max(first_grad, last_grad, loss) < 2e-6
 
 
+def _orders(pp, m, schedule):
+    return [" ".join(map(str, schedule_order(pp, stage, m, schedule))) for stage in range(pp)]
+
+
+def _most_in_flight(order):
+    held = peak = 0
+    for action in order:
+        held += 1 if action.step is Step.FORWARD else -1
+        peak = max(peak, held)
+    return peak
+
+
+def test_a_schedule_is_the_order_of_its_stages_actions():
+    assert _orders(4, 5, "1f1b") == ["F0 F1 F2 F3 B0 F4 B1 B2 B3 B4", "F0 F1 F2 B0 F3 B1 F4 B2 B3 B4",
+                                     "F0 F1 B0 F2 B1 F3 B2 F4 B3 B4", "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4"]
+    assert _orders(2, 3, "gpipe") == ["F0 F1 F2 B0 B1 B2"] * 2
+    assert _orders(1, 3, "gpipe") == _orders(1, 3, "1f1b") == ["F0 B0 F1 B1 F2 B2"]   # gradient accumulation
+    # 1F1B's steady state sends and receives in one exchange; GPipe's exchanges are each on their own
+    # F0 | F1 B0 F2 B1 | B2: the last steady backward and the cool-down send on their own
+    assert [a.paired for a in schedule_order(2, 0, 3, "1f1b")] == [False, True, True, True, False, False]
+    assert not any(a.paired for a in schedule_order(2, 0, 3, "gpipe"))
+    for pp in (2, 4):
+        for m in (1, 3, 9):
+            for stage in range(pp):
+                assert _most_in_flight(schedule_order(pp, stage, m, "1f1b")) == min(pp - stage, m)
+                assert _most_in_flight(schedule_order(pp, stage, m, "gpipe")) == m
+
+
+@pytest.mark.parametrize("order,message", [
+    ([forward(0), backward(1), forward(1), backward(0)], "got B1 at action 1"),
+    ([forward(0), forward(0), backward(0)], "got F0 at action 1"),
+    ([forward(0, paired=True), forward(1), backward(0), backward(1)], "a paired action is followed by the other"),
+    ([forward(0)], "a schedule runs all 1 microbatches"),
+])
+def test_a_broken_order_is_refused(order, message):
+    with pytest.raises(ValueError, match=message):
+        check_order(order, 1 if len(order) == 1 else 2)
+
+
+def _last_in_first_out(pp, stage, num_microbatches):
+    """A schedule of this test only: all forwards, then the backwards newest first."""
+    m = num_microbatches
+    return [forward(i) for i in range(m)] + [backward(i) for i in reversed(range(m))]
+
+
+def _under_a_new_schedule():
+    """The stage's run under `_last_in_first_out`: the order it was seen to run and the
+    microbatches it held (`_in_flight`), and its errors against the dense model (`_uneven_targets`)."""
+    with mock.patch.dict(SCHEDULES, last_in_first_out=_last_in_first_out):
+        return _in_flight(ParallelConfig(pp=2), "last_in_first_out", 3), _uneven_targets("last_in_first_out")
+
+
+def test_a_new_schedule_is_one_function_and_gives_the_dense_numbers():
+    (held_first, (first_grad, _)), (held_last, (last_grad, loss)) = run_ranks(_under_a_new_schedule, 2)
+    assert held_first == held_last == (3, 3)      # each stage ran B2 B1 B0 (checked in _in_flight)
+    assert max(first_grad, last_grad, loss) < 2e-6
+
+
 def test_the_checker_catches_a_perturbed_last_stage_shard():
     par = ParallelConfig(pp=2)
     rows = run_ranks(_compare, 2, par, "1f1b", 2, False, 1, "model.layers.3.self_attn.o_proj.weight")[0]
@@ -148,19 +208,26 @@ def _in_flight(par, schedule, microbatches):
     microbatch's backward through the stage's blocks)."""
     groups, model, (ids, targets) = _stage_and_batch(par, microbatches)
     first_block = next(iter(model.model.layers.values()))
-    held = dict(now=0, peak=0, forwards=0, backwards=0)
+    held, observed = dict(now=0, peak=0, forwards=0, backwards=0), []
 
-    def backwarded(_grad):
-        held["now"], held["backwards"] = held["now"] - 1, held["backwards"] + 1
+    def backwarded(i):
+        def hook(_grad):
+            held["now"], held["backwards"] = held["now"] - 1, held["backwards"] + 1
+            observed.append(f"B{i}")
+        return hook
 
     def forwarded(_module, args):
+        observed.append(f"F{held['forwards']}")
+        args[0].register_hook(backwarded(held["forwards"]))  # h [S, B, H]: its grad ends the backward
         held["now"], held["forwards"] = held["now"] + 1, held["forwards"] + 1
         held["peak"] = max(held["peak"], held["now"])
-        args[0].register_hook(backwarded)                   # h [S, B, H]: its grad ends the backward
     first_block.register_forward_pre_hook(forwarded)
     step = train_step(model, make_optimizer(model, 1e-3), groups, ids, targets,
                       num_microbatches=microbatches, schedule=schedule).schedule
     assert held["forwards"] == held["backwards"] == microbatches and held["now"] == 0, held
+    # the stage ran the order the memory model replays
+    expected = schedule_order(par.pp, groups.pp_rank, microbatches, schedule)
+    assert observed == [str(a) for a in expected], (observed, expected)
     return held["peak"], step.max_in_flight
 
 

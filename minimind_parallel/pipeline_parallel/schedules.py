@@ -1,10 +1,10 @@
-"""Pipeline schedules over M microbatches: GPipe and 1F1B (one stage: gradient accumulation).
+"""Running a pipeline schedule over M microbatches: one executor of a stage's order of actions.
 
-    GPipe   F0 F1 .. F(M-1)  B0 B1 .. B(M-1)          holds M microbatches of activations
-    1F1B    warm-up: P-p-1 forwards; steady: one forward then one backward; cool-down:
-            the remaining backwards                   holds at most P - p (stage p)
+A schedule (GPipe, 1F1B; one stage: gradient accumulation) is the list of actions
+`order.schedule_order` gives for this stage; `run_order` executes it. Each stage runs its order
+on its own; the p2p calls line the stages up.
 
-Each stage runs its schedule on its own; the p2p calls line the stages up. The loss of every
+The loss of every
 microbatch (a mean over its target tokens) is weighted by its share of this replica's target
 tokens -- 1/M when all microbatches have as many; under CP by its share of every CP rank's --
 so the accumulated grads and the reported loss are those of the mean over all target tokens of
@@ -28,8 +28,7 @@ from ..groups import ProcessGroups
 from ..distributed.ranges import span
 from ..loss_normalisation import backward_loss, cp_loss_factor, microbatch_weights, replica_loss
 from . import p2p
-
-SCHEDULES = ("gpipe", "1f1b")
+from .order import Action, Step, schedule_order
 
 
 @dataclass
@@ -55,7 +54,7 @@ def deallocate_output_tensor(out: torch.Tensor) -> None:
 
 
 class _Stage:
-    """One rank's stage of the pipeline: the forward and backward steps the schedules call."""
+    """One rank's stage of the pipeline: the forward and backward steps `run_order` calls."""
 
     def __init__(self, model: nn.Module, groups: ProcessGroups, microbatches: list, *, collect_logits: bool,
                  loss_scale=1.0, forward_context=nullcontext):
@@ -69,7 +68,7 @@ class _Stage:
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
         self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
         self.grad_scale = cp_loss_factor(par)    # grads are averaged over DP x CP but the CP ranks' losses add up
-        self.held: list = []        # (input, output) of microbatches awaiting their backward, oldest first
+        self.held: dict = {}        # microbatch -> (input, output), awaiting its backward
         self.losses, self.logits = [], []
         self.max_in_flight, self.busy = 0, 0.0
 
@@ -97,14 +96,14 @@ class _Stage:
             return self.model.no_sync()
         return nullcontext()
 
-    def hold(self, x, out) -> None:
-        self.held.append((x, out))
+    def hold(self, i: int, x, out) -> None:
+        self.held[i] = (x, out)
         self.max_in_flight = max(self.max_in_flight, len(self.held))
 
-    def backward(self, grad):
-        """Backward of the oldest held microbatch; grad: of its output (None on the last stage,
-        whose output is the loss). -> the grad of its input activation (None on the first stage)."""
-        x, out = self.held.pop(0)
+    def backward(self, i: int, grad):
+        """Backward of held microbatch i; grad: of its output (None on the last stage, whose
+        output is the loss). -> the grad of its input activation (None on the first stage)."""
+        x, out = self.held.pop(i)
         start = time.perf_counter()
         with span("backward"):
             torch.autograd.backward(out, grad_tensors=grad)
@@ -130,45 +129,38 @@ class _Stage:
         return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s)
 
 
-def gpipe(stage: _Stage) -> None:
-    """All forwards, then all backwards (in the same order)."""
-    groups, like, m = stage.groups, stage.like, len(stage.microbatches)
-    for i in range(m):
-        x = p2p.recv_forward(groups, like)
-        out = stage.forward(i, x)
-        stage.send_forward(out)
-        stage.hold(x, out)
-    for _ in range(m):
-        grad = p2p.recv_backward(groups, like)
-        p2p.send_backward(stage.backward(grad), groups)
-
-
-def one_f_one_b(stage: _Stage) -> None:
-    """Warm-up of P-p-1 forwards, steady one-forward-one-backward, cool-down of the rest."""
-    groups, like, m = stage.groups, stage.like, len(stage.microbatches)
-    warmup = min(groups.par.pp - groups.pp_rank - 1, m)
-    for i in range(warmup):
-        x = p2p.recv_forward(groups, like)
-        out = stage.forward(i, x)
-        stage.send_forward(out)
-        stage.hold(x, out)
-    x = p2p.recv_forward(groups, like) if warmup < m else None
-    for i in range(warmup, m):
-        out = stage.forward(i, x)
-        stage.hold(x, out)
-        x = None                    # held by the stage until its backward, which frees it
-        grad = stage.send_forward_recv_backward(out)
-        out = None                  # the previous loss's graph would keep its input alive
-        input_grad = stage.backward(grad)
-        grad = None                 # dead once backward has used it
-        if i == m - 1:
-            p2p.send_backward(input_grad, groups)
+def run_order(stage: _Stage, order: list[Action]) -> None:
+    """Execute this stage's actions in order. A forward receives its input, runs and sends its
+    output; a backward receives its output's grad, runs and sends its input's grad. A paired
+    action's send and the next action's receive are one exchange (order.py), whose result is
+    that next action's input. Every received grad, sent input grad and finished output is
+    dropped as soon as it is dead: nothing of an earlier microbatch stays bound."""
+    groups, like = stage.groups, stage.like
+    inbox, received = None, False    # the next action's input, when a paired exchange brought it
+    for action in order:
+        i = action.microbatch
+        if action.step is Step.FORWARD:
+            x = inbox if received else p2p.recv_forward(groups, like)
+            inbox = None
+            out = stage.forward(i, x)
+            stage.hold(i, x, out)
+            x = None                # held by the stage until its backward, which frees it
+            if action.paired:       # the output goes down, the next backward's grad comes up
+                inbox = stage.send_forward_recv_backward(out)
+            else:
+                stage.send_forward(out)
+            out = None              # the previous loss's graph would keep its input alive
         else:
-            x = p2p.send_backward_recv_forward(input_grad, groups, like)
-        input_grad = None           # sent: dead
-    for _ in range(warmup):
-        grad = p2p.recv_backward(groups, like)
-        p2p.send_backward(stage.backward(grad), groups)
+            grad = inbox if received else p2p.recv_backward(groups, like)
+            inbox = None
+            input_grad = stage.backward(i, grad)
+            grad = None             # dead once backward has used it
+            if action.paired:       # the input grad goes up, the next forward's activation comes down
+                inbox = p2p.send_backward_recv_forward(input_grad, groups, like)
+            else:
+                p2p.send_backward(input_grad, groups)
+            input_grad = None       # sent: dead
+        received = action.paired
 
 
 def all_forwards(stage: _Stage) -> None:
@@ -188,17 +180,14 @@ def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list
     `loss_scale` (a float or 0-dim tensor) multiplies the loss before backward only (the replica's
     share of the global batch's targets, a float16 loss scale); `forward_context()` is entered
     around every forward (autocast for mixed precision), never around backward."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pp_schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    order = schedule_order(groups.par.pp, groups.pp_rank, len(microbatches), schedule)
     stage = _Stage(model, groups, microbatches, collect_logits=collect_logits, loss_scale=loss_scale,
                    forward_context=forward_context)
     start = time.perf_counter()
     if forward_only:
         all_forwards(stage)
-    elif schedule == "gpipe" and groups.par.pp > 1:
-        gpipe(stage)
     else:
-        one_f_one_b(stage)
+        run_order(stage, order)
     return stage.result(time.perf_counter() - start)
 
 

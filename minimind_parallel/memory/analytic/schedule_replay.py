@@ -1,0 +1,131 @@
+"""The schedule replayed: every moment of one stage's step, in the order its schedule runs.
+
+A stage runs its forwards and backwards in the order of its schedule
+(`pipeline_parallel.order.schedule_order`, the list the runtime executes). At each one, the
+microbatches still held keep what their forward saved (per microbatch: the stage's blocks, plus
+on later stages the received input, on earlier ones the sent output deallocated to one element,
+on the last the final norm, head input and loss). The first backward finds no grads; every later
+one accumulates into all of them; its moments are backward_moments.py's. At the end of a forward:
+the last stage's loss (replicated head: its scaling; VP: inside the loss, with the fp32 copy of
+the logits; --loss_chunks K: inside the chunked loss, `_chunked_loss_forward`), an earlier
+stage's last residual add. Around them: the last stage's loss per finished forward and the
+backward's seed (the runtime drops each received grad, sent input grad and finished loss as soon
+as it is dead). Last, the optimizer step: all grads, and AdamW's sqrt and denom of the largest
+parameter while the previous parameter's denom is still bound.
+
+So 1F1B's first stage holds min(P, M) microbatches at its peak and GPipe's holds M.
+"""
+from __future__ import annotations
+
+from ...pipeline_parallel.order import Action, Step
+from .backward_moments import backward_moments
+from .saved_kinds import target_copy
+from .stage_sizes import StageSizes, chunk_rows, numel
+
+
+def _last_forward_end(s: StageSizes) -> tuple[int, int]:
+    """The end of the last stage's forward, logits alive: (activations, temporaries).
+    Replicated head: the loss's scaling by its weight -- everything saved, the loss and its scaled
+    copy live (the weight cast to the loss dtype too). VP: inside the loss, its fp32 copy of the
+    logits (the later softmax) and nine [N] vectors (max, masks, local target, target logit, sum
+    of exp, its log, their difference), and the final norm's local output under basic/shared SP,
+    still bound in the model's forward."""
+    b, f, n, v, par = s.b, s.f, s.n, s.vocab, s.par
+    if par.vocab_parallel:
+        local_h = b * s.nn * s.hid if par.sequence_parallel and not par.async_communication else 0
+        # (this microbatch's loss is not scaled yet: its held_temps are counted as moved)
+        return (s.held - s.weight - s.kinds["model.logits_loss"],
+                b * n * v + f * n * v + 30 * n + target_copy(s.bsz, n) + local_h - s.cp_scaled_loss)
+    return s.held - s.weight, b * n * v + 2 * b + s.weight
+
+
+def _chunked_loss_forward(s: StageSizes) -> tuple[int, int]:
+    """--loss_chunks K: inside the loss's forward (`recompute.chunked_loss`), at a chunk's logits
+    [r, V(/T)] made and cast to the work dtype (fp32: at its target masks, 19 r bytes), the
+    previous chunk's work-dtype logits, target index, masks, target logit and row max still bound,
+    the lse of the chunks so far, the running total (and the previous chunk's loss). The head's
+    input (gathered under SP: the final norm's local output still bound), the target copy and the
+    lse are not saved yet: (activations, temporaries)."""
+    b, f, v, k = s.b, s.f, s.vocab, s.kinds
+    rows = chunk_rows(s.n, s.par.loss_chunks)
+
+    def chunk(i: int) -> int:
+        r = rows[i]
+        made = b * r * v + f * r * v if b != f else f * r * v + 19 * r
+        if i == 0:
+            return made
+        p = rows[i - 1]
+        return made + f * p * v + 10 * p + 2 * f * p + f * sum(rows[:i]) + (f if i == 1 else 2 * f)
+
+    local_h = b * s.nn * s.hid if s.par.sequence_parallel else 0
+    unsaved = k["model.head_input"] + k["model.logits_loss"] - 8 - f * s.n     # the head input and target copy
+    acts = s.held - s.weight - k["model.logits_loss"] - k["model.head_input"]
+    return acts, unsaved + local_h + max(chunk(i) for i in range(len(rows))) - s.cp_scaled_loss
+
+
+def _earlier_forward_end(s: StageSizes) -> tuple[int, int]:
+    """The end of an earlier stage's forward, at its last residual add: everything saved, plus
+    down_proj's output, the sum, and in half precision the block's input and middle residual
+    stream (their fp32 copies are what the norms save; a received input is counted as held)."""
+    residual = 2 + (0 if s.b == s.f else 2 - (1 if not s.first and s.layers == 1 else 0))
+    return s.held - s.held_temps, residual * s.b * s.nn * s.hid
+
+
+def _batch_saved(s: StageSizes) -> int:
+    """The tracker files a storage under activations from the first time autograd saves it: the
+    ids once the embedding saves them (and the targets, when the replicated head's loss saves a
+    view of them: one sequence)."""
+    vp = s.par.vocab_parallel
+    return (8 * s.n * s.mb if s.first and not vp else 0) + (8 * s.n * s.mb if s.last and not vp and s.bsz == 1 else 0)
+
+
+def _forward_moment(s: StageSizes, n_held: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
+    """The end of a forward, `n_held` microbatches held before it. The runtime binds nothing of
+    earlier microbatches (it drops each received grad, sent input grad and loss once dead:
+    pipeline_parallel.schedules.run_order)."""
+    b = s.b
+    if not s.last:
+        # this microbatch's output is not sent yet (no one-element stand-in for it)
+        acts, temps = _earlier_forward_end(s)
+        return grads, saved + (n_held + 1) * acts, extra + (n_held + 1) * s.held_temps - b + temps
+    acts, temps = _chunked_loss_forward(s) if s.par.loss_chunks > 1 else _last_forward_end(s)
+    moved = (n_held + 1) * s.held_temps
+    return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
+
+
+def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
+    """Every moment of the stage's `order` (its schedule's actions) -> (grads, activations,
+    temporaries), and how many microbatches each finds in flight."""
+    moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
+    inner, batch_saved = backward_moments(s), _batch_saved(s)
+    for action in order:
+        i = action.microbatch
+        grads = s.param_bytes if n_bwd else 0      # after the first backward every grad exists
+        # the fp32 loss weights are filed as activations once a loss scaling saves them
+        saved = batch_saved + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
+        # the last stage's losses so far (and a backward's seed, d loss / d loss)
+        extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
+        extra += s.loss_scalar if action.step is Step.BACKWARD and s.last else 0
+        if action.step is Step.FORWARD:
+            moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, grads, saved, extra)
+            in_flight[f"forward_end[{i}]"] = n_held + 1
+            n_held, n_fwd = n_held + 1, n_fwd + 1
+            continue
+        moved = n_held * s.held_temps
+        for name, (new_grads, a, temp) in inner.items():
+            moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * s.held + a - moved,
+                                       extra + temp + moved)
+            in_flight[f"{name}[{i}]"] = n_held
+        n_held, n_bwd = n_held - 1, n_bwd + 1
+    return moments, in_flight
+
+
+def optimizer_step(s: StageSizes) -> tuple[int, int, int]:
+    """AdamW (one tensor at a time): sqrt(exp_avg_sq) and denom of one parameter while the
+    previous parameter's denom is still bound; the schedule's loss weights are gone, its reported
+    loss not."""
+    sizes = [0] + [s.b * numel(shape) for shape in s.shapes.values()]
+    scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
+    saved = _batch_saved(s)
+    return (s.param_bytes, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets
+            + (s.loss_scalar if s.last else 0))

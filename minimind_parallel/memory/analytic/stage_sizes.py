@@ -1,0 +1,194 @@
+"""The sizes every moment of one pipeline stage's step is a sum of (`StageSizes`).
+
+From the plan (this rank's parameters and layers, plan.stage_parameters / stage_layers) and
+the saved-tensor kinds (saved_kinds.py): what one microbatch holds from its forward to its
+backward, what is alive all step -- params and RoPE buffers, AdamW states, the batch (ids and
+targets [M B, S] int64 and the fp32 loss weights [M]), DDP's flat gradient buckets (pp = 1,
+dp > 1) -- and what the stage's top block holds when its backward begins. --recompute full: a
+block holds its input (`StageSizes.block`); its backward re-makes the rest
+(`StageSizes.recomputed`, temporaries to the tracker).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...config import MiniMindConfig, ParallelConfig
+from ...plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
+from .saved_kinds import activations_by_kind
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSizes:
+    """The sizes every moment of one stage's step is a sum of (bytes, unless a count or a flag)."""
+
+    par: ParallelConfig
+    b: int                     # bytes per element of the model dtype
+    f: int                     # bytes of the norms' fp32 upcast, max(b, 4)
+    n: int                     # N = S*B tokens per microbatch (and rows of the loss)
+    nn: int                    # tokens in the norm/residual regions: N/T under SP, else N
+    hid: int                   # H
+    inter: int                 # I/T
+    vocab: int                 # V/T with --vocab_parallel, else V
+    bsz: int                   # sequences per microbatch
+    mb: int                    # microbatches per step
+    first: bool
+    last: bool
+    tied_here: bool            # a weight tied within this stage (embedding and lm_head both here)
+    shapes: dict               # this rank's parameters (plan.stage_parameters)
+    kinds: dict                # activations_by_kind
+    layers: int                # layers on this stage
+    block_params: int          # the parameters of one block
+    heads: int = 0             # h, kv: attention / kv heads on this rank; d: head_dim
+    kv_heads: int = 0
+    head_dim: int = 0
+    chunk_len: int = 0         # CP: tokens of one sequence chunk (context_parallel.ContextLayout)
+    cp_rank: int = 0           # CP: this rank's place in the CP group (which chunks it holds)
+
+    @property
+    def param_bytes(self) -> int:
+        return self.b * sum(numel(s) for s in self.shapes.values())
+
+    @property
+    def block(self) -> int:
+        """One block's activations of one microbatch, held to its backward (full: its input)."""
+        if self.par.recompute == "full":
+            return self.kinds["block.checkpoint_input"]
+        return sum(v for k, v in self.kinds.items() if k.startswith("block."))
+
+    @property
+    def recomputed(self) -> int:
+        """--recompute full: what a block's re-run forward saves again, alive in its backward
+        (kept by the checkpoint's own saved-tensor hooks: temporaries to the tracker)."""
+        if self.par.recompute != "full":
+            return 0
+        # the input norm's saved input is the block's input: the checkpoint's, already held
+        return (sum(v for k, v in self.kinds.items() if k.startswith("block.") and k != "block.checkpoint_input")
+                - self.kinds["block.checkpoint_input"])
+
+    @property
+    def batch(self) -> int:
+        """Alive all step, on every stage: the ids and targets [M*B, S] (split into microbatches
+        there) and the microbatches' loss weights (fp32 [M])."""
+        return 16 * self.n * self.mb + 4 * self.mb
+
+    @property
+    def loss_scalar(self) -> int:
+        """The last stage keeps one loss per forward (the report)."""
+        return 4 if (self.par.vocab_parallel or self.par.loss_chunks > 1) else self.b
+
+    @property
+    def weight(self) -> int:
+        """The loss weight cast to the loss dtype, saved by the scaling (nothing when fp32)."""
+        return self.loss_scalar if self.loss_scalar != 4 else 0
+
+    @property
+    def held_temps(self) -> int:
+        """Not saved for backward, so temporaries to the tracker: the received input (the first
+        norm saves its fp32 copy instead) and the sent output, deallocated to one element."""
+        b = self.b
+        # the lean norm saves the received input itself (an activation, in its kind)
+        upcast_only = b != self.f and self.par.recompute == "none"
+        sent = self.cp_scaled_loss if self.last else b
+        return (b * self.nn * self.hid if not self.first and upcast_only else 0) + sent
+
+    @property
+    def cp_scaled_loss(self) -> int:
+        """The last stage under CP: the loss scaled by cp for backward (the schedule's grad_scale),
+        held until its backward."""
+        return self.loss_scalar if self.last and self.par.cp > 1 else 0
+
+    @property
+    def held(self) -> int:
+        """What one microbatch keeps from the end of its forward to its backward."""
+        k = self.kinds
+        held = self.layers * self.block + self.held_temps + k["model.rope"]
+        if self.first and self.par.vocab_parallel:
+            held += 9 * self.n              # local ids and out-of-range mask (the ids are in `batch`)
+        if self.last:
+            held += k["model.final_norm"] + k["model.head_input"] + k["model.logits_loss"] + self.weight
+        return held
+
+    @property
+    def mlp_out(self) -> int:
+        """One [N, I/T] tensor of the MLP."""
+        return self.b * self.n * self.inter
+
+    @property
+    def mlp_w_grad(self) -> int:
+        """down_proj's weight grad [H, I/T]."""
+        return self.b * self.hid * self.inter
+
+    @property
+    def head_w_grad(self) -> int:
+        return self.b * self.vocab * self.hid if self.last else 0
+
+    @property
+    def head_grads(self) -> int:
+        """The grads the head's backward leaves: the final norm's, and lm_head's unless tied here."""
+        return self.b * self.hid + (0 if self.tied_here else self.head_w_grad) if self.last else 0
+
+    @property
+    def waiting(self) -> int:
+        """A tied weight's grad waits in autograd's buffer for the embedding's contribution."""
+        return self.head_w_grad if self.tied_here else 0
+
+    @property
+    def ddp_buckets(self) -> int:
+        """DDP's flat gradient buckets (no DDP under a pipeline)."""
+        return self.param_bytes if self.par.dp * self.par.cp > 1 and self.par.pp == 1 else 0
+
+
+def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
+                num_microbatches: int, dtype, cp_rank: int = 0) -> StageSizes:
+    """The sizes of pipeline stage `stage` (the whole model when pp = 1) on CP rank `cp_rank`."""
+    b = torch.empty((), dtype=dtype).element_size()
+    t, n = par.tp, seq_len // par.cp * micro_batch_size
+    first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
+    shapes = stage_parameters(c, par, stage)
+    layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
+    top = f"model.layers.{layers_at[0]}."
+    return StageSizes(par=par, b=b, f=max(b, 4), n=n, nn=n // t if par.sequence_parallel else n,
+                      hid=c.hidden_size, inter=c.intermediate_size // t,
+                      vocab=c.vocab_size // t if par.vocab_parallel else c.vocab_size, bsz=micro_batch_size,
+                      mb=num_microbatches, first=first, last=last,
+                      tied_here=c.tie_word_embeddings and first and last, shapes=shapes,
+                      kinds=activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype),
+                      layers=len(layers_at),
+                      block_params=b * sum(numel(s) for k, s in shapes.items() if k.startswith(top)),
+                      heads=c.num_attention_heads // t, kv_heads=c.num_key_value_heads // t, head_dim=c.head_dim,
+                      chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank)
+
+
+def chunk_rows(n: int, chunks: int) -> list[int]:
+    """Rows of each chunk of `torch.tensor_split(n rows, chunks)`: the first n % chunks one longer."""
+    return [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)]
+
+
+def top_block_acts(s: StageSizes) -> int:
+    """The activations alive when the stage's last block begins its backward: on the last stage
+    the loss, the head's input and the final norm's are freed by then."""
+    if not s.last:
+        return s.held
+    k, f, nn_, hid = s.kinds, s.f, s.nn, s.hid
+    head = s.held - s.weight - k["model.logits_loss"] - k["model.head_input"]
+    if s.par.recompute != "none":
+        return head - k["model.final_norm"]
+    return head - (f * nn_ * hid + f * nn_) - f * nn_ * hid
+
+
+def top_block_saved(s: StageSizes, freed: int) -> tuple[int, int]:
+    """In the top block's backward, `freed` bytes of its saved tensors released: (activations,
+    re-made tensors). --recompute full: the block's re-run saved them, under the checkpoint's
+    own hooks, so they are temporaries to the tracker; otherwise activations."""
+    if s.par.recompute == "full":
+        return top_block_acts(s), s.recomputed - freed
+    return top_block_acts(s) - freed, 0
