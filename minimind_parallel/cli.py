@@ -2,8 +2,9 @@
 
 The launcher parses the launcher args, looks the task up (minimind_parallel/tasks), parses the
 task args with the task's parser and lets the task check everything: a bad input is one line,
-exit 2, before any process starts. Then the task launches (usually one torchrun job of
-`python -m minimind_parallel.worker` with the same arguments, see launcher.py).
+exit 2, before any process starts. The arguments are resolved once into the run's job (job.py:
+typed launcher options, the task's options, the model and the layout); the task launches it
+(usually one torchrun job of `python -m minimind_parallel.worker JOB.json`, see launcher.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 
 from . import launcher, processes, tasks
 from .config import ConfigError
+from .job import Job, LaunchOptions
 from .options import Parser, check_launcher, program_name, split_argv
 
 
@@ -101,6 +103,12 @@ def parse(argv: list[str], prog: str | None = None):
     return launch, args
 
 
+def resolve(argv: list[str], prog: str | None = None) -> Job:
+    """The command line parsed (`parse`) and resolved once by its task into the run's job; raises ConfigError."""
+    launch, args = parse(argv, prog)
+    return tasks.get(launch.task).resolve(LaunchOptions.of(launch), args, tuple(argv))
+
+
 def misplaced(extra: list[str], other: Parser) -> bool:
     """Whether some of the unrecognized arguments are options of the other parser."""
     theirs = other.option_strings()
@@ -117,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with processes.signals_raise():
         try:
-            launch, args = parse(argv)
-            task = tasks.get(launch.task)
-            task.check(launch, args)
+            job = resolve(argv)
+            task = tasks.get(job.launch.task)
+            task.check(job)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -127,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{e}: nothing was started", file=sys.stderr)
             return e.exit_code
         try:
-            return task.launch(launch, args, argv)
+            return task.launch(job)
         except ConfigError as e:  # found only once the task reads what it was given (one line, as above)
             print(f"error: {e}", file=sys.stderr)
             return 2
         except processes.Interrupted as e:
-            print(f"{launch.task}: {e}; every process of the job was ended", file=sys.stderr)
+            print(f"{task.name}: {e}; every process of the job was ended", file=sys.stderr)
             return e.exit_code
         except launcher.LaunchError as e:
             print(f"error: {e}", file=sys.stderr)

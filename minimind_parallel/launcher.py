@@ -1,7 +1,8 @@
 """Starting the ranks: the torchrun (`torch.distributed.run`) command, its environment, and a
 run that ends with every process it started, however it ends (docs/failure_behaviour.md).
 
-Each rank runs `python -m minimind_parallel.worker` with the command line it was given. The job's
+Each rank runs `python -m minimind_parallel.worker JOB.json`: the job (job.py) this node's launcher
+resolved from the command line, written in a temporary directory removed when the run ends. The job's
 processes carry a mark in their environment (processes.JOB_ENV); when the run ends -- the ranks
 finished or failed, the timeout passed, the rendezvous of a multi-node job timed out, SIGINT or
 SIGTERM reached the launcher or torchrun -- every process with the mark still alive is SIGKILLed.
@@ -16,9 +17,11 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from . import processes
+from .job import Job, write_job
 from .options import resolve_device
 
 TIMED_OUT = 124  # run_torchrun's exit code when it killed the ranks at the timeout (as timeout(1))
@@ -69,6 +72,15 @@ def launch_env(device: str, async_communication: bool) -> dict:
         # before it (Megatron-LM, LinearWithGradAccumulationAndAsyncCommunication).
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     return env
+
+
+def run_job(job: Job, *, timeout: float | None = None, log: str | None = None) -> int:
+    """Run `job` on its world of ranks (run_torchrun): each reads the job from a file of a temporary
+    directory that is removed when they are done."""
+    with tempfile.TemporaryDirectory(prefix="minimind-job-") as tmp:
+        path = write_job(job, os.path.join(tmp, "job.json"))
+        return run_torchrun(job.launch, job.parallel.world_size, [path],
+                            async_communication=job.parallel.async_communication, timeout=timeout, log=log)
 
 
 def run_torchrun(launch, world_size: int, worker_argv: list[str], *, async_communication=False,

@@ -188,7 +188,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def apply_mode(args, mode: str | None) -> None:
-    """Set the flags of preset `mode` in `args` (Preset.apply; None: nothing)."""
+    """Set the flags of preset `mode` in `args`, a mutable namespace being resolved (Preset.apply;
+    None: nothing). Presets are applied once, on the launcher's side: the ranks get the result."""
     if mode is None:
         return
     check_modes([mode])
@@ -198,6 +199,11 @@ def apply_mode(args, mode: str | None) -> None:
 def mode_parallel(launch, args, mode: str | None) -> ParallelConfig:
     """The layout of a run in preset `mode` (`args` with its flags applied; None: the launcher's sizes)."""
     return parallel_config(launch, args) if mode is None else MODES[mode].parallel(launch, args)
+
+
+def launcher_layout(launch) -> ParallelConfig:
+    """The launcher's sizes alone, for a task without the model arguments (export)."""
+    return ParallelConfig(tp=launch.tp_size, pp=launch.pp_size, cp=launch.cp_size, dp=launch.dp_size)
 
 
 def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
@@ -231,17 +237,18 @@ def resolve_device(launch) -> str:
 
 # ---------------------------------------------------------------- pre-launch checks (one home each)
 
-def check_common(launch, args, runs: list, *, steps: str | None, kernels: bool = True,
+def check_common(job, runs: list, *, steps: str | None, kernels: bool = True,
                  sizes: tuple[str, ...] = ("micro_batch_size", "num_microbatches")) -> None:
-    """The checks every task makes before launching, in this order: `sizes` >= 1, float16 with
-    AdamW steps (`steps`, see check_float16_steps), each of `runs` [(args, ParallelConfig)]
-    (check_layout), the ranks over the nodes and the device (`kernels`: it runs any)."""
+    """The checks every task makes before launching `job` (job.py), in this order: `sizes` >= 1,
+    float16 with AdamW steps (`steps`, see check_float16_steps), each of `runs` [(task options,
+    ParallelConfig)] (check_layout), the ranks over the nodes and the device (`kernels`: it runs any)."""
+    args = job.task
     check_at_least(args, 1, sizes)
     check_number(args, "learning_rate", minimum=0.0)
     check_float16_steps(args.dtype, steps)
     for run_args, par in runs:
         check_run(run_args, par)
-    check_world(launch, parallel_config(launch, args).world_size, args.dtype, kernels=kernels)
+    check_world(job.launch, job.parallel.world_size, args.dtype, kernels=kernels)
 
 
 def check_launcher(launch) -> None:

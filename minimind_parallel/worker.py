@@ -1,4 +1,5 @@
-"""What each rank runs under torchrun: `python -m minimind_parallel.worker <task> ... -- ...`.
+"""What each rank runs under torchrun: `python -m minimind_parallel.worker JOB.json`, the job its
+node's launcher resolved (job.py); the rank parses no command line.
 
 A rank dies with torchrun (processes.die_with_parent), and a collective that waits longer than
 --collective_timeout (a peer stopped, or gone without its connection closing) fails the rank with
@@ -17,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from . import processes, tasks
-from .cli import parse
 from .config import ConfigError
+from .job import read_job
 from .options import collective_timeout, resolve_device
 
 
@@ -78,11 +79,13 @@ def main(argv: list[str]) -> int:
 
 def run(argv: list[str]) -> int:
     processes.die_with_parent()
-    launch, args = parse(argv)
+    (path,) = argv
+    job = read_job(path, lambda name: tasks.get(name).parser())
+    launch = job.launch
     device = init_distributed(resolve_device(launch), collective_timeout(launch))
     try:
         inject_fault(launch.inject_fault)
-        return tasks.get(launch.task).run_rank(launch, args, device)
+        return tasks.get(launch.task).run_rank(job, device)
     except Exception as e:
         if timed_out(e) and not isinstance(e, ConfigError):
             raise CollectiveTimeoutError(

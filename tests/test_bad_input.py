@@ -246,8 +246,8 @@ def test_a_model_predicted_not_to_fit_the_gpu_is_refused(monkeypatch, capsys):
 def test_the_cpu_rule_is_ranks_times_process_plus_the_analytic_peak(spare, fits, monkeypatch):
     """Not a bound picked by hand: refused exactly when ranks x (process + predicted peak) > MemAvailable."""
     from minimind_parallel.memory import predict_memory
-    launch, args = cli.parse(["validate", "--tp_size", "2", "--device", "cpu", "--", "--hidden_size", "64"])
-    par = options.parallel_config(launch, args)
+    job = cli.resolve(["validate", "--tp_size", "2", "--device", "cpu", "--", "--hidden_size", "64"])
+    launch, args, par = job.launch, job.task, job.parallel
     peak = predict_memory(options.model_config(args), par, seq_len=args.seq_len, micro_batch_size=2,
                           dtype=torch.float32, device="cpu").peak_bytes
     monkeypatch.setattr(options, "mem_available", lambda: 2 * (options.RANK_PROCESS_BYTES + peak) + spare)

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from minimind_parallel import cli, files, launcher
-from minimind_parallel.options import MODES, mode_parallel
+from minimind_parallel import cli, files, launcher, tasks
+from minimind_parallel.job import read_job
+from minimind_parallel.options import MODES
 from minimind_parallel.tasks import validate
 from minimind_parallel.tasks.benchmark import outputs as outputs_module
-from minimind_parallel.tasks.benchmark.cells import cell_args, cell_parallel, rows_per_replica, sweep_cells
+from minimind_parallel.tasks.benchmark.cells import cell_args, cell_parallel, job_run, rows_per_replica, sweep_cells
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
-from minimind_parallel.tasks.benchmark.command import kind_of
 from minimind_parallel.tasks.benchmark.profile import cell_dir
 from test_cli import assert_refused_before_launch
 
@@ -42,9 +42,9 @@ def read_csv(path):
 # ---------------------------------------------------------------- the sweep
 
 def test_the_seed_command_sweeps_layers_for_each_mode_value_by_value():
-    launch, args = cli.parse(SEED_COMMAND)
-    kind = kind_of(launch, args)
-    cells = [run.cell for run in check_benchmark(launch, args, kind)]
+    job = cli.resolve(SEED_COMMAND)
+    kind = job.task.kind
+    cells = [run.cell for run in check_benchmark(job)]
     assert kind == "memory"
     assert [(c.mode, c.num_hidden_layers) for c in cells] == [
         ("ddp", 8), ("tp", 8), ("ddp", 16), ("tp", 16), ("ddp", 32), ("tp", 32), ("ddp", 64), ("tp", 64)]
@@ -52,7 +52,8 @@ def test_the_seed_command_sweeps_layers_for_each_mode_value_by_value():
 
 
 def test_tp_flags_apply_to_the_tp_modes_and_ddp_uses_the_same_ranks_for_data_parallelism():
-    launch, args = cli.parse(SEED_COMMAND + ["--async_communication"])
+    job = cli.resolve(SEED_COMMAND + ["--async_communication"])
+    launch, args = job.launch, job.task
     ddp, tp = sweep_cells(args)[:2]
     ddp_args, tp_args = cell_args(args, ddp), cell_args(args, tp)
     assert not ddp_args.sequence_parallel and not ddp_args.async_communication
@@ -63,7 +64,7 @@ def test_tp_flags_apply_to_the_tp_modes_and_ddp_uses_the_same_ranks_for_data_par
 
 
 def test_a_preset_turns_its_flags_on():
-    _, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "tp_sp_async_vp"])
+    args = cli.resolve(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "tp_sp_async_vp"]).task
     tp, full = (cell_args(args, c) for c in sweep_cells(args))
     assert not (tp.sequence_parallel or tp.async_communication or tp.vocab_parallel)
     assert full.sequence_parallel and full.async_communication and full.vocab_parallel
@@ -89,7 +90,7 @@ def test_each_layout_mode_runs_on_the_sizes_its_name_says_and_no_other(sizes, mo
     launch, _ = cli.parse(["benchmark", *sizes, "--"])
     assert [m for m in base if MODES[m].mismatch(launch) is None] == modes
     for mode in modes:  # its layout is the launcher's sizes; ddp spends the same ranks on data parallelism
-        _, args = cli.parse(["benchmark", *sizes, "--", "--modes", mode])
+        args = cli.resolve(["benchmark", *sizes, "--", "--modes", mode]).task
         par = cell_parallel(launch, cell_args(args, sweep_cells(args)[0]), mode)
         world = launch.tp_size * launch.pp_size * launch.cp_size
         expected = (1, 1, 1, world) if mode == "ddp" else (launch.tp_size, launch.pp_size, launch.cp_size, 1)
@@ -117,16 +118,17 @@ def test_a_mode_that_is_not_the_launchers_sizes_is_one_line_before_launch(argv, 
 def test_validate_checks_its_mode_against_the_sizes_too(monkeypatch, capsys):
     assert_refused_before_launch(["validate", "--pp_size", "2", "--", "--mode", "tp_pp"],
                                  "mode tp_pp is tensor-parallel and needs --tp_size > 1", monkeypatch, capsys)
-    launch, args = cli.parse(["validate", "--tp_size", "2", "--", "--mode", "ddp", "--sequence_parallel"])
-    validate.check(launch, args)  # ddp: the two ranks are data-parallel replicas, the TP flags off
-    par = mode_parallel(launch, args, args.mode)
+    job = cli.resolve(["validate", "--tp_size", "2", "--", "--mode", "ddp", "--sequence_parallel"])
+    validate.check(job)  # ddp: the two ranks are data-parallel replicas, the TP flags off
+    par = job.parallel
     assert (par.tp, par.dp, par.sequence_parallel) == (1, 2, False)
 
 
 def test_a_mode_without_tensor_parallelism_turns_the_tp_flags_off_as_ddp_does():
-    launch, args = cli.parse(["benchmark", "--pp_size", "2", "--", "--modes", "ddp", "pp", "--sequence_parallel",
-                              "--vocab_parallel", "--recompute", "selective"])
-    runs = check_benchmark(launch, args, "memory")  # before, pp kept --sequence_parallel on one TP rank: refused
+    job = cli.resolve(["benchmark", "--pp_size", "2", "--", "--modes", "ddp", "pp", "--sequence_parallel",
+                       "--vocab_parallel", "--recompute", "selective"])
+    assert job.task.kind == "memory"
+    runs = check_benchmark(job)  # before, pp kept --sequence_parallel on one TP rank: refused
     for run in runs:
         assert not (run.par.sequence_parallel or run.par.vocab_parallel) and run.par.recompute == "selective"
     assert [(r.par.pp, r.par.dp) for r in runs] == [(1, 2), (2, 1)]
@@ -140,7 +142,8 @@ def test_seq_len_can_be_the_swept_dimension():
 
 
 def test_batch_policies():
-    launch, args = cli.parse(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "4"])
+    job = cli.resolve(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--micro_batch_size", "4"])
+    launch, args = job.launch, job.task
     ddp, tp = (cell_parallel(launch, cell_args(args, c), c.mode) for c in sweep_cells(args))
     # fixed_per_rank: every replica gets micro_batch_size rows, so ddp's global batch is world x larger
     assert [rows_per_replica("memory", args, p, launch) for p in (ddp, tp)] == [4, 4]
@@ -163,8 +166,9 @@ def fake_torchrun(oom_cell, hung_cell=None, times=None):
     calls = []
 
     def run(launch, world, worker_argv, *, async_communication=False, timeout=None, log=None):
-        _, args = cli.parse(worker_argv)
-        cell = sweep_cells(args)[0]
+        (job_file,) = worker_argv
+        job = read_job(job_file, lambda name: tasks.get(name).parser())
+        cell, result_json = job_run(job).cell, job.report
         calls.append((cell.name, world, async_communication, timeout))
         if cell.name == hung_cell:
             return launcher.TIMED_OUT
@@ -176,7 +180,7 @@ def fake_torchrun(oom_cell, hung_cell=None, times=None):
         if times is not None:
             fastest, median, slowest = times[cell.name]
             spread = {"step_ms": median, "step_ms_min": fastest, "step_ms_max": slowest}
-        with open(args.result_json, "w") as f:
+        with open(result_json, "w") as f:
             json.dump({"step_ms": 10.0 * cell.num_hidden_layers, "tokens_per_s": 1.0, "peak_bytes": 2**20 *
                        (100 if cell.mode == "ddp" else 60) * cell.num_hidden_layers,
                        "breakdown": {"params": 2**20, "activations": 2**21}, **spread}, f)

@@ -1,12 +1,18 @@
 """The command line: validate end to end under torchrun, bad input refused before launch,
 and a rank that raises ending the whole job."""
+import argparse
+import enum
+import json
+import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from minimind_parallel import cli, launcher, options
+from minimind_parallel import cli, launcher, options, tasks
+from minimind_parallel.job import TaskOptions, read_job, write_job
 
 TINY = ["--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
         "--seq_len", "16", "--num_hidden_layers", "2", "--optimizer_steps", "2"]
@@ -73,6 +79,50 @@ def test_torchrun_launches_world_size_ranks_of_the_worker():
     cmd = launcher.torchrun_command(L, 4, ["validate", "--tp_size", "4"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=4" in cmd
     assert cmd[-4:] == ["minimind_parallel.worker", "validate", "--tp_size", "4"]
+
+
+def parser_of(task: str) -> argparse.ArgumentParser:
+    return tasks.get(task).parser()
+
+
+def test_the_ranks_are_handed_the_resolved_job_not_a_command_line(monkeypatch, tmp_path):
+    """The launcher resolves the command once (the preset applied there) and the ranks get one file:
+    the job, equal to the launcher's after its JSON round trip, in a directory removed at the end."""
+    argv = ["validate", "--tp_size", "2", "--", *TINY, "--mode", "tp_sp_async"]
+    handed = []
+
+    def run_torchrun(launch, world, worker_argv, **kwargs):
+        (path,) = worker_argv
+        handed.append((path, world, kwargs["async_communication"], read_job(path, parser_of)))
+        return 1
+    monkeypatch.setattr(launcher, "run_torchrun", run_torchrun)
+    assert cli.main(argv) == 1
+    (path, world, async_communication, job), = handed
+    assert path.endswith(".json") and not os.path.exists(path) and world == 2 and async_communication
+    assert job.report is not None and job == replace(cli.resolve(argv), report=job.report)
+    assert job.argv == tuple(argv)
+    assert job.parallel.sequence_parallel and job.task.sequence_parallel and job.parallel.tp == 2
+    with pytest.raises(AttributeError, match="frozen"):
+        job.task.sequence_parallel = False
+
+
+class Colour(str, enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+def test_a_jobs_enums_are_written_by_value_and_rebuilt_by_type(tmp_path):
+    job = cli.resolve(["benchmark", "--tp_size", "2", "--", "--modes", "tp"])
+    job = replace(job, task=job.task.replace(colour=Colour.BLUE, colours=[Colour.RED]))
+    path = write_job(job, str(tmp_path / "job.json"))
+    with open(path) as f:
+        assert json.load(f)["task"]["colour"] == "blue"
+    p = argparse.ArgumentParser()
+    p.add_argument("--colour", type=Colour)
+    p.add_argument("--colours", type=Colour, nargs="+")
+    read = read_job(path, lambda task: p)
+    assert read.task.colour is Colour.BLUE and read.task.colours == [Colour.RED] and read == job
+    assert isinstance(read.task, TaskOptions) and read.parallel == job.parallel and read.launch == job.launch
 
 
 @pytest.mark.parametrize("nnodes", [1, 2])

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from minimind_parallel import ParallelConfig, ProcessGroups, cli, memory, processes
+from minimind_parallel.job import write_job
+from minimind_parallel.tasks.benchmark.cells import cell_job, cell_run, sweep_cells
 from test_train import corpus, data_args  # noqa: F401  (corpus: the fixture)
 
 MARK = "MINIMIND_PARALLEL_TEST_MARK"
@@ -307,12 +309,19 @@ def test_a_launcher_killed_outright_takes_the_job_along(mark):
         kill_on_failure(proc, mark)
 
 
-def test_a_rank_dies_with_torchrun(mark):
+def long_cell_job(path) -> str:
+    """The job file of LONG_CELL's one cell at --tp_size 2, as the benchmark's launcher writes it."""
+    job = cli.resolve(["benchmark", "--tp_size", "2", "--", *LONG_CELL])
+    run = cell_run(job, sweep_cells(job.task)[0])
+    return write_job(cell_job(job, run, report=None, profile_dir=None), str(path))
+
+
+def test_a_rank_dies_with_torchrun(mark, tmp_path):
     """torchrun SIGKILLed (the kernel's out-of-memory killer, kill -9): its ranks go with it, whether
     they were still starting (their parent is not of the job) or running (PR_SET_PDEATHSIG)."""
     env = {**os.environ, MARK: mark, processes.JOB_ENV: processes.new_job_id(), "OMP_NUM_THREADS": "1"}
     torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                 "-m", "minimind_parallel.worker", "benchmark", "--tp_size", "2", "--", *LONG_CELL],
+                                 "-m", "minimind_parallel.worker", long_cell_job(tmp_path / "job.json")],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for_ranks(mark, 2, torchrun)

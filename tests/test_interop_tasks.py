@@ -36,8 +36,7 @@ PROMPT = "Return the"
 def _train_and_keep(argv):
     """One rank of the train task; returns this rank's trained shards."""
     from minimind_parallel.tasks.train import Run
-    launch, args = cli.parse(argv)
-    run = Run(launch, args, torch.device("cpu"))
+    run = Run(cli.resolve(argv), torch.device("cpu"))
     run.train()
     return {n: p.detach().clone() for n, p in unwrap(run.model).named_parameters()}
 
@@ -49,8 +48,9 @@ def trained(corpus, tmp_path_factory):  # noqa: F811
     save_dir = tmp_path_factory.mktemp("interop_run") / "run"
     argv = ["train", "--tp_size", "2", "--", *data_args(corpus, sequence_parallel=True, max_steps=STEPS,
                                                          save_interval=STEPS, save_dir=save_dir, dtype="float32")]
-    launch, args = cli.parse(argv)
-    tasks.get("train").check(launch, args)
+    job = cli.resolve(argv)
+    args = job.task
+    tasks.get("train").check(job)
     shards = run_ranks(_train_and_keep, 2, argv)
     weights = gather_state_dict(shards, ParallelConfig(tp=2, sequence_parallel=True))
     assert args.tie_word_embeddings and "lm_head.weight" not in weights      # train's default: one matrix
@@ -112,14 +112,13 @@ def test_hf_export_of_a_tp2_sp_checkpoint_loads_in_transformers_with_our_logits(
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     inputs = hf_tok(PROMPT, return_tensors="pt")
     assert inputs.input_ids[0, 0].item() == hf_tok.bos_token_id == 1
-    launch, args = cli.parse(generate_argv(["--checkpoint", str(save_dir)], corpus))
+    job = cli.resolve(generate_argv(["--checkpoint", str(save_dir)], corpus))
     new = hf.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs.input_ids.shape[1]:].tolist()
-    assert new == generate_dense(args, torch.device("cpu")) and len(new) >= 1
+    assert new == generate_dense(job, torch.device("cpu")) and len(new) >= 1
 
 
 def _validate_rank(argv):
-    launch, args = cli.parse(argv)
-    return tasks.get("validate").run_rank(launch, args, torch.device("cpu"))
+    return tasks.get("validate").run_rank(cli.resolve(argv), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("layout,flags", [(["--pp_size", "2"], ["--num_microbatches", "2"]),
@@ -130,9 +129,9 @@ def test_the_pth_reimported_into_validate_at_another_layout_equals_the_dense_mod
     assert export("--checkpoint", save_dir, "--format", "minimind", "--out", tmp_path / "w.pth") == 0
     argv = ["validate", *layout, "--", *MODEL, "--seq_len", "32", "--optimizer_steps", "2", *flags,
             "--tie_word_embeddings", "--from_weight", str(tmp_path / "w.pth")]   # validate defaults to untied
-    launch, args = cli.parse(argv)
-    tasks.get("validate").check(launch, args)
-    for key, value in initial_state(args).items():            # both models start from the .pth
+    job = cli.resolve(argv)
+    tasks.get("validate").check(job)
+    for key, value in initial_state(job).items():            # both models start from the .pth
         assert torch.equal(value, weights[key].half().float()), key
     assert run_ranks(_validate_rank, 2, argv) == [0, 0]       # 0: every item within tolerance
 
@@ -141,8 +140,7 @@ def test_the_pth_reimported_into_validate_at_another_layout_equals_the_dense_mod
 
 def _generate_rank(argv):
     from minimind_parallel.tasks.generate import generate_on_rank
-    launch, args = cli.parse(argv)
-    return generate_on_rank(launch, args, torch.device("cpu"))
+    return generate_on_rank(cli.resolve(argv), torch.device("cpu"))
 
 
 def generate_argv(source, corpus, *extra, launcher_args=()):  # noqa: F811
@@ -156,9 +154,9 @@ def test_generate_from_the_checkpoint_gives_the_same_tokens_on_one_rank_and_unde
     from minimind_parallel.tasks.generate import generate_dense
     save_dir, _ = trained
     source = ["--checkpoint", str(save_dir)]
-    launch, args = cli.parse(generate_argv(source, corpus, *sampling))
-    tasks.get("generate").check(launch, args)
-    dense = generate_dense(args, torch.device("cpu"))
+    job = cli.resolve(generate_argv(source, corpus, *sampling))
+    tasks.get("generate").check(job)
+    dense = generate_dense(job, torch.device("cpu"))
     assert len(dense) >= 1
     assert run_ranks(_generate_rank, 2, generate_argv(source, corpus, *sampling, launcher_args=["--tp_size", "2"])) \
         == [dense, dense]
@@ -260,7 +258,7 @@ def test_overwrite_replaces_an_existing_export(trained, corpus, tmp_path):  # no
                   corpus / "tokenizer", "--overwrite") == 0
     assert "old.txt" not in os.listdir(tmp_path / "hf") and "model.safetensors" in os.listdir(tmp_path / "hf")
     with pytest.raises(ConfigError):
-        tasks.get("export").check(*cli.parse(["export", "--", "--checkpoint", str(save_dir), "--format", "hf",
+        tasks.get("export").check(cli.resolve(["export", "--", "--checkpoint", str(save_dir), "--format", "hf",
                                               "--out", str(tmp_path / "hf"), "--tokenizer_path",
                                               str(corpus / "tokenizer")]))
 
@@ -351,11 +349,10 @@ def test_a_prompt_beyond_the_model_s_positions_is_refused_and_beyond_the_trained
                                        "(max_position_embeddings)", monkeypatch, capsys)
 
     save_dir, _ = trained                                              # trained at --max_seq_len 32
-    launch, args = cli.parse(generate_argv(["--checkpoint", str(save_dir)], corpus, "--max_new_tokens", "40"))
-    tasks.get("generate").check(launch, args)
+    tasks.get("generate").check(cli.resolve(generate_argv(["--checkpoint", str(save_dir)], corpus,
+                                                          "--max_new_tokens", "40")))
     err = capsys.readouterr().err
     assert err.startswith("generate: note: bos + prompt (") and err.count("\n") == 1
     assert "beyond the 32 the model was trained on (train --max_seq_len 32)" in err
-    launch, args = cli.parse(generate_argv(["--checkpoint", str(save_dir)], corpus))   # 12 new tokens: within
-    tasks.get("generate").check(launch, args)
+    tasks.get("generate").check(cli.resolve(generate_argv(["--checkpoint", str(save_dir)], corpus)))  # 12: within
     assert capsys.readouterr().err == ""

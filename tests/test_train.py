@@ -51,16 +51,16 @@ def data_args(corpus, **extra) -> list[str]:
 
 def _train_rank(argv):
     from minimind_parallel.tasks.train import Run
-    launch, args = cli.parse(argv)
-    Run(launch, args, torch.device("cpu")).train()
+    Run(cli.resolve(argv), torch.device("cpu")).train()
 
 
 def train_in_ranks(launcher_args: list[str], task_args: list[str]) -> None:
     """What the command line does, with the ranks forked by tests/distributed.py (no torchrun):
     parse, check (which builds the token caches), then every rank runs the task."""
     argv = ["train", *launcher_args, "--", *task_args]
-    launch, args = cli.parse(argv)
-    tasks.get("train").check(launch, args)
+    job = cli.resolve(argv)
+    tasks.get("train").check(job)
+    launch = job.launch
     world = launch.tp_size * launch.pp_size * launch.dp_size * launch.cp_size
     run_ranks(_train_rank, world, argv)
 
@@ -197,8 +197,7 @@ def test_model_flops_per_token_count_every_matmul_of_forward_and_backward():
 def _resumed(argv):
     """What a rank's run holds once it has loaded the checkpoint (--resume)."""
     from minimind_parallel.tasks.train import Run
-    launch, args = cli.parse(argv)
-    run = Run(launch, args, torch.device("cpu"))
+    run = Run(cli.resolve(argv), torch.device("cpu"))
     return {"step": run.step, "total": run.total, "scaler": run.scaler.state_dict()}
 
 
@@ -258,8 +257,7 @@ def _train_onto_a_full_disk(argv):
 
 def test_a_full_disk_stops_the_run_with_one_line(corpus, tmp_path):
     argv = ["train", "--", *data_args(corpus, max_steps=4, save_interval=2, save_dir=tmp_path, dtype="float32")]
-    launch, args = cli.parse(argv)
-    tasks.get("train").check(launch, args)
+    tasks.get("train").check(cli.resolve(argv))
     (stopped,) = run_ranks(_train_onto_a_full_disk, 1, argv)
     assert stopped == (f"saving step 4 in {tmp_path} failed: rank 0: No space left on device; the last checkpoint is "
                        f"{tmp_path / 'step_00000002'} (step 2); --resume continues from it")

@@ -19,7 +19,8 @@ import torch
 
 from ..config import ConfigError
 from ..files import check_directory
-from ..options import Parser
+from ..job import Job, LaunchOptions, TaskOptions
+from ..options import Parser, launcher_layout
 from .task import Task
 from .weights import add_checkpoint_arg, check_checkpoint, read_source
 
@@ -65,7 +66,13 @@ def check_out_parent(out: str) -> None:
     check_directory(f"--out {out}", os.path.dirname(os.path.abspath(out)))
 
 
-def check(launch, args) -> None:
+def resolve(launch: LaunchOptions, args: argparse.Namespace, argv: tuple[str, ...]) -> Job:
+    """No model arguments: the model is the checkpoint's, read when the task runs."""
+    return Job(launch=launch, task=TaskOptions.of(args), model=None, parallel=launcher_layout(launch), argv=argv)
+
+
+def check(job: Job) -> None:
+    launch, args = job.launch, job.task
     check_single_process(launch, "export")
     check_out_parent(args.out)
     config = check_checkpoint(args.checkpoint)
@@ -96,14 +103,15 @@ def check_weights(args) -> None:
     """Read the checkpoint whole once before anything is written: every tensor finite, and finite in the
     dtype it is written in (ConfigError naming the tensor)."""
     from ..interop import dense_state_dict
-    config, dense = read_source(args)
+    config, dense = read_source(args, None)
     dense_state_dict(dense, config, source=args.checkpoint, dtype=export_dtype(args))
 
 
-def launch_export(launch, args, argv: list[str]) -> int:
+def launch_export(job: Job) -> int:
     """Read the checkpoint whole and write the export, here in the launcher process."""
     from ..interop import export_hf, save_minimind_state_dict
-    config, dense = read_source(args)
+    args = job.task
+    config, dense = read_source(args, None)
     if args.format == "minimind":
         out = save_minimind_state_dict(dense, minimind_path(args, config.hidden_size), config=config,
                                        overwrite=args.overwrite)
@@ -121,8 +129,8 @@ def tying(config) -> str:
     return "untied: lm_head.weight is its own matrix; MiniMind loads it with MiniMindConfig(tie_word_embeddings=False)"
 
 
-def run_rank(launch, args, device) -> int:
+def run_rank(job: Job, device) -> int:
     raise RuntimeError("export runs in the launcher process; it starts no ranks")
 
 
-TASK = Task(name="export", parser=parser, check=check, launch=launch_export, run_rank=run_rank)
+TASK = Task(name="export", parser=parser, resolve=resolve, check=check, launch=launch_export, run_rank=run_rank)

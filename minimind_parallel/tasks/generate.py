@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..job import Job
 from ..options import Parser, add_model_args, check_world
 from ..training import DTYPES
 from .task import Task, launch_once
@@ -44,13 +45,13 @@ def _prompt(args, config):
     return tok, prompt_ids(tok, args.prompt, vocab_size=config.vocab_size)
 
 
-def check(launch, args) -> None:
+def check(job: Job) -> None:
     from ..config import check_layout
     from ..generation import check_generation_args
-    from ..options import parallel_config
     from ..parallel_generation import check_generation_layout, generation_layout
-    check_generation_layout(parallel_config(launch, args))
-    config = check_source(args)
+    launch, args = job.launch, job.task
+    check_generation_layout(job.parallel)
+    config = check_source(args, job.model)
     _, ids = _prompt(args, config)
     check_layout(config, generation_layout(launch.tp_size))
     check_generation_args(prompt_len=len(ids), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -73,11 +74,12 @@ def sample_args(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
 
-def generate_dense(args, device) -> list[int]:
+def generate_dense(job: Job, device) -> list[int]:
     """The new token ids (eos included when drawn) from the dense model in this process."""
     from ..generation import generate
     from ..model import MiniMindForCausalLM
-    config, dense = read_source(args)
+    args = job.task
+    config, dense = read_source(args, job.model)
     model = MiniMindForCausalLM(config)
     model.load_state_dict(dense, strict=True)
     model = model.to(device=device, dtype=DTYPES[args.dtype]).eval()
@@ -86,12 +88,13 @@ def generate_dense(args, device) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def generate_on_rank(launch, args, device) -> list[int]:
+def generate_on_rank(job: Job, device) -> list[int]:
     """The new token ids from this TP rank's shard (every rank returns the same ids)."""
     from ..groups import ProcessGroups
     from ..options import collective_timeout
     from ..parallel_generation import build_generation_model, generate_parallel, generation_layout
-    config, dense = read_source(args)
+    launch, args = job.launch, job.task
+    config, dense = read_source(args, job.model)
     groups = ProcessGroups.build(generation_layout(launch.tp_size), timeout=collective_timeout(launch))
     model = build_generation_model(config, groups, dense, dtype=DTYPES[args.dtype], device=device)
     tok, ids = _prompt(args, config)
@@ -107,19 +110,19 @@ def show(args, new_ids: list[int]) -> None:
     sys.stdout.flush()
 
 
-def launch_generate(launch, args, argv: list[str]) -> int:
+def launch_generate(job: Job) -> int:
     """One rank: here, on the dense model; T ranks: one torchrun job of the TP model."""
-    if launch.tp_size > 1:
-        return launch_once(launch, args, argv)
+    if job.launch.tp_size > 1:
+        return launch_once(job)
     from ..options import resolve_device
-    show(args, generate_dense(args, torch.device(resolve_device(launch))))
+    show(job.task, generate_dense(job, torch.device(resolve_device(job.launch))))
     return 0
 
 
-def run_rank(launch, args, device) -> int:
-    new_ids = generate_on_rank(launch, args, device)
+def run_rank(job: Job, device) -> int:
+    new_ids = generate_on_rank(job, device)
     if dist.get_rank() == 0:
-        show(args, new_ids)
+        show(job.task, new_ids)
     return 0
 
 

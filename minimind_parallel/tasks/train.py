@@ -20,8 +20,8 @@ the checkpoint before any rank starts.
 
 A run stops early, with one line and exit 1, when a step's loss or grad norm is not finite (the
 step is not taken, nothing is saved: the last checkpoint is the last finite state) or a save
-fails (a full disk). The ranks tell the launcher through a file (--outcome_json), so the line is
-the launcher's, not a rank's traceback.
+fails (a full disk). The ranks tell the launcher through a file (the job's report), so the line
+is the launcher's, not a rank's traceback.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -50,9 +50,9 @@ from ..data.tokenizer import load_tokenizer
 from ..distributed import comm
 from ..files import atomic_path, check_directory
 from ..groups import ProcessGroups, first_on_node
+from ..job import Job
 from ..model import MiniMindForCausalLM
-from ..options import (Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout,
-                       model_config, parallel_config, split_argv)
+from ..options import Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout
 from ..loss_normalisation import token_sum, world_token_mean
 from ..training import DTYPES, build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from ..training.heldout import heldout_loss
@@ -98,8 +98,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out_dir", default=None, help="metrics.jsonl and loss.png (default --save_dir, else runs/train)")
     p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
                    help="end this process after step N, saving a checkpoint there; --resume continues the run")
-    # Launcher -> worker plumbing: where the ranks say why a run stopped early; not for users.
-    p.add_argument("--outcome_json", default=None, help=argparse.SUPPRESS)
     p.set_defaults(micro_batch_size=32, num_microbatches=8, learning_rate=5e-4, dtype="bfloat16",
                    tie_word_embeddings=True)  # MiniMind's default (--no-tie_word_embeddings: two matrices)
     return p
@@ -149,9 +147,10 @@ def out_dir(args) -> str:
 
 # ---------------------------------------------------------------- launcher side: every check
 
-def check(launch, args) -> None:
+def check(job: Job) -> None:
     """Every bad input refused before a rank starts; the token caches are built here (tokenising
     the data is how a malformed line or an empty file is found). Creates no directory."""
+    args = job.task
     check_at_least(args, 1, ("epochs", "log_interval", "save_interval", "eval_batches"))
     check_at_least(args, 0, ("warmup_steps", "eval_interval", "keep_last"))
     for name in ("max_steps", "stop_at_step"):
@@ -164,10 +163,10 @@ def check(launch, args) -> None:
     if args.eval_interval and not evaluating(args):
         raise ConfigError(f"--eval_interval {args.eval_interval} needs held-out data: --eval_data_path or --eval_fraction")
     tok = load_tokenizer(args.tokenizer_path)
-    config, par = model_config(args), parallel_config(launch, args)
+    config, par = job.model, job.parallel
     check_fits_model(tokenizer_vocab=tok.vocab_size, model_vocab=config.vocab_size, max_seq_len=args.seq_len,
                      max_positions=config.max_position_embeddings)
-    check_common(launch, args, [(args, par)], sizes=("micro_batch_size", "num_microbatches"),
+    check_common(job, [(args, par)], sizes=("micro_batch_size", "num_microbatches"),
                  steps=" with --precision pure: use --precision mixed" if args.precision == "pure" else None)
     check_data(args, tok, par)
     check_outputs(args, config)
@@ -261,11 +260,11 @@ def check_resume(args, p: Plan) -> None:
                           f"checkpoint step {extra['step']}")
 
 
-def launch_train(launch, args, argv: list[str]) -> int:
+def launch_train(job: Job) -> int:
     """Say what the run will do (or that a resumed run is already finished), then one torchrun job;
-    a run the ranks stopped early (--outcome_json) is one line on stderr, exit 1."""
-    par = parallel_config(launch, args)
-    p = plan(args, par)
+    a run the ranks stopped early (the job's report file) is one line on stderr, exit 1."""
+    args = job.task
+    p = plan(args, job.parallel)
     if args.resume:
         from .. import checkpoint
         path = checkpoint.latest_checkpoint(args.save_dir)
@@ -279,9 +278,7 @@ def launch_train(launch, args, argv: list[str]) -> int:
               f"epoch): {math.ceil(args.max_steps / p.steps_per_epoch)} epochs", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         outcome = os.path.join(tmp, "outcome.json")
-        head, tail = split_argv(argv)
-        code = launcher.run_torchrun(launch, par.world_size, [*head, "--", *tail, "--outcome_json", outcome],
-                                     async_communication=args.async_communication)
+        code = launcher.run_job(replace(job, report=outcome))
         if code == 0 and os.path.exists(outcome):
             with open(outcome) as f:
                 print(f"error: train: {json.load(f)['stopped']}", file=sys.stderr)
@@ -318,10 +315,11 @@ class RunStopped(Exception):
 class Run:
     """One rank's training run: built once, then `train()`."""
 
-    def __init__(self, launch, args, device):
-        self.args, self.device = args, device
-        self.config, self.par = model_config(args), parallel_config(launch, args)
-        self.groups = ProcessGroups.build(self.par, timeout=collective_timeout(launch))
+    def __init__(self, job: Job, device):
+        args = job.task
+        self.args, self.device, self.argv = args, device, list(job.argv)
+        self.config, self.par = job.model, job.parallel
+        self.groups = ProcessGroups.build(self.par, timeout=collective_timeout(job.launch))
         self.precision = Precision.of(args.precision, DTYPES[args.dtype], device)
         tok = load_tokenizer(args.tokenizer_path)
         self.data = open_data(args, tok)
@@ -413,7 +411,7 @@ class Run:
     def train(self) -> None:
         if self.lead:
             self.metrics.append({"kind": "run", "time": time.time(), "resumed_from": self.step,
-                                 "total_steps": self.total, "argv": sys.argv[1:], "peak_tflops": self.peak,
+                                 "total_steps": self.total, "argv": self.argv, "peak_tflops": self.peak,
                                  "peak_tflops_source": self.peak_source, "world": self.par.world_size})
             epochs = math.ceil(self.total / self.sampler.steps_per_epoch)
             tqdm.write(f"train: {self.total} steps ({epochs} epoch{'s' * (epochs > 1)} of "
@@ -498,18 +496,19 @@ class Run:
             tqdm.write(format_eval(record), file=sys.stdout)
 
 
-def run_rank(launch, args, device) -> int:
-    """Train; a run stopped early tells the launcher (every node's first rank writes --outcome_json,
-    the ranks exit 0 and the launcher says it in one line), or without the launcher says it and exits 1."""
+def run_rank(job: Job, device) -> int:
+    """Train; a run stopped early tells the launcher (every node's first rank writes the job's
+    report file, the ranks exit 0 and the launcher says it in one line), or without the launcher
+    says it and exits 1."""
     try:
-        Run(launch, args, device).train()
+        Run(job, device).train()
     except RunStopped as e:
-        if args.outcome_json is None:
+        if job.report is None:
             if dist.get_rank() == 0:
                 print(f"error: train: {e}", file=sys.stderr)
             return 1
         if first_on_node():
-            with atomic_path(args.outcome_json) as tmp, open(tmp, "w") as f:
+            with atomic_path(job.report) as tmp, open(tmp, "w") as f:
                 json.dump({"stopped": str(e)}, f)
     return 0
 

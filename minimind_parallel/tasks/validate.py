@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import tempfile
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -15,8 +16,9 @@ from .. import launcher
 from ..config import ConfigError
 from ..files import atomic_path
 from ..groups import ProcessGroups, first_on_node
+from ..job import Job, LaunchOptions, TaskOptions
 from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes, check_number,
-                       check_resources, collective_timeout, mode_parallel, model_config, split_argv)
+                       check_resources, collective_timeout, mode_parallel, model_config)
 from ..training import DTYPES
 from ..validation import compare_with_dense, failures, format_report
 from .task import Task
@@ -37,59 +39,64 @@ def parser() -> argparse.ArgumentParser:
                    help="fault injection: add 1e-2 to this parameter's shard on TP rank 0 (checks the checker)")
     p.add_argument("--from_weight", default=None, metavar="PTH",
                    help="start both models from MiniMind weights ({weight}_{hidden}.pth) instead of a random init")
-    # Launcher -> worker plumbing: where rank 0 writes the verdict; not for users.
-    p.add_argument("--verdict_json", default=None, help=argparse.SUPPRESS)
     return p
 
 
-def check(launch, args) -> None:
-    """Every constraint of a validate run (its mode's flags applied)."""
+def resolve(launch: LaunchOptions, args: argparse.Namespace, argv: tuple[str, ...]) -> Job:
+    """The run with its --mode preset applied, once: its flags in the options, its layout."""
     if args.mode is not None:
         check_modes([args.mode], launch)
     apply_mode(args, args.mode)
+    return Job(launch=launch, task=TaskOptions.of(args), model=model_config(args),
+               parallel=mode_parallel(launch, args, args.mode), argv=argv)
+
+
+def check(job: Job) -> None:
+    """Every constraint of a validate run (its mode's flags applied)."""
+    launch, args = job.launch, job.task
     steps = (f" with --optimizer_steps {args.optimizer_steps}: use bfloat16, or --optimizer_steps 0"
              if args.optimizer_steps > 0 else None)
     check_at_least(args, 0, ("optimizer_steps",))
     check_at_least(args, 1, ("log_interval",))
     for name in ("atol", "rtol"):
         check_number(args, name, minimum=0.0)
-    runs = [(args, mode_parallel(launch, args, args.mode))]
-    check_common(launch, args, runs, steps=steps, sizes=("micro_batch_size", "num_microbatches", "seq_len"))
-    check_perturb(args, runs[0][1])
-    initial_state(args)
+    runs = [(args, job.parallel)]
+    check_common(job, runs, steps=steps, sizes=("micro_batch_size", "num_microbatches", "seq_len"))
+    check_perturb(job)
+    initial_state(job)
     check_resources(launch, runs)
 
 
-def initial_state(args) -> dict | None:
+def initial_state(job: Job) -> dict | None:
     """The dense state dict of --from_weight (read strictly: ConfigError naming a key or shape), or None."""
-    if args.from_weight is None:
+    if job.task.from_weight is None:
         return None
     from ..interop import load_minimind_state_dict
-    return load_minimind_state_dict(args.from_weight, model_config(args))
+    return load_minimind_state_dict(job.task.from_weight, job.model)
 
 
-def check_perturb(args, par) -> None:
+def check_perturb(job: Job) -> None:
     """--perturb names a parameter of the parallel model (as it is named on its pipeline stage)."""
+    args, par = job.task, job.parallel
     if args.perturb is None:
         return
     from ..memory import parameter_shapes
-    names = {n for stage in range(par.pp) for n in parameter_shapes(model_config(args), par, stage)}
+    names = {n for stage in range(par.pp) for n in parameter_shapes(job.model, par, stage)}
     if args.perturb not in names:
         examples = ", ".join(sorted(n for n in names if ".layers." not in n))
         raise ConfigError(f"--perturb must name a parameter of the model (model.layers.<i>.self_attn.q_proj.weight, "
                           f"{examples}, ...); got --perturb {args.perturb}")
 
 
-def launch_validate(launch, args, argv: list[str]) -> int:
+def launch_validate(job: Job) -> int:
     """One torchrun job; the first rank of every node writes the verdict (every rank holds the same
-    rows), so a failed comparison is the report and its last line (exit 1), not a failed job, on
-    every node. Rank 0 prints the report; another node's launcher says the verdict in one line."""
-    par = mode_parallel(launch, args, args.mode)
+    rows) to the job's report file, so a failed comparison is the report and its last line (exit 1),
+    not a failed job, on every node. Rank 0 prints the report; another node's launcher says the
+    verdict in one line."""
+    launch = job.launch
     with tempfile.TemporaryDirectory() as tmp:
         verdict_path = os.path.join(tmp, "verdict.json")
-        head, tail = split_argv(argv)
-        code = launcher.run_torchrun(launch, par.world_size, [*head, "--", *tail, "--verdict_json", verdict_path],
-                                     async_communication=args.async_communication)
+        code = launcher.run_job(replace(job, report=verdict_path))
         if code != 0 or not os.path.exists(verdict_path):
             return code or 1
         with open(verdict_path) as f:
@@ -100,17 +107,16 @@ def launch_validate(launch, args, argv: list[str]) -> int:
     return 0 if passed else 1
 
 
-def run_rank(launch, args, device) -> int:
-    apply_mode(args, args.mode)
-    config, par = model_config(args), mode_parallel(launch, args, args.mode)
-    groups = ProcessGroups.build(par, timeout=collective_timeout(launch))
+def run_rank(job: Job, device) -> int:
+    args, config, par = job.task, job.model, job.parallel
+    groups = ProcessGroups.build(par, timeout=collective_timeout(job.launch))
     dtype = DTYPES[args.dtype]
     rows = compare_with_dense(config, par, groups, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                               num_microbatches=args.num_microbatches, pp_schedule=args.pp_schedule,
                               dtype=dtype, lr=args.learning_rate, optimizer_steps=args.optimizer_steps,
                               log_interval=args.log_interval, check_backward=args.check_backward, seed=args.seed,
                               device=device, perturb=args.perturb, atol=args.atol, rtol=args.rtol,
-                              initial_state=initial_state(args))
+                              initial_state=initial_state(job))
     bad = failures(rows)
     if dist.get_rank() == 0:
         print(f"validate: dp={par.dp} pp={par.pp} schedule={args.pp_schedule} microbatches={args.num_microbatches} "
@@ -121,12 +127,12 @@ def run_rank(launch, args, device) -> int:
               f"{f' weights={args.from_weight}' if args.from_weight else ''}")
         print(format_report(rows))
         print(f"validate: {'FAILED' if bad else 'PASSED'} ({len(rows) - len(bad)} of {len(rows)} items within tolerance)")
-    if args.verdict_json and first_on_node():
-        with atomic_path(args.verdict_json) as tmp, open(tmp, "w") as f:
+    if job.report and first_on_node():
+        with atomic_path(job.report) as tmp, open(tmp, "w") as f:
             json.dump({"passed": not bad}, f)
-    if args.verdict_json:  # the launcher reports the verdict
+    if job.report:  # the launcher reports the verdict
         return 0
     return 1 if bad else 0
 
 
-TASK = Task(name="validate", parser=parser, check=check, launch=launch_validate, run_rank=run_rank)
+TASK = Task(name="validate", parser=parser, resolve=resolve, check=check, launch=launch_validate, run_rank=run_rank)

@@ -8,7 +8,6 @@ import argparse
 import torch
 
 from ..config import ConfigError, MiniMindConfig
-from ..options import model_config
 
 
 def add_checkpoint_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -29,13 +28,13 @@ def check_checkpoint(path: str) -> MiniMindConfig:
     return checkpoint_model_config(resolve_checkpoint(path))
 
 
-def check_source(args) -> MiniMindConfig:
-    """The model config of the weights args name (the checkpoint's, or the model arguments' for a .pth);
-    the weights are read and checked here: strictly against the model, tying, finite values."""
+def check_source(args, model: MiniMindConfig | None) -> MiniMindConfig:
+    """The model config of the weights args name (the checkpoint's, or `model`, the model arguments',
+    for a .pth); the weights are read and checked here: strictly against the model, tying, finite values."""
     if (args.checkpoint is None) == (args.from_weight is None):
         raise ConfigError(f"give exactly one of --checkpoint DIR and --from_weight PATH.pth; got "
                           f"--checkpoint {args.checkpoint}, --from_weight {args.from_weight}")
-    config, _ = read_source(args)  # read whole: every key, shape and value checked (finite) before launch
+    config, _ = read_source(args, model)  # read whole: every key, shape and value checked (finite) before launch
     return config
 
 
@@ -48,12 +47,12 @@ def trained_length(args) -> int | None:
     return read_meta(args.checkpoint).get("extra", {}).get("max_seq_len")
 
 
-def read_source(args) -> tuple[MiniMindConfig, dict[str, torch.Tensor]]:
-    """(config, the dense model's state dict in float32) of the weights args name."""
+def read_source(args, model: MiniMindConfig | None) -> tuple[MiniMindConfig, dict[str, torch.Tensor]]:
+    """(config, the dense model's state dict in float32) of the weights args name; `model`: the
+    model of the model arguments, which a .pth is read against."""
     from ..interop import dense_state_dict, load_minimind_state_dict
     if args.checkpoint is not None:
         from ..checkpoint import read_dense_state
         config, state = read_dense_state(args.checkpoint)
         return config, dense_state_dict(state, config, source=args.checkpoint)
-    config = model_config(args)
-    return config, load_minimind_state_dict(args.from_weight, config)
+    return model, load_minimind_state_dict(args.from_weight, model)

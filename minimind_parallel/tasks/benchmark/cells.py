@@ -1,13 +1,14 @@
-"""The cells of a sweep: every (mode, swept value) pair, in run order, and what one cell runs
-with (its task args with the mode's preset applied, its layout, its rows per replica), built once
-per cell by `cell_run`."""
+"""The cells of a sweep: every (mode, swept value) pair, in run order, what one cell runs with
+(its task args with the mode's preset applied, its layout, its rows per replica), built once per
+cell by `cell_run` on the launcher's side, and the cell's own job (`cell_job`) its ranks are
+handed, from which they rebuild the same run (`job_run`) without resolving anything again."""
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ...config import ConfigError, ParallelConfig
-from ...options import MODES, apply_mode
+from ...job import Job, TaskOptions
+from ...options import MODES, apply_mode, model_config
 from ...training import DTYPES
 from .command import batch_policy
 
@@ -35,7 +36,7 @@ class CellRun:
     """One cell as it runs: its task args (one num_hidden_layers and seq_len, the mode's flags on),
     its layout and the sizes of one step the memory API takes (rows per DP replica per microbatch)."""
     cell: Cell
-    args: argparse.Namespace
+    args: TaskOptions
     par: ParallelConfig
     sizes: dict
 
@@ -56,13 +57,13 @@ def sweep_cells(args) -> list[Cell]:
             for value in getattr(args, swept) for mode in args.modes]
 
 
-def cell_args(args, cell: Cell) -> argparse.Namespace:
-    """The task args of one cell: its sizes, its mode's preset flags (options.Preset.apply: a mode
-    without tensor parallelism, ddp or pp, turns the TP flags off)."""
-    a = argparse.Namespace(**vars(args))
-    a.num_hidden_layers, a.seq_len = cell.num_hidden_layers, cell.seq_len
+def cell_args(args: TaskOptions, cell: Cell) -> TaskOptions:
+    """The task args of one cell: its mode alone, its sizes, its mode's preset flags
+    (options.Preset.apply: a mode without tensor parallelism, ddp or pp, turns the TP flags off)."""
+    a = args.namespace()
+    a.modes, a.num_hidden_layers, a.seq_len = [cell.mode], cell.num_hidden_layers, cell.seq_len
     apply_mode(a, cell.mode)
-    return a
+    return TaskOptions.of(a)
 
 
 def cell_parallel(launch, a, mode: str) -> ParallelConfig:
@@ -78,10 +79,27 @@ def rows_per_replica(kind: str, args, par: ParallelConfig, launch) -> int:
     return args.micro_batch_size * launch.dp_size // par.dp
 
 
-def cell_run(launch, args, kind: str, cell: Cell) -> CellRun:
-    """What `cell` runs with (see CellRun); the checks, the launcher's row and the ranks all read this."""
-    a = cell_args(args, cell)
-    par = cell_parallel(launch, a, cell.mode)
-    sizes = dict(seq_len=a.seq_len, micro_batch_size=rows_per_replica(kind, args, par, launch),
-                 dtype=DTYPES[args.dtype], num_microbatches=args.num_microbatches, schedule=args.pp_schedule)
-    return CellRun(cell, a, par, sizes)
+def step_sizes(job: Job, a: TaskOptions, par: ParallelConfig) -> dict:
+    """The sizes of one step of a cell (task args `a`, layout `par`) that the memory API takes."""
+    return dict(seq_len=a.seq_len, micro_batch_size=rows_per_replica(a.kind, a, par, job.launch),
+                dtype=DTYPES[a.dtype], num_microbatches=a.num_microbatches, schedule=a.pp_schedule)
+
+
+def cell_run(job: Job, cell: Cell) -> CellRun:
+    """What `cell` of the sweep's `job` runs with (see CellRun); the checks, the launcher's row and
+    the cell's job all read this."""
+    a = cell_args(job.task, cell)
+    par = cell_parallel(job.launch, a, cell.mode)
+    return CellRun(cell, a, par, step_sizes(job, a, par))
+
+
+def cell_job(job: Job, run: CellRun, *, report: str, profile_dir: str | None) -> Job:
+    """The job of one cell's ranks: its task args (with the cell, and where a profile goes), its model,
+    its layout, and `report`, where the first rank of every node writes the result."""
+    task = run.args.replace(cell=asdict(run.cell), profile_dir=profile_dir)
+    return replace(job, task=task, model=model_config(run.args), parallel=run.par, report=report)
+
+
+def job_run(job: Job) -> CellRun:
+    """On a rank: the run `cell_job` handed it (nothing resolved again)."""
+    return CellRun(Cell(**job.task.cell), job.task, job.parallel, step_sizes(job, job.task, job.parallel))

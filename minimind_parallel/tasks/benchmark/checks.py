@@ -5,14 +5,16 @@ from __future__ import annotations
 import re
 
 from ...config import ConfigError
+from ...job import Job
 from ...options import check_at_least, check_common, check_modes, check_number, check_resources
 from . import outputs
 from .cells import CellRun, cell_run, sweep_cells
-from .command import batch_policy, kind_of
+from .command import batch_policy
 
 
-def check_benchmark(launch, args, kind: str) -> list[CellRun]:
+def check_benchmark(job: Job) -> list[CellRun]:
     """Every constraint of every cell that does not depend on the machine; -> the cells' runs."""
+    launch, args, kind = job.launch, job.task, job.task.kind
     if args.estimate and kind != "memory":
         raise ConfigError(f"--estimate measures memory without running kernels; got --kind {kind}")
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", args.cuda_capability):
@@ -26,8 +28,8 @@ def check_benchmark(launch, args, kind: str) -> list[CellRun]:
     check_modes(args.modes, launch)
     cells = sweep_cells(args)
     check_nodes(launch, args, kind, cells)
-    runs = [cell_run(launch, args, kind, cell) for cell in cells]
-    check_common(launch, args, [(r.args, r.par) for r in runs],
+    runs = [cell_run(job, cell) for cell in cells]
+    check_common(job, [(r.args, r.par) for r in runs],
                  steps=None if args.estimate else ": use bfloat16, or --estimate", kernels=not args.estimate)
     for run in runs:
         check_batch_split(launch, args, kind, run)
@@ -56,10 +58,10 @@ def check_nodes(launch, args, kind: str, cells: list) -> None:
                           f"{launch.nnodes}")
 
 
-def check(launch, args) -> None:
+def check(job: Job) -> None:
     """check_benchmark, then what depends on the machine: the outputs can be written, the ranks fit."""
-    kind = kind_of(launch, args)
-    runs = check_benchmark(launch, args, kind)
-    outputs.check_paths(args, kind)
+    args = job.task
+    runs = check_benchmark(job)
+    outputs.check_paths(args, args.kind)
     if not args.estimate:
-        check_resources(launch, [(r.args, r.par) for r in runs], rows=[r.rows for r in runs])
+        check_resources(job.launch, [(r.args, r.par) for r in runs], rows=[r.rows for r in runs])

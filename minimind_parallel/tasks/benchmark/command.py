@@ -1,11 +1,13 @@
-"""The benchmark's command line: its task args, and the two choices they resolve to (the kind,
-given to the launcher or among the task args, and the batch policy the kind implies)."""
+"""The benchmark's command line: its task args, the sweep's job they resolve to, and the two
+choices they make (the kind, given to the launcher or among the task args and resolved once into
+the job, and the batch policy the kind implies)."""
 from __future__ import annotations
 
 import argparse
 
 from ...config import ConfigError
-from ...options import MODES, Parser, add_model_args
+from ...job import Job, LaunchOptions, TaskOptions
+from ...options import MODES, Parser, add_model_args, parallel_config
 
 BATCH_POLICIES = ("fixed_per_rank", "fixed_global")
 KINDS = ("memory", "throughput", "profile")
@@ -34,11 +36,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cell_timeout", type=float, default=None, metavar="SECONDS",
                    help="kill a cell's ranks after this long and record it as timed out (default: no limit)")
     p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run of the same name")
-    # Launcher -> worker plumbing and a test hook; not for users.
-    p.add_argument("--result_json", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
+    # A test hook; not for users.
     p.add_argument("--inject_oom", default=None, metavar="MODE:VALUE", help=argparse.SUPPRESS)
     return p
+
+
+def resolve(launch: LaunchOptions, args: argparse.Namespace, argv: tuple[str, ...]) -> Job:
+    """The sweep's job: its kind resolved; no one model (each cell has its own: cells.cell_job),
+    the launcher's layout."""
+    args.kind = kind_of(launch, args)
+    return Job(launch=launch, task=TaskOptions.of(args), model=None, parallel=parallel_config(launch, args),
+               argv=argv)
 
 
 def kind_of(launch, args) -> str:

@@ -5,6 +5,7 @@ predicted peak."""
 from __future__ import annotations
 
 from ... import memory
+from ...job import Job
 from ...memory.allocator import CudaSetup, predict_cuda_peak
 from ...options import model_config
 from . import outputs
@@ -17,7 +18,7 @@ def estimate_device(launch, args) -> str:
     return "cpu (estimate)"
 
 
-def estimate_cell(launch, args, run: CellRun, row: dict) -> None:
+def estimate_cell(job: Job, run: CellRun, row: dict) -> None:
     """Fill `row` with the cell's estimated peak (every stage: the worst CP rank of each, the last ones
     under the contiguous split; the worst stage is the cell's peak), or record why it failed."""
     config, par = model_config(run.args), run.par
@@ -28,8 +29,8 @@ def estimate_cell(launch, args, run: CellRun, row: dict) -> None:
         worst = max(reports, key=lambda r: r.peak_bytes)
         outputs.fill_memory(row, worst.peak_bytes, worst.breakdown)
         row["peak_mib_per_stage"] = " ".join(f"{r.peak_bytes / outputs.MIB:.2f}" for r in reports)
-        if launch.device == "cuda":
-            fill_cuda_allocator(row, args, config, par, run.sizes)
+        if job.launch.device == "cuda":
+            fill_cuda_allocator(row, job.task, config, par, run.sizes)
     except Exception as e:
         outputs.fail(row, e)
 

@@ -18,22 +18,22 @@ from ...data.batches import broadcast_batch, cp_tokens, dp_rows
 from ...device_sync import synchronize
 from ...files import atomic_path
 from ...groups import ProcessGroups, first_on_node
+from ...job import Job
 from ...model import MiniMindForCausalLM
-from ...options import collective_timeout, model_config
+from ...options import collective_timeout
 from ...training import DTYPES, build_parallel_model, make_optimizer, train_step, wrap_data_parallel
-from .cells import cell_run, sweep_cells
-from .command import kind_of
+from .cells import job_run
 from .profile import profile_cell
 
 
-def run_cell(launch, args, device) -> int:
-    """One cell on this rank: build, warm up, measure; the first rank of every node writes the result
-    JSON for its node's launcher (every rank holds the same result: `measure` gathers it)."""
-    kind = kind_of(launch, args)
-    run = cell_run(launch, args, kind, sweep_cells(args)[0])
-    cell, a, par = run.cell, run.args, run.par
-    config = model_config(a)
-    groups = ProcessGroups.build(par, timeout=collective_timeout(launch))
+def run_cell(job: Job, device) -> int:
+    """One cell on this rank (the cell's job, cells.cell_job): build, warm up, measure; the first rank
+    of every node writes the result JSON (the job's report) for its node's launcher (every rank holds
+    the same result: `measure` gathers it)."""
+    run = job_run(job)
+    cell, a, par, config = run.cell, run.args, run.par, job.model
+    args, kind = a, a.kind
+    groups = ProcessGroups.build(par, timeout=collective_timeout(job.launch))
     if args.inject_oom in (f"{cell.mode}:{cell.num_hidden_layers}", f"{cell.mode}:{cell.seq_len}"):  # test hook: a cell that dies the way a too-large one does
         raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in cell {cell.name}")
     torch.manual_seed(args.seed)
@@ -50,8 +50,8 @@ def run_cell(launch, args, device) -> int:
     result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, targets, args, device)
     global_tokens = run.rows * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
-    if first_on_node() and args.result_json:
-        with atomic_path(args.result_json) as tmp, open(tmp, "w") as f:
+    if first_on_node() and job.report:
+        with atomic_path(job.report) as tmp, open(tmp, "w") as f:
             json.dump(result, f)
     return 0
 

@@ -13,31 +13,32 @@ from tqdm import tqdm
 
 from ... import launcher, memory
 from ...files import new_file
-from ...options import model_config, parallel_config, program_name, resolve_device, split_argv
+from ...job import Job
+from ...options import model_config, program_name, resolve_device
 from ...pipeline_parallel import bubble_fraction
 from ...processes import Interrupted
 from . import outputs
-from .cells import Cell, CellRun, cell_run, sweep_cells
-from .command import batch_policy, kind_of
+from .cells import CellRun, cell_job, cell_run, sweep_cells
+from .command import batch_policy
 from .estimate import estimate_cell, estimate_device
 from .profile import cell_dir, compare_cells
 
 
-def run_benchmark(launch, args, argv: list[str]) -> int:
+def run_benchmark(job: Job) -> int:
     """Run every cell (checked by `checks.check`); returns 0 when every cell succeeded, 1 otherwise. SIGINT or
     SIGTERM (processes.Interrupted) ends the running cell's processes, records the cell as
     interrupted, writes every output with the finished rows, then passes the interruption on."""
-    kind = kind_of(launch, args)
+    launch, args, kind = job.launch, job.task, job.task.kind
     cells = sweep_cells(args)
     paths = outputs.claim_paths(args, kind)
     if kind == "throughput" and args.batch_policy == "fixed_per_rank":
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
     device = estimate_device(launch, args) if args.estimate else resolve_device(launch)
-    meta = dict(command=[*program_name().split(), *argv], kind=kind, device=device,
+    meta = dict(command=[*program_name().split(), *job.argv], kind=kind, device=device,
                 swept=cells[0].swept, batch_policy=batch_policy(kind, args))
     print(f"benchmark: kind={kind} device={device} modes={' '.join(args.modes)} "
           f"{cells[0].swept}={getattr(args, cells[0].swept)} batch_policy={meta['batch_policy']} "
-          f"dtype={args.dtype} world={parallel_config(launch, args).world_size}", flush=True)
+          f"dtype={args.dtype} world={job.parallel.world_size}", flush=True)
     table = outputs.Table(cells[0].swept, kind)
     results: list[dict] = []
     bar = tqdm(cells, desc="benchmark", unit="cell", file=sys.stderr, dynamic_ncols=True)
@@ -54,15 +55,15 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     try:
         for cell in bar:
             bar.set_postfix_str(cell.name)
-            run = cell_run(launch, args, kind, cell)
-            row = new_cell_row(launch, args, kind, run)
-            run_one(launch, args, argv, run, row, paths)
+            run = cell_run(job, cell)
+            row = new_cell_row(job, run)
+            run_one(job, run, row, paths)
             record(row)
     except Interrupted as e:  # the cell's processes are gone (launcher.run_torchrun); keep what finished
         interrupted = e
         if len(results) < len(cells):  # the cell running, or about to start, when the signal came
             if row is None or any(r is row for r in results):
-                row = new_cell_row(launch, args, kind, cell_run(launch, args, kind, cells[len(results)]))
+                row = new_cell_row(job, cell_run(job, cells[len(results)]))
             row["status"], row["reason"] = "interrupted", f"{e}; the cell's processes were ended"
             record(row)
     bar.close()
@@ -82,12 +83,12 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-def new_cell_row(launch, args, kind: str, run: CellRun) -> dict:
+def new_cell_row(job: Job, run: CellRun) -> dict:
     """The cell's row before it runs: its sizes and the analytic prediction."""
-    par = run.par
-    row = outputs.new_row(kind, run.cell, par, run.args, run.rows * par.dp, estimate=args.estimate)
+    par, args = run.par, job.task
+    row = outputs.new_row(args.kind, run.cell, par, run.args, run.rows * par.dp, estimate=args.estimate)
     try:  # a missing prediction must not lose the measurement
-        device = "cpu" if args.estimate else resolve_device(launch)
+        device = "cpu" if args.estimate else resolve_device(job.launch)
         pred = memory.predict_memory(model_config(run.args), par, device=device, **run.sizes)
         row["predicted_mib"] = pred.peak_bytes / outputs.MIB
         row["predicted_mib_per_stage"] = " ".join(f"{b / outputs.MIB:.2f}" for b in pred.per_stage)
@@ -96,29 +97,24 @@ def new_cell_row(launch, args, kind: str, run: CellRun) -> dict:
     return row
 
 
-def run_one(launch, args, argv, run: CellRun, row: dict, paths) -> None:
+def run_one(job: Job, run: CellRun, row: dict, paths) -> None:
     """Run one cell and fill its row (status ok / oom / failed / timeout, with the reason)."""
-    if args.estimate:
-        estimate_cell(launch, args, run, row)
+    if job.task.estimate:
+        estimate_cell(job, run, row)
     else:
-        launch_cell(launch, argv, run.cell, run.par, run.args.async_communication, row, paths,
-                    timeout=args.cell_timeout)
+        launch_cell(job, run, row, paths, timeout=job.task.cell_timeout)
 
 
-def launch_cell(launch, argv, cell: Cell, par, async_communication: bool, row: dict, paths, *,
-                timeout: float | None = None) -> None:
-    """The cell's torchrun job: the same command line narrowed to this cell, plus where to put the result;
-    killed after `timeout` seconds (recorded as timed out). Its log never replaces an earlier run's."""
+def launch_cell(job: Job, run: CellRun, row: dict, paths, *, timeout: float | None = None) -> None:
+    """The cell's torchrun job: the sweep's job narrowed to this cell (cells.cell_job), with where to put
+    the result; killed after `timeout` seconds (recorded as timed out). Its log never replaces an earlier run's."""
+    cell, par = run.cell, run.par
     with new_file(os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")) as log_file, \
             tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        head, tail = split_argv(argv)
-        worker_argv = [*head, "--", *tail, "--modes", cell.mode, "--num_hidden_layers", str(cell.num_hidden_layers),
-                       "--seq_len", str(cell.seq_len), "--result_json", result_path]
-        if row["kind"] == "profile":
-            worker_argv += ["--profile_dir", cell_dir(paths.csv, cell)]
-        code = launcher.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication,
-                                     log=log_file.tmp, timeout=timeout)
+        profile_dir = cell_dir(paths.csv, cell) if row["kind"] == "profile" else None
+        code = launcher.run_job(cell_job(job, run, report=result_path, profile_dir=profile_dir),
+                                log=log_file.tmp, timeout=timeout)
         result = None
         if os.path.exists(result_path):
             with open(result_path) as f:
