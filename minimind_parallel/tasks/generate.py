@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..config import DTYPES
 from ..options import Parser, add_model_args, check_world
-from ..training import DTYPES
 from .task import Task, launch_once
 from .weights import add_source_args, check_source, read_source, trained_length
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from ..task import Task
 from .checks import check
-from .command import KINDS, parser
+from .command import Kind, parser
 from .rank import run_cell
 from .sweep import run_benchmark
 
-TASK = Task(name="benchmark", parser=parser, check=check, launch=run_benchmark, run_rank=run_cell, kinds=KINDS)
+TASK = Task(name="benchmark", parser=parser, check=check, launch=run_benchmark, run_rank=run_cell, kinds=Kind.values())

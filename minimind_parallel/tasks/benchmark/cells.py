@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ...config import ConfigError, ParallelConfig
+from ...config import DTYPES, ConfigError, ParallelConfig
 from ...options import MODES, apply_mode
-from ...training import DTYPES
-from .command import batch_policy
+from .command import BatchPolicy, Kind, batch_policy
 
 SWEEPABLE = ("num_hidden_layers", "seq_len")
 
@@ -71,14 +70,14 @@ def cell_parallel(launch, a, mode: str) -> ParallelConfig:
     return MODES[mode].parallel(launch, a)
 
 
-def rows_per_replica(kind: str, args, par: ParallelConfig, launch) -> int:
+def rows_per_replica(kind: Kind, args, par: ParallelConfig, launch) -> int:
     """Rows of one microbatch on each DP replica of the cell's layout `par`."""
-    if batch_policy(kind, args) == "fixed_per_rank":
+    if batch_policy(kind, args) is BatchPolicy.FIXED_PER_RANK:
         return args.micro_batch_size
     return args.micro_batch_size * launch.dp_size // par.dp
 
 
-def cell_run(launch, args, kind: str, cell: Cell) -> CellRun:
+def cell_run(launch, args, kind: Kind, cell: Cell) -> CellRun:
     """What `cell` runs with (see CellRun); the checks, the launcher's row and the ranks all read this."""
     a = cell_args(args, cell)
     par = cell_parallel(launch, a, cell.mode)

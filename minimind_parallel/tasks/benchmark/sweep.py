@@ -18,8 +18,9 @@ from ...pipeline_parallel import bubble_fraction
 from ...processes import Interrupted
 from . import outputs
 from .cells import Cell, CellRun, cell_run, sweep_cells
-from .command import batch_policy, kind_of
+from .command import BatchPolicy, Kind, batch_policy, kind_of
 from .estimate import estimate_cell, estimate_device
+from .outputs import Status
 from .profile import cell_dir, compare_cells
 
 
@@ -30,7 +31,7 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     kind = kind_of(launch, args)
     cells = sweep_cells(args)
     paths = outputs.claim_paths(args, kind)
-    if kind == "throughput" and args.batch_policy == "fixed_per_rank":
+    if kind is Kind.THROUGHPUT and args.batch_policy is BatchPolicy.FIXED_PER_RANK:
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
     device = estimate_device(launch, args) if args.estimate else resolve_device(launch)
     meta = dict(command=[*program_name().split(), *argv], kind=kind, device=device,
@@ -63,16 +64,16 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
         if len(results) < len(cells):  # the cell running, or about to start, when the signal came
             if row is None or any(r is row for r in results):
                 row = new_cell_row(launch, args, kind, cell_run(launch, args, kind, cells[len(results)]))
-            row["status"], row["reason"] = "interrupted", f"{e}; the cell's processes were ended"
+            row["status"], row["reason"] = Status.INTERRUPTED, f"{e}; the cell's processes were ended"
             record(row)
     bar.close()
     outputs.write_csv(paths.csv, results)  # again: an interruption may have come while they were written
     outputs.write_json(paths.json, results, meta)
     outputs.write_plot(paths.plot, results, cells[0].swept)
-    if kind == "profile":  # traces and reports of this run's finished cells; here the modes side by side
-        done = [cell for cell, r in zip(cells, results) if r["status"] == "ok"]
+    if kind is Kind.PROFILE:  # traces and reports of this run's finished cells; here the modes side by side
+        done = [cell for cell, r in zip(cells, results) if r["status"] == Status.OK]
         print(compare_cells(paths.csv, done) or "benchmark: no profile finished")
-    failed = [r for r in results if r["status"] != "ok"]
+    failed = [r for r in results if r["status"] != Status.OK]
     if outputs.noise_note(results):
         print(outputs.noise_note(results))
     print(f"benchmark: {len(results) - len(failed)} of {len(results)} cells ok; wrote {paths.csv}, {paths.json}, "
@@ -82,7 +83,7 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-def new_cell_row(launch, args, kind: str, run: CellRun) -> dict:
+def new_cell_row(launch, args, kind: Kind, run: CellRun) -> dict:
     """The cell's row before it runs: its sizes and the analytic prediction."""
     par = run.par
     row = outputs.new_row(kind, run.cell, par, run.args, run.rows * par.dp, estimate=args.estimate)
@@ -115,7 +116,7 @@ def launch_cell(launch, argv, cell: Cell, par, async_communication: bool, row: d
         head, tail = split_argv(argv)
         worker_argv = [*head, "--", *tail, "--modes", cell.mode, "--num_hidden_layers", str(cell.num_hidden_layers),
                        "--seq_len", str(cell.seq_len), "--result_json", result_path]
-        if row["kind"] == "profile":
+        if row["kind"] == Kind.PROFILE:
             worker_argv += ["--profile_dir", cell_dir(paths.csv, cell)]
         code = launcher.run_torchrun(launch, par.world_size, worker_argv, async_communication=async_communication,
                                      log=log_file.tmp, timeout=timeout)
@@ -125,7 +126,7 @@ def launch_cell(launch, argv, cell: Cell, par, async_communication: bool, row: d
                 result = json.load(f)
     log = log_file.path
     if code == launcher.TIMED_OUT:
-        row["status"], row["reason"] = "timeout", f"ranks killed after --cell_timeout {timeout:g} s (log: {log})"
+        row["status"], row["reason"] = Status.TIMEOUT, f"ranks killed after --cell_timeout {timeout:g} s (log: {log})"
         return
     if code != 0 or result is None:
         row["status"], row["reason"] = outputs.failure_from_log(log, code)
