@@ -61,7 +61,7 @@ class Recompute(Choice):
     @property
     def lean(self) -> bool:
         """The selective pieces run in `selective` and inside `full`."""
-        return self is not Recompute.NONE
+        return self != Recompute.NONE
 
 
 class ConfigError(ValueError):
@@ -195,7 +195,7 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
 
 def check_recompute(par: ParallelConfig) -> None:
     """--recompute names a mode; --loss_chunks is a count."""
-    if not isinstance(par.recompute, Recompute):
+    if par.recompute not in Recompute.values():
         raise ConfigError(f"recompute must be one of {', '.join(Recompute.values())}; got {par.recompute!r}")
     if par.loss_chunks < 1:
         raise ConfigError(f"loss_chunks must be >= 1; got loss_chunks={par.loss_chunks}")
@@ -203,9 +203,9 @@ def check_recompute(par: ParallelConfig) -> None:
 
 def check_context_parallel(model: MiniMindConfig, par: ParallelConfig) -> None:
     """The comm type, and a2a's heads: every TP rank's query and kv heads split over the CP group."""
-    if not isinstance(par.cp_comm_type, CPCommType):
+    if par.cp_comm_type not in CPCommType.values():
         raise ConfigError(f"cp_comm_type must be one of {', '.join(CPCommType.values())}; got {par.cp_comm_type!r}")
-    if par.cp > 1 and par.cp_comm_type is CPCommType.A2A:
+    if par.cp > 1 and par.cp_comm_type == CPCommType.A2A:
         heads, kv = model.num_attention_heads // par.tp, model.num_key_value_heads // par.tp
         if heads % par.cp or kv % par.cp:
             raise ConfigError(f"--cp_comm_type a2a needs the query and kv heads of each TP rank divisible by "

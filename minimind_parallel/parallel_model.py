@@ -104,7 +104,7 @@ class ParallelBlock(nn.Module):
         self.input_layernorm = build_layer(LAYER + "input_layernorm.weight", c, par, group)
         self.post_attention_layernorm = build_layer(LAYER + "post_attention_layernorm.weight", c, par, group)
         self.mlp = ParallelMLP(c, par, group)
-        self.norm_recompute = par.recompute is Recompute.SELECTIVE   # under `full` the checkpoint's hooks rule
+        self.norm_recompute = par.recompute == Recompute.SELECTIVE   # under `full` the checkpoint's hooks rule
 
     def forward(self, h, cos, sin, layout: ContextLayout | None = None):
         if not self.norm_recompute:
@@ -130,7 +130,7 @@ class ParallelMiniMindModel(nn.Module):
         super().__init__()
         self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
         self.seq_shards = par.sequence_shards
-        self.checkpoint = par.recompute is Recompute.FULL
+        self.checkpoint = par.recompute == Recompute.FULL
         self.par, self.cp_rank = par, cp_rank
         self.embed_tokens = build_layer("model.embed_tokens.weight", c, par, group) if embedding else None
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.

@@ -64,7 +64,7 @@ def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
     tp, pp = rng.choice([1, 2]), rng.choice([1, 1, 2])
     cp = rng.choice([1, 2, 2, 4])
     comm = rng.choice(list(CPCommType))
-    if c.num_key_value_heads % (tp * (cp if comm is CPCommType.A2A else 1)):
+    if c.num_key_value_heads % (tp * (cp if comm == CPCommType.A2A else 1)):
         return None
     sp = tp > 1 and par.sequence_parallel
     par = replace(par, tp=tp, pp=pp, cp=cp, cp_comm_type=comm, cp_load_balance=rng.random() < 0.6,

@@ -168,7 +168,7 @@ def check(launch, args) -> None:
     check_fits_model(tokenizer_vocab=tok.vocab_size, model_vocab=config.vocab_size, max_seq_len=args.seq_len,
                      max_positions=config.max_position_embeddings)
     check_common(launch, args, [(args, par)], sizes=("micro_batch_size", "num_microbatches"),
-                 steps=(" with --precision pure: use --precision mixed" if args.precision is PrecisionMode.PURE
+                 steps=(" with --precision pure: use --precision mixed" if args.precision == PrecisionMode.PURE
                         else None))
     check_data(args, tok, par)
     check_outputs(args, config)

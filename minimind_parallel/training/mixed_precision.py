@@ -41,7 +41,7 @@ class Precision:
         mode = PrecisionMode.parse(mode)
         if not isinstance(mode, PrecisionMode):
             raise ValueError(f"precision must be one of {', '.join(PrecisionMode.values())}; got {mode!r}")
-        param = torch.float32 if mode is PrecisionMode.MIXED and dtype in HALF else dtype
+        param = torch.float32 if mode == PrecisionMode.MIXED and dtype in HALF else dtype
         return cls(param_dtype=param, compute_dtype=dtype, device_type=torch.device(device).type)
 
     @property

@@ -174,7 +174,7 @@ def backward_moments(s: StageSizes) -> dict[str, tuple[int, int, int]]:
         top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
                "post_norm_backward": _post_norm_backward(s)}
     if s.par.cp > 1:
-        top["attention_backward"] = (ring_attention_backward(s) if s.par.cp_comm_type is CPCommType.RING
+        top["attention_backward"] = (ring_attention_backward(s) if s.par.cp_comm_type == CPCommType.RING
                                     else chunked_attention_backward(s))
     inner.update(top)
     if s.layers > 1:

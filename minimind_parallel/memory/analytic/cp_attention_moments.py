@@ -54,7 +54,7 @@ def chunked_attention_backward(s: StageSizes) -> tuple[int, int, int]:
     b, f, n, c = s.b, s.f, s.n, s.par.cp
     h, kv, d = s.heads, s.kv_heads, s.head_dim
     upcast = b != f
-    gather = s.par.cp_comm_type is CPCommType.ALL_GATHER
+    gather = s.par.cp_comm_type == CPCommType.ALL_GATHER
     kv_elems = (c * n * kv * d) if gather else n * kv * d   # k (or v) of the Function
     h_fn, kv_fn = (h, kv) if gather else (h // c, kv // c)
     chunks = 2 * c if s.par.cp_load_balance else c

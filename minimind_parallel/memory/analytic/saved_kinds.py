@@ -58,7 +58,7 @@ def target_copy(micro_batch_size: int, tokens: int) -> int:
 def norm_output_recomputed(par: ParallelConfig) -> bool:
     """--recompute selective where the column-parallel linears save the norm output itself (plain
     TP, SP + async): it is re-made from the norm's input in backward, not kept."""
-    return par.recompute is Recompute.SELECTIVE and (not par.sequence_parallel or par.async_communication)
+    return par.recompute == Recompute.SELECTIVE and (not par.sequence_parallel or par.async_communication)
 
 
 def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
@@ -90,7 +90,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         "mlp": (2 if lean else 4) * b * n * inter,       # lean: gate and up
         # full: what a block keeps between its forward and its backward (the kinds above are then
         # what the block re-creates while its backward runs)
-        "checkpoint_input": b * nn_ * hid if par.recompute is Recompute.FULL else 0,
+        "checkpoint_input": b * nn_ * hid if par.recompute == Recompute.FULL else 0,
     }
     if vp:
         head_input = b * (n // t) * hid if (sp and par.async_communication) else b * n * hid
@@ -129,7 +129,7 @@ def _attention_kinds(par: ParallelConfig, *, b: int, f: int, n: int, heads: int,
         return {"attention_q": b * n * heads * d,
                 "attention_kv": 2 * b * n * (heads if kv > 1 and not lean else kv) * d,
                 "attention_out": b * n * heads * d + 4 * n * heads}
-    kv_tokens = n * par.cp if par.cp_comm_type is CPCommType.ALL_GATHER else n
+    kv_tokens = n * par.cp if par.cp_comm_type == CPCommType.ALL_GATHER else n
     return {"attention_q": b * n * heads * d,
             "attention_kv": 2 * b * kv_tokens * kv * d,
             "attention_out": 2 * b * n * heads * d + f * n * heads}

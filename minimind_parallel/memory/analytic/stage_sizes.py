@@ -60,7 +60,7 @@ class StageSizes:
     @property
     def block(self) -> int:
         """One block's activations of one microbatch, held to its backward (full: its input)."""
-        if self.par.recompute is Recompute.FULL:
+        if self.par.recompute == Recompute.FULL:
             return self.kinds["block.checkpoint_input"]
         return sum(v for k, v in self.kinds.items() if k.startswith("block."))
 
@@ -77,7 +77,7 @@ class StageSizes:
     def recomputed(self) -> int:
         """--recompute full: what a block's re-run forward saves again, alive in its backward
         (kept by the checkpoint's own saved-tensor hooks: temporaries to the tracker)."""
-        if self.par.recompute is not Recompute.FULL:
+        if self.par.recompute != Recompute.FULL:
             return 0
         # the input norm's saved input is the block's input: the checkpoint's, already held
         return (sum(v for k, v in self.kinds.items() if k.startswith("block.") and k != "block.checkpoint_input")
@@ -105,7 +105,7 @@ class StageSizes:
         norm saves its fp32 copy instead) and the sent output, deallocated to one element."""
         b = self.b
         # the lean norm saves the received input itself (an activation, in its kind)
-        upcast_only = b != self.f and self.par.recompute is Recompute.NONE
+        upcast_only = b != self.f and self.par.recompute == Recompute.NONE
         sent = self.cp_scaled_loss if self.last else b
         return (b * self.nn * self.hid if not self.first and upcast_only else 0) + sent
 
@@ -198,6 +198,6 @@ def top_block_saved(s: StageSizes, freed: int) -> tuple[int, int]:
     """In the top block's backward, `freed` bytes of its saved tensors released: (activations,
     re-made tensors). --recompute full: the block's re-run saved them, under the checkpoint's
     own hooks, so they are temporaries to the tracker; otherwise activations."""
-    if s.par.recompute is Recompute.FULL:
+    if s.par.recompute == Recompute.FULL:
         return top_block_acts(s), s.recomputed - freed
     return top_block_acts(s) - freed, 0

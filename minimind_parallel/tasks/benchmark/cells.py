@@ -72,7 +72,7 @@ def cell_parallel(launch, a, mode: str) -> ParallelConfig:
 
 def rows_per_replica(kind: Kind, args, par: ParallelConfig, launch) -> int:
     """Rows of one microbatch on each DP replica of the cell's layout `par`."""
-    if batch_policy(kind, args) is BatchPolicy.FIXED_PER_RANK:
+    if batch_policy(kind, args) == BatchPolicy.FIXED_PER_RANK:
         return args.micro_batch_size
     return args.micro_batch_size * launch.dp_size // par.dp
 

@@ -13,7 +13,7 @@ from .command import BatchPolicy, Kind, batch_policy, kind_of
 
 def check_benchmark(launch, args, kind: Kind) -> list[CellRun]:
     """Every constraint of every cell that does not depend on the machine; -> the cells' runs."""
-    if args.estimate and kind is not Kind.MEMORY:
+    if args.estimate and kind != Kind.MEMORY:
         raise ConfigError(f"--estimate measures memory without running kernels; got --kind {kind}")
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", args.cuda_capability):
         raise ConfigError(f"--cuda_capability is MAJOR.MINOR (e.g. 9.0); got {args.cuda_capability!r}")
@@ -36,7 +36,7 @@ def check_benchmark(launch, args, kind: Kind) -> list[CellRun]:
 
 def check_batch_split(launch, args, kind: Kind, run: CellRun) -> None:
     global_batch = args.micro_batch_size * launch.dp_size
-    if batch_policy(kind, args) is BatchPolicy.FIXED_GLOBAL and global_batch % run.par.dp:
+    if batch_policy(kind, args) == BatchPolicy.FIXED_GLOBAL and global_batch % run.par.dp:
         raise ConfigError(f"fixed_global: the global batch must split evenly over the data-parallel ranks of mode "
                           f"{run.cell.mode}; got global batch={global_batch} (micro_batch_size x dp_size), "
                           f"dp={run.par.dp}")
@@ -51,7 +51,7 @@ def check_nodes(launch, args, kind: Kind, cells: list) -> None:
         raise ConfigError(f"on several nodes a benchmark runs one cell (one rendezvous of every node): give one "
                           f"mode and one value per command; got --nnodes {launch.nnodes} and {len(cells)} cells "
                           f"({' '.join(c.name for c in cells)})")
-    if kind is Kind.PROFILE:
+    if kind == Kind.PROFILE:
         raise ConfigError(f"--kind profile runs on one node (its traces and report are rank 0's); got --nnodes "
                           f"{launch.nnodes}")
 

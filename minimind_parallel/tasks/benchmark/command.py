@@ -57,12 +57,12 @@ def parser() -> argparse.ArgumentParser:
 def kind_of(launch, args) -> Kind:
     """The kind given to the launcher or among the task args (the same one if both), else memory."""
     given = Kind(launch.kind) if launch.kind else None   # the launcher's --kind, a name among the tasks' kinds
-    if given and args.kind and given is not args.kind:
+    if given and args.kind and given != args.kind:
         raise ConfigError(f"--kind given twice with different values; got {given} and {args.kind}")
     return args.kind or given or Kind.MEMORY
 
 
 def batch_policy(kind: Kind, args) -> BatchPolicy:
-    if kind is Kind.THROUGHPUT:
+    if kind == Kind.THROUGHPUT:
         return BatchPolicy.FIXED_GLOBAL
     return args.batch_policy or BatchPolicy.FIXED_PER_RANK

@@ -67,7 +67,7 @@ def output_paths(args, stem: str) -> Paths:
 def written(paths: Paths, kind: Kind) -> dict[str, str]:
     """What a run writes, by the option (or the description) that names it; the logs are never replaced."""
     out = {"--output_csv": paths.csv, "--output_json": paths.json, "--output_plot": paths.plot}
-    if kind is Kind.PROFILE:
+    if kind == Kind.PROFILE:
         stem = os.path.splitext(paths.csv)[0]
         out.update({"the profile comparison": stem + "_profile.json", "the profile timeline": stem + "_timeline.png"})
     return out

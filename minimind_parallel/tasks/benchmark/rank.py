@@ -48,7 +48,7 @@ def run_cell(launch, args, device) -> int:
     batch = dp_rows(broadcast_batch(run.rows * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
                                     args.seed + 1, device), groups.dp_rank, par.dp)
     ids, targets = cp_tokens(batch, ContextLayout.of(par, a.seq_len), groups.cp_rank)  # [rows, S/C]
-    result = (profile if kind is Kind.PROFILE else measure)(kind, model, optimizer, groups, ids, targets, args, device)
+    result = (profile if kind == Kind.PROFILE else measure)(kind, model, optimizer, groups, ids, targets, args, device)
     global_tokens = run.rows * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
     if first_on_node() and args.result_json:
@@ -75,7 +75,7 @@ def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
     for _ in range(args.warmup_iters):
         timed_step()
     del steps[:]
-    meter = memory.MemoryMeter(device, model, optimizer) if kind is Kind.MEMORY else None
+    meter = memory.MemoryMeter(device, model, optimizer) if kind == Kind.MEMORY else None
     with meter or nullcontext():
         times = [timed_step() for _ in range(args.benchmark_iters)]
     mine = {"step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),

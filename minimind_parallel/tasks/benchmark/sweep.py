@@ -31,7 +31,7 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     kind = kind_of(launch, args)
     cells = sweep_cells(args)
     paths = outputs.claim_paths(args, kind)
-    if kind is Kind.THROUGHPUT and args.batch_policy is BatchPolicy.FIXED_PER_RANK:
+    if kind == Kind.THROUGHPUT and args.batch_policy == BatchPolicy.FIXED_PER_RANK:
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
     device = estimate_device(launch, args) if args.estimate else resolve_device(launch)
     meta = dict(command=[*program_name().split(), *argv], kind=kind, device=device,
@@ -70,7 +70,7 @@ def run_benchmark(launch, args, argv: list[str]) -> int:
     outputs.write_csv(paths.csv, results)  # again: an interruption may have come while they were written
     outputs.write_json(paths.json, results, meta)
     outputs.write_plot(paths.plot, results, cells[0].swept)
-    if kind is Kind.PROFILE:  # traces and reports of this run's finished cells; here the modes side by side
+    if kind == Kind.PROFILE:  # traces and reports of this run's finished cells; here the modes side by side
         done = [cell for cell, r in zip(cells, results) if r["status"] == Status.OK]
         print(compare_cells(paths.csv, done) or "benchmark: no profile finished")
     failed = [r for r in results if r["status"] != Status.OK]
