@@ -5,15 +5,63 @@ bad input with one clear line before any process starts.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
+import torch
 
-# The context-parallel attention paths (`--cp_comm_type`, see context_parallel/attention.py).
-CP_COMM_TYPES = ("all_gather", "a2a", "ring")
+# A dtype by the name the command line gives it (--dtype); every name -> dtype lookup reads this.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
-# What a block keeps for backward (`--recompute`, see minimind_parallel/recompute/).
-RECOMPUTE_MODES = ("none", "selective", "full")
+
+class Choice(str, enum.Enum):
+    """A value of a command-line choice (--recompute, --cp_comm_type, --pp_schedule, ...): a str,
+    so it equals, hashes, formats and writes to JSON / CSV as its text ("full"), and code compares
+    members, never text. argparse takes it as `type=X.parse, choices=X.values()`."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    __hash__ = str.__hash__   # a member and its text are one dict key
+
+    @classmethod
+    def parse(cls, text):
+        """The member named `text`, or `text` unchanged when none is (argparse's `choices`, or the
+        config's check, then refuses it in one line)."""
+        try:
+            return cls(text)
+        except ValueError:
+            return text
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every member's text, in order (argparse's `choices`, error messages)."""
+        return tuple(m.value for m in cls)
+
+
+class CPCommType(Choice):
+    """How attention crosses the CP group (`--cp_comm_type`, see context_parallel/attention.py)."""
+
+    ALL_GATHER = "all_gather"   # gather K/V
+    A2A = "a2a"                 # all-to-all of heads (Ulysses)
+    RING = "ring"               # K/V blocks passed round the ring (p2p)
+
+
+class Recompute(Choice):
+    """What a block keeps for backward (`--recompute`, see minimind_parallel/recompute/)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"     # lean norms, GQA without copies, SwiGLU recompute
+    FULL = "full"               # the selective pieces, and a checkpoint of every block
+
+    @property
+    def lean(self) -> bool:
+        """The selective pieces run in `selective` and inside `full`."""
+        return self != Recompute.NONE
 
 
 class ConfigError(ValueError):
@@ -60,14 +108,25 @@ class ParallelConfig:
     async_communication: bool = False
     shared_sp_gather: bool = False
     vocab_parallel: bool = False
-    recompute: str = "none"         # none | selective (lean norms, GQA, SwiGLU) | full (+ per-block checkpoint)
+    recompute: Recompute = Recompute.NONE   # none | selective (lean norms, GQA, SwiGLU) | full (+ per-block checkpoint)
     loss_chunks: int = 1            # lm_head + cross entropy over this many token chunks
-    cp_comm_type: str = "all_gather"    # how attention crosses the CP group: all_gather | a2a | ring
+    cp_comm_type: CPCommType = CPCommType.ALL_GATHER   # how attention crosses the CP group: all_gather | a2a | ring
     cp_load_balance: bool = True       # 2C chunks, rank i holding i and 2C-1-i (else C contiguous)
+
+    def __post_init__(self):
+        # text (a test, a JSON config) becomes the member; an unknown name stays for check_layout to refuse
+        self.recompute = Recompute.parse(self.recompute)
+        self.cp_comm_type = CPCommType.parse(self.cp_comm_type)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many pieces the sequence of a CP rank is cut into between the TP blocks: T under
+        sequence parallelism ([S/T, B, H]), else 1 ([S, B, H])."""
+        return self.tp if self.sequence_parallel else 1
 
 
 def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | None = None) -> None:
@@ -136,17 +195,17 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
 
 def check_recompute(par: ParallelConfig) -> None:
     """--recompute names a mode; --loss_chunks is a count."""
-    if par.recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {par.recompute!r}")
+    if par.recompute not in Recompute.values():
+        raise ConfigError(f"recompute must be one of {', '.join(Recompute.values())}; got {par.recompute!r}")
     if par.loss_chunks < 1:
         raise ConfigError(f"loss_chunks must be >= 1; got loss_chunks={par.loss_chunks}")
 
 
 def check_context_parallel(model: MiniMindConfig, par: ParallelConfig) -> None:
     """The comm type, and a2a's heads: every TP rank's query and kv heads split over the CP group."""
-    if par.cp_comm_type not in CP_COMM_TYPES:
-        raise ConfigError(f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}; got {par.cp_comm_type!r}")
-    if par.cp > 1 and par.cp_comm_type == "a2a":
+    if par.cp_comm_type not in CPCommType.values():
+        raise ConfigError(f"cp_comm_type must be one of {', '.join(CPCommType.values())}; got {par.cp_comm_type!r}")
+    if par.cp > 1 and par.cp_comm_type == CPCommType.A2A:
         heads, kv = model.num_attention_heads // par.tp, model.num_key_value_heads // par.tp
         if heads % par.cp or kv % par.cp:
             raise ConfigError(f"--cp_comm_type a2a needs the query and kv heads of each TP rank divisible by "
@@ -161,7 +220,7 @@ def check_context_split(par: ParallelConfig, seq_len: int) -> None:
     if par.cp == 1:
         return
     chunks = 2 * par.cp if par.cp_load_balance else par.cp
-    shards = par.tp if par.sequence_parallel else 1
+    shards = par.sequence_shards
     if seq_len % (chunks * shards):
         what = f"{chunks} chunks (2 x cp_size)" if par.cp_load_balance else f"{chunks} chunks (cp_size, no load balance)"
         sp = f" x tp_size={par.tp} under --sequence_parallel" if shards > 1 else ""

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, MiniMindConfig
-from .data.batches import shift_labels
+from .data.batches import IGNORE_INDEX, shift_labels
 
 
 @dataclass
@@ -77,7 +77,7 @@ def repeat_kv(x, n_rep: int):
 def next_token_cross_entropy(logits, targets):
     """Mean loss over the target tokens: logits [B, S, V] against targets [B, S], the next token
     of every position, -100 where nothing is predicted (`data.batches.shift_labels`)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 class Attention(nn.Module):

@@ -11,9 +11,9 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
-from .config import CP_COMM_TYPES, RECOMPUTE_MODES, ConfigError, MiniMindConfig, ParallelConfig, check_layout
+from .config import DTYPES, ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
+from .pipeline_parallel.order import Schedule
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 # What one CPU rank holds before any model: a Python process with torch and gloo (about 230 MiB
 # resident: scripts/rank_process_rss.py), rounded up. A node starts a rank per this much available memory at most.
 RANK_PROCESS_BYTES = 256 * 2**20
@@ -89,9 +89,9 @@ PRESETS = (
     Preset("tp_vp", tp=True, flags=dict(vocab_parallel=True)),
     Preset("tp_sp_async_vp", tp=True, flags={**SP_ASYNC, "vocab_parallel": True}),
     # what a block keeps for backward (`--recompute`, minimind_parallel/recompute/)
-    Preset("tp_sp_async_lean", tp=True, flags={**SP_ASYNC, "recompute": "selective"}),
-    Preset("tp_sp_async_full", tp=True, flags={**SP_ASYNC, "recompute": "full"}),
-    Preset("tp_sp_async_lean_chunked", tp=True, flags={**SP_ASYNC, "recompute": "selective", "loss_chunks": 8}),
+    Preset("tp_sp_async_lean", tp=True, flags={**SP_ASYNC, "recompute": Recompute.SELECTIVE}),
+    Preset("tp_sp_async_full", tp=True, flags={**SP_ASYNC, "recompute": Recompute.FULL}),
+    Preset("tp_sp_async_lean_chunked", tp=True, flags={**SP_ASYNC, "recompute": Recompute.SELECTIVE, "loss_chunks": 8}),
     # stages from --pp_size, schedule from --pp_schedule
     Preset("pp", pp=True),
     Preset("tp_pp", tp=True, pp=True),
@@ -166,20 +166,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "default to it, benchmark and validate to two matrices as the book's runs)")
     p.add_argument("--micro_batch_size", type=int, default=2)
     p.add_argument("--num_microbatches", type=int, default=1)
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--sequence_parallel", action="store_true")
     p.add_argument("--async_communication", action="store_true")
     p.add_argument("--shared_sp_gather", action="store_true")
     p.add_argument("--vocab_parallel", action="store_true")
-    p.add_argument("--pp_schedule", choices=("gpipe", "1f1b"), default="1f1b",
+    p.add_argument("--pp_schedule", type=Schedule.parse, choices=Schedule.values(), default=Schedule.ONE_F_ONE_B,
                    help="pipeline schedule over --num_microbatches (with one stage: gradient accumulation)")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+    p.add_argument("--recompute", type=Recompute.parse, choices=Recompute.values(), default=Recompute.NONE,
                    help="selective: lean norms, GQA without copies, SwiGLU recompute; full: also checkpoint "
                         "every block (keep its input only)")
     p.add_argument("--loss_chunks", type=int, default=1,
                    help="lm_head and cross entropy over this many token chunks (the logits never whole)")
-    p.add_argument("--cp_comm_type", choices=CP_COMM_TYPES, default="all_gather",
+    p.add_argument("--cp_comm_type", type=CPCommType.parse, choices=CPCommType.values(),
+                   default=CPCommType.ALL_GATHER,
                    help="context-parallel attention: gather K/V, all-to-all heads (Ulysses) or ring (p2p)")
     p.add_argument("--cp_load_balance", action=argparse.BooleanOptionalAction, default=True,
                    help="2C chunks, CP rank i holding chunks i and 2C-1-i (--no-cp_load_balance: C contiguous)")
@@ -365,12 +366,10 @@ def check_resources(launch, runs: list, *, rows: list[int] | None = None) -> Non
 
 def predicted_peak(args, par: ParallelConfig, device: str, rows: int) -> int | None:
     """The analytic model's peak bytes of a training step on the worst rank (None: not modelled)."""
-    import torch
-
     from .memory import predict_memory
     try:
         return predict_memory(model_config(args), par, seq_len=args.seq_len, micro_batch_size=rows,
-                              dtype=getattr(torch, args.dtype), device=device,
+                              dtype=DTYPES[args.dtype], device=device,
                               num_microbatches=args.num_microbatches, schedule=args.pp_schedule).peak_bytes
     except NotImplementedError:  # the non-flash attention path
         return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ConfigError, MiniMindConfig, ParallelConfig
+from .config import ConfigError, MiniMindConfig, ParallelConfig, Recompute
 from .generation import KVCache, attention_after, decode
 from .groups import ProcessGroups
 from .model import apply_rope, repeat_kv
@@ -31,7 +31,7 @@ def check_generation_layout(par: ParallelConfig) -> None:
     if (par.pp, par.cp, par.dp) != (1, 1, 1):
         raise ConfigError(f"generate runs under tensor parallelism only; got pp_size={par.pp}, cp_size={par.cp}, "
                           f"dp_size={par.dp}")
-    if par.sequence_parallel or par.vocab_parallel or par.recompute != "none" or par.loss_chunks != 1:
+    if par.sequence_parallel or par.vocab_parallel or par.recompute != Recompute.NONE or par.loss_chunks != 1:
         raise ConfigError("generate runs under plain tensor parallelism (a step of one position has no sequence to "
                           "split, the head is replicated); got a layout with SP, VP, recompute or loss chunks")
 

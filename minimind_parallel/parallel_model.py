@@ -27,12 +27,13 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MiniMindConfig, ParallelConfig
+from .config import MiniMindConfig, ParallelConfig, Recompute
 from .context_parallel import ContextLayout, context_parallel_attention
+from .data.batches import IGNORE_INDEX
 from .groups import ProcessGroups
 from .loss_normalisation import token_mean
 from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope_tables
-from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, is_lean, norm_with_recompute,
+from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, norm_with_recompute,
                         swiglu_linear)
 from .plan import (LAYER, grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage,
                    stage_layers, stage_of)
@@ -46,7 +47,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         t = par.tp
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
-        self.flash, self.lean = c.flash_attn, is_lean(par.recompute)
+        self.flash, self.lean = c.flash_attn, par.recompute.lean
         self.cp_group, self.cp_comm_type = cp_group, par.cp_comm_type
         self.q_proj = build_layer(LAYER + "self_attn.q_proj.weight", c, par, group)   # [heads/T * d, H]
         self.k_proj = build_layer(LAYER + "self_attn.k_proj.weight", c, par, group)   # [kv_heads/T * d, H]
@@ -84,7 +85,7 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     def __init__(self, c: MiniMindConfig, par: ParallelConfig, group):
         super().__init__()
-        self.lean = is_lean(par.recompute)
+        self.lean = par.recompute.lean
         self.gate_proj = build_layer(LAYER + "mlp.gate_proj.weight", c, par, group)   # [I/T, H]
         self.down_proj = build_layer(LAYER + "mlp.down_proj.weight", c, par, group)   # [H, I/T]
         self.up_proj = build_layer(LAYER + "mlp.up_proj.weight", c, par, group)       # [I/T, H]
@@ -103,7 +104,7 @@ class ParallelBlock(nn.Module):
         self.input_layernorm = build_layer(LAYER + "input_layernorm.weight", c, par, group)
         self.post_attention_layernorm = build_layer(LAYER + "post_attention_layernorm.weight", c, par, group)
         self.mlp = ParallelMLP(c, par, group)
-        self.norm_recompute = par.recompute == "selective"   # under `full` the checkpoint's hooks rule
+        self.norm_recompute = par.recompute == Recompute.SELECTIVE   # under `full` the checkpoint's hooks rule
 
     def forward(self, h, cos, sin, layout: ContextLayout | None = None):
         if not self.norm_recompute:
@@ -128,8 +129,8 @@ class ParallelMiniMindModel(nn.Module):
                  final_norm: bool, cp_group=None, cp_rank: int = 0):
         super().__init__()
         self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
-        self.seq_shards = par.tp if par.sequence_parallel else 1
-        self.checkpoint = par.recompute == "full"
+        self.seq_shards = par.sequence_shards
+        self.checkpoint = par.recompute == Recompute.FULL
         self.par, self.cp_rank = par, cp_rank
         self.embed_tokens = build_layer("model.embed_tokens.weight", c, par, group) if embedding else None
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
@@ -225,11 +226,11 @@ class ParallelMiniMindForCausalLM(nn.Module):
             if self.par.vocab_parallel:
                 loss = vocab_parallel_cross_entropy(logits, y, self.group)
             elif self.par.cp > 1:   # a CP rank's tokens may all be padding: 0 targets give 0, not NaN
-                total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
+                total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX,
                                         reduction="sum")
                 loss = token_mean(total, y)
             else:
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX)
         return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)
 
 

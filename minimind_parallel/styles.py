@@ -23,7 +23,7 @@ from torch import nn
 
 from .config import MiniMindConfig, ParallelConfig
 from .plan import Style, plan_of
-from .recompute import is_lean, make_rms_norm
+from .recompute import make_rms_norm
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 # (dense shape, model config, layout, TP group) -> the module holding the parameter
@@ -58,7 +58,7 @@ def _vocab_head(shape, c, par, group):
 
 def _norm(shape, c, par, group):
     (dim,) = shape
-    return make_rms_norm(dim, c.rms_norm_eps, lean=is_lean(par.recompute))
+    return make_rms_norm(dim, c.rms_norm_eps, lean=par.recompute.lean)
 
 
 LAYERS: dict[Style, Builder] = {

@@ -29,6 +29,7 @@ from .data_parallel import unwrap, wrap_data_parallel
 from .groups import ProcessGroups
 from .loss_normalisation import equal_replicas_mean
 from .model import MiniMindForCausalLM
+from .pipeline_parallel import Schedule
 from .pipeline_parallel import forward_backward as run_schedule
 from .plan import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer
@@ -90,7 +91,7 @@ class _Pair:
     mine: slice                      # this DP rank's rows of it
     layout: ContextLayout            # which tokens of each row this CP rank holds
     microbatches: list
-    schedule: str
+    schedule: Schedule
     backward: bool
     atol: float
     rtol: float                      # step 0 (forward from the same weights) and the grads
@@ -134,7 +135,7 @@ class _Pair:
 
 
 def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, *, seq_len: int,
-                       micro_batch_size: int, num_microbatches: int = 1, pp_schedule: str = "1f1b",
+                       micro_batch_size: int, num_microbatches: int = 1, pp_schedule: Schedule = Schedule.ONE_F_ONE_B,
                        dtype=torch.float32, lr: float = 1e-3, optimizer_steps: int = 3, log_interval: int = 1,
                        check_backward: bool = True, seed: int = 1234, device="cpu", perturb: str | None = None,
                        atol: float | None = None, rtol: float | None = None,

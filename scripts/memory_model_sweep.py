@@ -22,7 +22,9 @@ from dataclasses import replace
 import torch
 
 from minimind_parallel import MiniMindConfig, ParallelConfig
+from minimind_parallel.config import CPCommType, Recompute
 from minimind_parallel.memory import estimate_step_memory, predict_memory
+from minimind_parallel.pipeline_parallel import Schedule
 
 
 def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = False):
@@ -46,7 +48,7 @@ def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = Fa
     bsz = rng.choice([1, 2])
     seqs = [s for s in (8, 16, 32, 64, 128) if s * bsz >= min_tokens_per_hidden * c.hidden_size] or [256]
     sizes = dict(seq_len=rng.choice(seqs), micro_batch_size=bsz, num_microbatches=rng.choice([1, 2, 3, 5]),
-                 schedule=rng.choice(["gpipe", "1f1b"]), dtype=rng.choice([torch.float32, torch.bfloat16]),
+                 schedule=rng.choice(list(Schedule)), dtype=rng.choice([torch.float32, torch.bfloat16]),
                  stage=rng.randrange(pp))
     return c, par, sizes
 
@@ -61,14 +63,14 @@ def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
     c, par, sizes = case
     tp, pp = rng.choice([1, 2]), rng.choice([1, 1, 2])
     cp = rng.choice([1, 2, 2, 4])
-    comm = rng.choice(["all_gather", "a2a", "ring"])
-    if c.num_key_value_heads % (tp * (cp if comm == "a2a" else 1)):
+    comm = rng.choice(list(CPCommType))
+    if c.num_key_value_heads % (tp * (cp if comm == CPCommType.A2A else 1)):
         return None
     sp = tp > 1 and par.sequence_parallel
     par = replace(par, tp=tp, pp=pp, cp=cp, cp_comm_type=comm, cp_load_balance=rng.random() < 0.6,
                   sequence_parallel=sp, async_communication=sp and par.async_communication,
                   shared_sp_gather=sp and par.shared_sp_gather, vocab_parallel=tp > 1 and par.vocab_parallel,
-                  recompute=rng.choice(["none", "selective", "full"]), loss_chunks=rng.choice([1, 1, 2, 3, 4, 8]))
+                  recompute=rng.choice(list(Recompute)), loss_chunks=rng.choice([1, 1, 2, 3, 4, 8]))
     c = replace(c, num_hidden_layers=pp * rng.choice([1, 2]))
     chunks = 2 * cp if par.cp_load_balance else cp
     seqs = [s for s in (16, 32, 64, 128) if s % chunks == 0 and s * sizes["micro_batch_size"]

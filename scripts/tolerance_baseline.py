@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from minimind_parallel import MiniMindConfig
+from minimind_parallel.config import DTYPES
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.training import make_optimizer
-from minimind_parallel.data.batches import random_batch
+from minimind_parallel.data.batches import IGNORE_INDEX, random_batch
 from minimind_parallel.validation import error
 
 CONFIGS = {  # the test suite's equivalence and pipeline configurations
@@ -38,7 +39,7 @@ CONFIGS = {  # the test suite's equivalence and pipeline configurations
 
 
 def loss_of(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 def trajectory(model, ids, targets, steps: int, lr: float) -> dict:
@@ -78,7 +79,7 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     a = p.parse_args(argv)
-    dtype = getattr(torch, a.dtype)
+    dtype = DTYPES[a.dtype]
     worst: dict[str, tuple[float, float, str]] = {}
     for name, sizes in CONFIGS.items():
         for tied in (False, True):

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from ..config import CP_COMM_TYPES as COMM_TYPES
+from ..config import CPCommType
 from ..distributed import comm
 from .blockwise import ChunkedAttention
 from .layout import ContextLayout
 from .mappings import gather_kv, heads_to_sequence, sequence_to_heads
 from .ring import RingAttention
+
+COMM_TYPES = CPCommType.values()   # the paths by name (`--cp_comm_type`)
 
 
 def heads_first(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -33,10 +35,11 @@ def sequence_first(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(1, 2).permute(2, 0, 1, 3)
 
 
-def context_parallel_attention(q, k, v, *, group, layout: ContextLayout, comm_type: str) -> torch.Tensor:
-    if comm_type not in COMM_TYPES:
-        raise ValueError(f"cp_comm_type must be one of {', '.join(COMM_TYPES)}; got {comm_type!r}")
-    return {"all_gather": _all_gather, "a2a": _all_to_all, "ring": _ring}[comm_type](q, k, v, group, layout)
+def context_parallel_attention(q, k, v, *, group, layout: ContextLayout, comm_type: CPCommType) -> torch.Tensor:
+    paths = {CPCommType.ALL_GATHER: _all_gather, CPCommType.A2A: _all_to_all, CPCommType.RING: _ring}
+    if comm_type not in paths:
+        raise ValueError(f"cp_comm_type must be one of {', '.join(CPCommType.values())}; got {comm_type!r}")
+    return paths[comm_type](q, k, v, group, layout)
 
 
 def _all_gather(q, k, v, group, layout: ContextLayout):

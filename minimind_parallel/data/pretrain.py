@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from .batches import IGNORE_INDEX
 from .token_cache import TokenCache, build_token_cache
 from .tokenizer import LoadedTokenizer, load_tokenizer
 
-IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
 
 def check_fits_model(*, tokenizer_vocab: int, model_vocab: int, max_seq_len: int, max_positions: int) -> None:

@@ -26,19 +26,21 @@ from collections.abc import Mapping
 import torch
 from safetensors.torch import save_file
 
-from ..config import ConfigError, MiniMindConfig
+from ..config import DTYPES, ConfigError, MiniMindConfig
 from ..data.tokenizer import LoadedTokenizer, bos_first, load_tokenizer, tokenizer_config
 from ..files import atomic_path
 from .minimind import HEAD_KEY, dense_state_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The dtypes a Hugging Face folder is written in, by name: the command line's (DTYPES) but float64.
+EXPORT_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype is not torch.float64}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"export dtype must be one of {', '.join(_DTYPE_NAMES.values())}; got {dtype}")
-    return _DTYPE_NAMES[dtype]
+    names = {d: name for name, d in EXPORT_DTYPES.items()}
+    if dtype not in names:
+        raise ConfigError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}; got {dtype}")
+    return names[dtype]
 
 
 def qwen3_config_dict(config: MiniMindConfig, *, dtype: torch.dtype = torch.float32, bos_token_id: int | None = None,

@@ -23,6 +23,7 @@ from ..context_parallel import ContextLayout
 from ..data.batches import Batch, cp_tokens, shift_labels
 from ..groups import ProcessGroups
 from ..parallel_model import ParallelMiniMindForCausalLM
+from ..pipeline_parallel import Schedule
 from ..training import make_optimizer, train_step
 from .analytic import as_dtype
 from .meter import MemoryMeter
@@ -91,7 +92,7 @@ def _create_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer)
 
 def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
                          micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: bool = True,
-                         num_microbatches: int = 1, schedule: str = "1f1b", stage: int = 0,
+                         num_microbatches: int = 1, schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int = 0,
                          cp_rank: int = 0, tracker_type=None, on_step=None) -> MemoryReport:
     """Peak memory of `iters` training steps, each of `num_microbatches` microbatches of
     `micro_batch_size` sequences, on one rank of pipeline stage `stage`, without kernels.

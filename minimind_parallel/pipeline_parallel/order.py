@@ -3,8 +3,8 @@
 A schedule is a function (pp, stage, num_microbatches) -> [Action, ...], this stage's forwards
 and backwards in the order it runs them, as torch.distributed.pipelining lists its `_Action`s.
 The runtime executes that list (`schedules.run_order`) and the memory model replays it
-(`memory.analytic.schedule_replay`), so a new schedule is one function here and one entry of
-`SCHEDULES`:
+(`memory.analytic.schedule_replay`), so a new schedule is one function here, its `Schedule`
+member (the name `--pp_schedule` takes) and one entry of `SCHEDULES`:
 
     GPipe   F0 F1 .. F(M-1)  B0 B1 .. B(M-1)          holds M microbatches of activations
     1F1B    warm-up: P-p-1 forwards; steady: one forward then one backward; cool-down:
@@ -22,6 +22,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+
+from ..config import Choice
+
+
+class Schedule(Choice):
+    """A pipeline schedule by the name `--pp_schedule` gives it."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
 
 
 class Step(Enum):
@@ -70,10 +79,10 @@ def one_f_one_b(pp: int, stage: int, num_microbatches: int) -> list[Action]:
     return order + [backward(i) for i in range(m - warmup, m)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = {Schedule.GPIPE: gpipe, Schedule.ONE_F_ONE_B: one_f_one_b}
 
 
-def schedule_order(pp: int, stage: int, num_microbatches: int, schedule: str) -> list[Action]:
+def schedule_order(pp: int, stage: int, num_microbatches: int, schedule: Schedule) -> list[Action]:
     """The actions of stage `stage` of `pp` under `schedule` (a name of SCHEDULES); one stage is
     plain gradient accumulation (1F1B without warm-up: F B F B ..)."""
     if schedule not in SCHEDULES:

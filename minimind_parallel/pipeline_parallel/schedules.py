@@ -28,7 +28,7 @@ from ..groups import ProcessGroups
 from ..distributed.ranges import span
 from ..loss_normalisation import backward_loss, cp_loss_factor, microbatch_weights, replica_loss
 from . import p2p
-from .order import Action, Step, schedule_order
+from .order import Action, Schedule, Step, schedule_order
 
 
 @dataclass
@@ -63,7 +63,7 @@ class _Stage:
         self.loss_scale, self.forward_context = loss_scale, forward_context
         par, ids = groups.par, microbatches[0][0]
         hidden = unwrap(model).config.hidden_size
-        seq = ids.shape[1] // (par.tp if par.sequence_parallel else 1)
+        seq = ids.shape[1] // par.sequence_shards
         dtype = next(model.parameters()).dtype
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
         self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
@@ -170,8 +170,8 @@ def all_forwards(stage: _Stage) -> None:
             stage.send_forward(stage.forward(i, p2p.recv_forward(stage.groups, stage.like)))
 
 
-def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *, schedule: str = "1f1b",
-                     forward_only: bool = False, collect_logits: bool = False, loss_scale=1.0,
+def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *,
+                     schedule: Schedule = Schedule.ONE_F_ONE_B, forward_only: bool = False, collect_logits: bool = False, loss_scale=1.0,
                      forward_context=nullcontext) -> StepResult:
     """Run every microbatch [Batch(ids [b, S], targets [b, S]), ...] (`data.batches`) through
     this rank's stage, accumulating the grads of the mean loss over all their target tokens. With one stage both

@@ -22,6 +22,7 @@ from torch.autograd.profiler import profile, record_function
 
 from ..device_sync import synchronize
 from ..files import atomic_path
+from ..pipeline_parallel import Schedule
 from ..training import train_step
 from .overlap import analyze_file, mean_over_ranks
 
@@ -72,8 +73,8 @@ def name_backward(label: str, x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def profile_steps(model: nn.Module, optimizer, groups, ids, targets, *, steps: int = 3, warmup: int = 1,
-                  num_microbatches: int = 1, schedule: str = "1f1b", out_dir: str, rank: int | None = None,
-                  device="cpu", title: str = "") -> dict:
+                  num_microbatches: int = 1, schedule: Schedule = Schedule.ONE_F_ONE_B, out_dir: str,
+                  rank: int | None = None, device="cpu", title: str = "") -> dict:
     """Run `warmup` plain steps, then `steps` profiled ones (each `num_microbatches` through
     `schedule`, as training.train_step); on every rank write `trace_rank<r>.json` and
     `report_rank<r>.json` to out_dir. Collective over the world: returns {"rank": this rank's

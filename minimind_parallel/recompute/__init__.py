@@ -17,12 +17,12 @@ Every piece computes the dense model's numbers (MiniMind's RMSNorm, attention, M
 `model.py`) to round-off; tests/test_recompute.py holds them to it.
 """
 from .attention import causal_attention_gqa
-from .checkpoint import RECOMPUTE_MODES, checkpoint_block, is_lean
+from .checkpoint import checkpoint_block
 from .chunked_loss import chunked_head_loss
 from .norm_recompute import norm_with_recompute, recompute_norm_output
 from .rms_norm import LeanRMSNorm, lean_rms_norm, make_rms_norm
 from .swiglu import swiglu_linear
 
-__all__ = ["RECOMPUTE_MODES", "LeanRMSNorm", "causal_attention_gqa", "checkpoint_block", "chunked_head_loss",
-           "is_lean", "lean_rms_norm", "make_rms_norm", "norm_with_recompute",
+__all__ = ["LeanRMSNorm", "causal_attention_gqa", "checkpoint_block", "chunked_head_loss",
+           "lean_rms_norm", "make_rms_norm", "norm_with_recompute",
            "recompute_norm_output", "swiglu_linear"]

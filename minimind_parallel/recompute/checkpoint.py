@@ -20,13 +20,6 @@ from __future__ import annotations
 
 from torch.utils.checkpoint import checkpoint
 
-from ..config import RECOMPUTE_MODES  # noqa: F401  (re-exported)
-
-
-def is_lean(recompute: str) -> bool:
-    """The selective pieces run in `selective` and inside `full`."""
-    return recompute in ("selective", "full")
-
 
 def checkpoint_block(block, h, *args):
     """block(h, *args) keeping only h (and views of buffers in args) for backward."""

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..data.batches import IGNORE_INDEX
 from ..distributed import comm
 
 
@@ -80,7 +81,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 def chunked_head_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, chunks: int, group=None,
-                      ignore_index: int = -100) -> torch.Tensor:
+                      ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean cross entropy of the logits h W^T over the non-ignored targets, in `chunks` token chunks.
     h: [..., H] (every token of this rank's head); weight: [V, H], or this rank's [V/T, H] slice
     with `group` the TP group; target: [...] global ids."""

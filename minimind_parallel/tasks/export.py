@@ -19,13 +19,13 @@ import torch
 
 from ..config import ConfigError
 from ..files import check_directory
+from ..interop.huggingface import EXPORT_DTYPES
 from ..job import Job, LaunchOptions, TaskOptions
 from ..options import Parser, launcher_layout
 from .task import Task
 from .weights import add_checkpoint_arg, check_checkpoint, read_source
 
 FORMATS = ("minimind", "hf")
-HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
                                                 "{weight}_{hidden}.pth in; hf: a folder")
     p.add_argument("--weight", default="pretrain", help="minimind, --out a folder: the file's {weight} prefix")
     p.add_argument("--tokenizer_path", default=None, help="hf: the tokenizer folder whose files go with the model")
-    p.add_argument("--dtype", choices=tuple(HF_DTYPES), default=None,
+    p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=None,
                    help="hf: the weights' dtype (default float32); a MiniMind .pth is half precision")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     return p
@@ -96,7 +96,7 @@ def check(job: Job) -> None:
 
 def export_dtype(args) -> torch.dtype:
     """The dtype the weights are written in: MiniMind's half precision, or the HF folder's --dtype."""
-    return torch.float16 if args.format == "minimind" else HF_DTYPES[args.dtype or "float32"]
+    return torch.float16 if args.format == "minimind" else EXPORT_DTYPES[args.dtype or "float32"]
 
 
 def check_weights(args) -> None:

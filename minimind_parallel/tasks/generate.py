@@ -16,9 +16,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..config import DTYPES
 from ..job import Job
 from ..options import Parser, add_model_args, check_world
-from ..training import DTYPES
 from .task import Task, launch_once
 from .weights import add_source_args, check_source, read_source, trained_length
 

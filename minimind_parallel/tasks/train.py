@@ -40,7 +40,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import launcher
-from ..config import ConfigError
+from ..config import DTYPES, ConfigError
 from ..context_parallel import ContextLayout
 from ..data.batches import cp_tokens
 from ..data.feed import Rows, heldout_batches, heldout_split, open_dataset
@@ -54,12 +54,12 @@ from ..job import Job
 from ..model import MiniMindForCausalLM
 from ..options import Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout
 from ..loss_normalisation import token_sum, world_token_mean
-from ..training import DTYPES, build_parallel_model, make_optimizer, train_step, wrap_data_parallel
+from ..training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from ..training.heldout import heldout_loss
 from ..training.lr_schedule import cosine_lr
 from ..training.metrics import (MetricsFile, format_eval, format_line, interval_rates, model_flops_per_token,
                                 peak_memory_bytes, peak_tflops, write_loss_plot)
-from ..training.mixed_precision import PRECISIONS, LossScaler, Precision
+from ..training.mixed_precision import LossScaler, Precision, PrecisionMode
 from .task import Task
 
 MIB = 2 ** 20
@@ -79,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the run's optimizer steps, as many epochs as they take (default: --epochs x steps per epoch)")
     p.add_argument("--grad_clip", type=float, default=1.0, help="global grad-norm clip (0: none)")
     p.add_argument("--warmup_steps", type=int, default=0)
-    p.add_argument("--precision", choices=PRECISIONS, default="mixed",
+    p.add_argument("--precision", type=PrecisionMode.parse, choices=PrecisionMode.values(), default=PrecisionMode.MIXED,
                    help="mixed: float32 parameters, --dtype compute under autocast (MiniMind); pure: all --dtype")
     p.add_argument("--log_interval", type=int, default=100)
     p.add_argument("--save_interval", type=int, default=1000)
@@ -167,7 +167,7 @@ def check(job: Job) -> None:
     check_fits_model(tokenizer_vocab=tok.vocab_size, model_vocab=config.vocab_size, max_seq_len=args.seq_len,
                      max_positions=config.max_position_embeddings)
     check_common(job, [(args, par)], sizes=("micro_batch_size", "num_microbatches"),
-                 steps=" with --precision pure: use --precision mixed" if args.precision == "pure" else None)
+                 steps=" with --precision pure: use --precision mixed" if args.precision == PrecisionMode.PURE else None)
     check_data(args, tok, par)
     check_outputs(args, config)
     if args.resume:

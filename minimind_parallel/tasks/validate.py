@@ -13,13 +13,12 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from .. import launcher
-from ..config import ConfigError
+from ..config import DTYPES, ConfigError
 from ..files import atomic_path
 from ..groups import ProcessGroups, first_on_node
 from ..job import Job, LaunchOptions, TaskOptions
 from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes, check_number,
                        check_resources, collective_timeout, mode_parallel, model_config)
-from ..training import DTYPES
 from ..validation import compare_with_dense, failures, format_report
 from .task import Task
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..data.batches import IGNORE_INDEX
 from ..distributed import comm
 
 
@@ -46,7 +47,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.out_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, group, ignore_index: int = -100):
+def vocab_parallel_cross_entropy(logits, target, group, ignore_index: int = IGNORE_INDEX):
     """Mean loss over non-ignored tokens. logits: [..., V/T] vocab-sharded; target: [...] global ids."""
     flat_logits = logits.reshape(-1, logits.shape[-1])
     losses = _VocabParallelCrossEntropy.apply(flat_logits, target.reshape(-1), group, ignore_index)

@@ -10,7 +10,7 @@
     metrics          the numbers a person watches: metrics.jsonl, the loss curve, MFU
 """
 from ..data_parallel import unwrap, wrap_data_parallel
-from .step import DTYPES, StepStats, build_parallel_model, finalize_grads, make_optimizer, train_step
+from .step import StepStats, build_parallel_model, finalize_grads, make_optimizer, train_step
 
-__all__ = ["DTYPES", "StepStats", "build_parallel_model", "finalize_grads", "make_optimizer", "train_step", "unwrap",
+__all__ = ["StepStats", "build_parallel_model", "finalize_grads", "make_optimizer", "train_step", "unwrap",
            "wrap_data_parallel"]

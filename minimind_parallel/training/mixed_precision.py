@@ -17,10 +17,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config import Choice
 from ..data_parallel import unwrap
 
-PRECISIONS = ("mixed", "pure")
 HALF = (torch.bfloat16, torch.float16)
+
+
+class PrecisionMode(Choice):
+    """`--precision`: which tensors take --dtype (above)."""
+
+    MIXED = "mixed"
+    PURE = "pure"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +37,11 @@ class Precision:
     device_type: str             # "cpu" or "cuda": autocast's device
 
     @classmethod
-    def of(cls, mode: str, dtype: torch.dtype, device) -> "Precision":
-        if mode not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {mode!r}")
-        param = torch.float32 if mode == "mixed" and dtype in HALF else dtype
+    def of(cls, mode: PrecisionMode, dtype: torch.dtype, device) -> "Precision":
+        mode = PrecisionMode.parse(mode)
+        if not isinstance(mode, PrecisionMode):
+            raise ValueError(f"precision must be one of {', '.join(PrecisionMode.values())}; got {mode!r}")
+        param = torch.float32 if mode == PrecisionMode.MIXED and dtype in HALF else dtype
         return cls(param_dtype=param, compute_dtype=dtype, device_type=torch.device(device).type)
 
     @property

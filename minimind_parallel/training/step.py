@@ -40,12 +40,10 @@ from ..distributed.ranges import span
 from ..groups import ProcessGroups
 from ..loss_normalisation import dp_loss_share, grad_divisor
 from ..parallel_model import ParallelMiniMindForCausalLM
-from ..pipeline_parallel import StepResult, forward_backward
+from ..pipeline_parallel import Schedule, StepResult, forward_backward
 from ..sharding import shard_state_dict
 from .grad_clip import clip_grad_norm_
 from .mixed_precision import LossScaler, Precision
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parallel_model(config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, dense_state: dict,
@@ -110,7 +108,7 @@ class StepStats:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups, input_ids, targets, *,
-               num_microbatches: int = 1, schedule: str = "1f1b", token_weighted_dp: bool = False,
+               num_microbatches: int = 1, schedule: Schedule = Schedule.ONE_F_ONE_B, token_weighted_dp: bool = False,
                grad_clip: float | None = None, precision: Precision | None = None,
                scaler: LossScaler | None = None) -> StepStats:
     """One optimizer step of any layout on this replica's rows (ids, targets) [B, S] in

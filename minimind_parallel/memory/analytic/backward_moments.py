@@ -20,6 +20,7 @@ context parallelism a block's attention backward is one more (cp_attention_momen
 """
 from __future__ import annotations
 
+from ...config import CPCommType
 from .cp_attention_moments import chunked_attention_backward, ring_attention_backward
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows, top_block_acts, top_block_saved
@@ -68,7 +69,7 @@ def _head_mm_backward(s: StageSizes) -> tuple[int, int, int]:
 def _final_norm_backward(s: StageSizes) -> tuple[int, int, int]:
     """The final RMSNorm's fp32 temporaries (5 f Nn H)."""
     f, nn_, hid = s.f, s.nn, s.hid
-    if s.par.recompute != "none":
+    if s.par.recompute.lean:
         # lean (one Function): its input and rsqrt still saved; the incoming grad bound through
         # its backward; 3 f Nn H, the row means and its weight grad (not yet a .grad)
         grad_in = s.b * nn_ * hid
@@ -95,12 +96,9 @@ def _post_norm_backward(s: StageSizes) -> tuple[int, int, int]:
     """The post-attention RMSNorm's backward (the peak where I/T is small against H): the MLP's
     grads in, its activations and its share of the column inputs freed, the norm's fp32
     temporaries and the residual grad live."""
-    par, b, f, nn_, hid = s.par, s.b, s.f, s.nn, s.hid
-    column = s.kinds["block.column_input"]
-    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
-    gate_up_input = column * 2 // 5 if basic_sp else column // 2   # basic SP: one gather per linear
+    b, f, nn_, hid = s.b, s.f, s.nn, s.hid
     return (s.head_grads + 3 * s.mlp_w_grad + b * hid,
-            top_block_acts(s) - 4 * s.mlp_out - gate_up_input - (f * nn_ * hid + f * nn_),
+            top_block_acts(s) - 4 * s.mlp_out - s.gate_up_input - (f * nn_ * hid + f * nn_),
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting)
 
 
@@ -127,12 +125,9 @@ def _lean_post_norm_backward(s: StageSizes) -> tuple[int, int, int]:
     in, its activations and its share of the column inputs freed, the norm's own input and rsqrt
     still saved."""
     par, b, hid = s.par, s.b, s.hid
-    column = s.kinds["block.column_input"]
-    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
-    gate_up_input = column * 2 // 5 if basic_sp else column // 2
     # under SP one more [H] grad is in by then (measured with the tracker, not derived)
     return (s.head_grads + 3 * s.mlp_w_grad + (b * hid if par.sequence_parallel else 0),
-            *_lean_post_norm_rest(s, top_block_saved(s, 2 * s.mlp_out + gate_up_input)))
+            *_lean_post_norm_rest(s, top_block_saved(s, 2 * s.mlp_out + s.gate_up_input)))
 
 
 def _in_first_block(s: StageSizes, moment: tuple[int, int, int], received_counted: bool) -> tuple[int, int, int]:
@@ -173,13 +168,13 @@ def backward_moments(s: StageSizes) -> dict[str, tuple[int, int, int]]:
     elif s.last:
         inner.update(head_backward=_head_backward(s), head_mm_backward=_head_mm_backward(s),
                      final_norm_backward=_final_norm_backward(s))
-    if s.par.recompute != "none":
+    if s.par.recompute.lean:
         top = {"swiglu_backward": _swiglu_backward(s), "post_norm_backward": _lean_post_norm_backward(s)}
     else:
         top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
                "post_norm_backward": _post_norm_backward(s)}
     if s.par.cp > 1:
-        top["attention_backward"] = (ring_attention_backward(s) if s.par.cp_comm_type == "ring"
+        top["attention_backward"] = (ring_attention_backward(s) if s.par.cp_comm_type == CPCommType.RING
                                     else chunked_attention_backward(s))
     inner.update(top)
     if s.layers > 1:

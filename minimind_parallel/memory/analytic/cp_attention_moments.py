@@ -7,6 +7,7 @@ DDP over DP x CP: docs/memory.md, "Context parallelism".
 """
 from __future__ import annotations
 
+from ...config import CPCommType
 from ...context_parallel.blockwise import visible_pairs
 from .stage_sizes import StageSizes, top_block_saved
 
@@ -26,13 +27,10 @@ def _attention_grads_acts(s: StageSizes) -> tuple[int, int, int]:
     """Grads, activations and re-made tensors (full) when the top block's attention begins its
     backward: the MLP's, the post-attention norm's and o_proj's grads in; their activations freed
     (o_proj's input included, a copy under CP)."""
-    par, b = s.par, s.b
-    column = s.kinds["block.column_input"]
-    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
-    gate_up_input = column * 2 // 5 if basic_sp else column // 2
+    b = s.b
     o_proj_input = b * s.n * s.heads * s.head_dim
     grads = s.head_grads + 3 * s.mlp_w_grad + b * s.hid + b * s.hid * s.heads * s.head_dim
-    acts, redone = top_block_saved(s, s.kinds["block.mlp"] + s.kinds["block.norm_fp32"] // 2 + gate_up_input
+    acts, redone = top_block_saved(s, s.kinds["block.mlp"] + s.kinds["block.norm_fp32"] // 2 + s.gate_up_input
                                    + o_proj_input)
     return grads, acts, redone
 
@@ -56,7 +54,7 @@ def chunked_attention_backward(s: StageSizes) -> tuple[int, int, int]:
     b, f, n, c = s.b, s.f, s.n, s.par.cp
     h, kv, d = s.heads, s.kv_heads, s.head_dim
     upcast = b != f
-    gather = s.par.cp_comm_type == "all_gather"
+    gather = s.par.cp_comm_type == CPCommType.ALL_GATHER
     kv_elems = (c * n * kv * d) if gather else n * kv * d   # k (or v) of the Function
     h_fn, kv_fn = (h, kv) if gather else (h // c, kv // c)
     chunks = 2 * c if s.par.cp_load_balance else c

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
-from ...pipeline_parallel.order import schedule_order
+from ...pipeline_parallel.order import Schedule, schedule_order
 from ..tracker import CATEGORIES
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
@@ -31,8 +31,8 @@ class MemoryPrediction:
 
 
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
-                   dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1, schedule: str = "1f1b",
-                   stage: int | None = None, cp_rank: int | None = None) -> MemoryPrediction:
+                   dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
+                   schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ...config import MiniMindConfig, ParallelConfig
+from ...config import DTYPES, CPCommType, MiniMindConfig, ParallelConfig, Recompute
 
 BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp",
                "checkpoint_input")
@@ -46,7 +46,7 @@ MODEL_KINDS = ("embedding", "final_norm", "head_input", "logits_loss", "rope")
 
 def as_dtype(dtype) -> torch.dtype:
     """A torch.dtype, or its name as the command line spells it ("bfloat16")."""
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
 
 
 def target_copy(micro_batch_size: int, tokens: int) -> int:
@@ -58,7 +58,7 @@ def target_copy(micro_batch_size: int, tokens: int) -> int:
 def norm_output_recomputed(par: ParallelConfig) -> bool:
     """--recompute selective where the column-parallel linears save the norm output itself (plain
     TP, SP + async): it is re-made from the norm's input in backward, not kept."""
-    return par.recompute == "selective" and (not par.sequence_parallel or par.async_communication)
+    return par.recompute == Recompute.SELECTIVE and (not par.sequence_parallel or par.async_communication)
 
 
 def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
@@ -69,7 +69,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
     f = max(b, 4)
     t, sp, vp = par.tp, par.sequence_parallel, par.vocab_parallel
     n, hid = seq_len // par.cp * micro_batch_size, c.hidden_size     # under CP: this rank's S/C tokens
-    nn_ = n // t if sp else n
+    nn_ = n // par.sequence_shards
     heads, kv, d = c.num_attention_heads // t, c.num_key_value_heads // t, c.head_dim
     inter = c.intermediate_size // t
     if norm_output_recomputed(par):
@@ -80,7 +80,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         column = 5 * b * n * hid
     else:
         column = 2 * b * n * hid
-    lean = par.recompute != "none"
+    lean = par.recompute.lean
     block = {
         # lean: the input in the model dtype and the fp32 rsqrt per row, not the two fp32 copies
         "norm_fp32": 2 * (b * nn_ * hid + f * nn_) if lean else 2 * (2 * f * nn_ * hid + f * nn_),
@@ -90,7 +90,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         "mlp": (2 if lean else 4) * b * n * inter,       # lean: gate and up
         # full: what a block keeps between its forward and its backward (the kinds above are then
         # what the block re-creates while its backward runs)
-        "checkpoint_input": b * nn_ * hid if par.recompute == "full" else 0,
+        "checkpoint_input": b * nn_ * hid if par.recompute == Recompute.FULL else 0,
     }
     if vp:
         head_input = b * (n // t) * hid if (sp and par.async_communication) else b * n * hid
@@ -129,7 +129,7 @@ def _attention_kinds(par: ParallelConfig, *, b: int, f: int, n: int, heads: int,
         return {"attention_q": b * n * heads * d,
                 "attention_kv": 2 * b * n * (heads if kv > 1 and not lean else kv) * d,
                 "attention_out": b * n * heads * d + 4 * n * heads}
-    kv_tokens = n * par.cp if par.cp_comm_type == "all_gather" else n
+    kv_tokens = n * par.cp if par.cp_comm_type == CPCommType.ALL_GATHER else n
     return {"attention_q": b * n * heads * d,
             "attention_kv": 2 * b * kv_tokens * kv * d,
             "attention_out": 2 * b * n * heads * d + f * n * heads}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import MiniMindConfig, ParallelConfig
+from ...config import MiniMindConfig, ParallelConfig, Recompute
 from ...plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .saved_kinds import activations_by_kind
 
@@ -60,15 +60,24 @@ class StageSizes:
     @property
     def block(self) -> int:
         """One block's activations of one microbatch, held to its backward (full: its input)."""
-        if self.par.recompute == "full":
+        if self.par.recompute == Recompute.FULL:
             return self.kinds["block.checkpoint_input"]
         return sum(v for k, v in self.kinds.items() if k.startswith("block."))
+
+    @property
+    def gate_up_input(self) -> int:
+        """The share of a block's column-parallel inputs ("block.column_input") that gate_proj and
+        up_proj save: two of five under basic SP (one gather per linear), else half."""
+        par = self.par
+        basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
+        column = self.kinds["block.column_input"]
+        return column * 2 // 5 if basic_sp else column // 2
 
     @property
     def recomputed(self) -> int:
         """--recompute full: what a block's re-run forward saves again, alive in its backward
         (kept by the checkpoint's own saved-tensor hooks: temporaries to the tracker)."""
-        if self.par.recompute != "full":
+        if self.par.recompute != Recompute.FULL:
             return 0
         # the input norm's saved input is the block's input: the checkpoint's, already held
         return (sum(v for k, v in self.kinds.items() if k.startswith("block.") and k != "block.checkpoint_input")
@@ -96,7 +105,7 @@ class StageSizes:
         norm saves its fp32 copy instead) and the sent output, deallocated to one element."""
         b = self.b
         # the lean norm saves the received input itself (an activation, in its kind)
-        upcast_only = b != self.f and self.par.recompute == "none"
+        upcast_only = b != self.f and self.par.recompute == Recompute.NONE
         sent = self.cp_scaled_loss if self.last else b
         return (b * self.nn * self.hid if not self.first and upcast_only else 0) + sent
 
@@ -156,7 +165,7 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
     shapes = stage_parameters(c, par, stage)
     layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
     top = f"model.layers.{layers_at[0]}."
-    return StageSizes(par=par, b=b, f=max(b, 4), n=n, nn=n // t if par.sequence_parallel else n,
+    return StageSizes(par=par, b=b, f=max(b, 4), n=n, nn=n // par.sequence_shards,
                       hid=c.hidden_size, inter=c.intermediate_size // t,
                       vocab=c.vocab_size // t if par.vocab_parallel else c.vocab_size, bsz=micro_batch_size,
                       mb=num_microbatches, first=first, last=last,
@@ -180,7 +189,7 @@ def top_block_acts(s: StageSizes) -> int:
         return s.held
     k, f, nn_, hid = s.kinds, s.f, s.nn, s.hid
     head = s.held - s.weight - k["model.logits_loss"] - k["model.head_input"]
-    if s.par.recompute != "none":
+    if s.par.recompute.lean:
         return head - k["model.final_norm"]
     return head - (f * nn_ * hid + f * nn_) - f * nn_ * hid
 
@@ -189,6 +198,6 @@ def top_block_saved(s: StageSizes, freed: int) -> tuple[int, int]:
     """In the top block's backward, `freed` bytes of its saved tensors released: (activations,
     re-made tensors). --recompute full: the block's re-run saved them, under the checkpoint's
     own hooks, so they are temporaries to the tracker; otherwise activations."""
-    if s.par.recompute == "full":
+    if s.par.recompute == Recompute.FULL:
         return top_block_acts(s), s.recomputed - freed
     return top_block_acts(s) - freed, 0

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from ..task import Task
 from .checks import check
-from .command import KINDS, parser, resolve
+from .command import Kind, parser, resolve
 from .rank import run_cell
 from .sweep import run_benchmark
 
-TASK = Task(name="benchmark", parser=parser, resolve=resolve, check=check, launch=run_benchmark, run_rank=run_cell, kinds=KINDS)
+TASK = Task(name="benchmark", parser=parser, resolve=resolve, check=check, launch=run_benchmark, run_rank=run_cell, kinds=Kind.values())

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from ...config import ConfigError, ParallelConfig
+from ...config import DTYPES, ConfigError, ParallelConfig
 from ...job import Job, TaskOptions
 from ...options import MODES, apply_mode, model_config
-from ...training import DTYPES
-from .command import batch_policy
+from .command import BatchPolicy, Kind, batch_policy
 
 SWEEPABLE = ("num_hidden_layers", "seq_len")
 
@@ -72,9 +71,9 @@ def cell_parallel(launch, a, mode: str) -> ParallelConfig:
     return MODES[mode].parallel(launch, a)
 
 
-def rows_per_replica(kind: str, args, par: ParallelConfig, launch) -> int:
+def rows_per_replica(kind: Kind, args, par: ParallelConfig, launch) -> int:
     """Rows of one microbatch on each DP replica of the cell's layout `par`."""
-    if batch_policy(kind, args) == "fixed_per_rank":
+    if batch_policy(kind, args) == BatchPolicy.FIXED_PER_RANK:
         return args.micro_batch_size
     return args.micro_batch_size * launch.dp_size // par.dp
 

@@ -9,13 +9,13 @@ from ...job import Job
 from ...options import check_at_least, check_common, check_modes, check_number, check_resources
 from . import outputs
 from .cells import CellRun, cell_run, sweep_cells
-from .command import batch_policy
+from .command import BatchPolicy, Kind, batch_policy
 
 
 def check_benchmark(job: Job) -> list[CellRun]:
     """Every constraint of every cell that does not depend on the machine; -> the cells' runs."""
     launch, args, kind = job.launch, job.task, job.task.kind
-    if args.estimate and kind != "memory":
+    if args.estimate and kind != Kind.MEMORY:
         raise ConfigError(f"--estimate measures memory without running kernels; got --kind {kind}")
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", args.cuda_capability):
         raise ConfigError(f"--cuda_capability is MAJOR.MINOR (e.g. 9.0); got {args.cuda_capability!r}")
@@ -36,15 +36,15 @@ def check_benchmark(job: Job) -> list[CellRun]:
     return runs
 
 
-def check_batch_split(launch, args, kind: str, run: CellRun) -> None:
+def check_batch_split(launch, args, kind: Kind, run: CellRun) -> None:
     global_batch = args.micro_batch_size * launch.dp_size
-    if batch_policy(kind, args) == "fixed_global" and global_batch % run.par.dp:
+    if batch_policy(kind, args) == BatchPolicy.FIXED_GLOBAL and global_batch % run.par.dp:
         raise ConfigError(f"fixed_global: the global batch must split evenly over the data-parallel ranks of mode "
                           f"{run.cell.mode}; got global batch={global_batch} (micro_batch_size x dp_size), "
                           f"dp={run.par.dp}")
 
 
-def check_nodes(launch, args, kind: str, cells: list) -> None:
+def check_nodes(launch, args, kind: Kind, cells: list) -> None:
     """Several nodes run one cell per command: a cell is one torchrun job, one rendezvous of every
     node, and the nodes' launchers have no way to agree on the next cell or on a failed one."""
     if launch.nnodes == 1 or args.estimate:
@@ -53,7 +53,7 @@ def check_nodes(launch, args, kind: str, cells: list) -> None:
         raise ConfigError(f"on several nodes a benchmark runs one cell (one rendezvous of every node): give one "
                           f"mode and one value per command; got --nnodes {launch.nnodes} and {len(cells)} cells "
                           f"({' '.join(c.name for c in cells)})")
-    if kind == "profile":
+    if kind == Kind.PROFILE:
         raise ConfigError(f"--kind profile runs on one node (its traces and report are rank 0's); got --nnodes "
                           f"{launch.nnodes}")
 

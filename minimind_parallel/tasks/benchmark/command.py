@@ -5,20 +5,33 @@ from __future__ import annotations
 
 import argparse
 
-from ...config import ConfigError
+from ...config import Choice, ConfigError
 from ...job import Job, LaunchOptions, TaskOptions
 from ...options import MODES, Parser, add_model_args, parallel_config
 
-BATCH_POLICIES = ("fixed_per_rank", "fixed_global")
-KINDS = ("memory", "throughput", "profile")
+
+class Kind(Choice):
+    """What a sweep measures (`--kind`)."""
+
+    MEMORY = "memory"           # the peak and its breakdown, beside the analytic prediction
+    THROUGHPUT = "throughput"   # step time and tokens/s on one global batch in every mode
+    PROFILE = "profile"         # traces, the overlap report and the timelines
+
+
+class BatchPolicy(Choice):
+    """How many rows each DP replica gets (`--batch_policy`)."""
+
+    FIXED_PER_RANK = "fixed_per_rank"
+    FIXED_GLOBAL = "fixed_global"
 
 
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="benchmark", description="memory and step time over a sweep of modes x one dimension")
     add_model_args(p)
-    p.add_argument("--kind", choices=KINDS, default=None, help="default memory (also a launcher option)")
+    p.add_argument("--kind", type=Kind.parse, choices=Kind.values(), default=None,
+                   help="default memory (also a launcher option)")
     p.add_argument("--modes", nargs="+", default=["tp"], help=f"presets: {', '.join(MODES)}")
-    p.add_argument("--batch_policy", choices=BATCH_POLICIES, default=None,
+    p.add_argument("--batch_policy", type=BatchPolicy.parse, choices=BatchPolicy.values(), default=None,
                    help="fixed_per_rank: every DP replica gets --micro_batch_size rows (memory default); "
                         "fixed_global: the global batch is micro_batch_size x dp_size in every mode "
                         "(throughput always)")
@@ -49,11 +62,15 @@ def resolve(launch: LaunchOptions, args: argparse.Namespace, argv: tuple[str, ..
                argv=argv)
 
 
-def kind_of(launch, args) -> str:
-    if launch.kind and args.kind and launch.kind != args.kind:
-        raise ConfigError(f"--kind given twice with different values; got {launch.kind} and {args.kind}")
-    return args.kind or launch.kind or "memory"
+def kind_of(launch, args) -> Kind:
+    """The kind given to the launcher or among the task args (the same one if both), else memory."""
+    given = Kind(launch.kind) if launch.kind else None   # the launcher's --kind, a name among the tasks' kinds
+    if given and args.kind and given != args.kind:
+        raise ConfigError(f"--kind given twice with different values; got {given} and {args.kind}")
+    return args.kind or given or Kind.MEMORY
 
 
-def batch_policy(kind: str, args) -> str:
-    return "fixed_global" if kind == "throughput" else (args.batch_policy or "fixed_per_rank")
+def batch_policy(kind: Kind, args) -> BatchPolicy:
+    if kind == Kind.THROUGHPUT:
+        return BatchPolicy.FIXED_GLOBAL
+    return args.batch_policy or BatchPolicy.FIXED_PER_RANK

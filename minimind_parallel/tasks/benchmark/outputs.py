@@ -11,11 +11,24 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from ...config import ConfigError
+from ...config import Choice, ConfigError
 from ...files import atomic_path, check_directory
+from .command import Kind
 
 MIB = 2**20
 BREAKDOWN = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+class Status(Choice):
+    """How a cell ended (its row's `status`; `reason` says why when not ok)."""
+
+    OK = "ok"
+    OOM = "oom"                   # out of memory (CUDA or CPU allocator)
+    FAILED = "failed"             # any other error, or a rank killed by a signal
+    TIMEOUT = "timeout"           # killed after --cell_timeout
+    INTERRUPTED = "interrupted"   # the sweep was stopped (Ctrl-C, SIGTERM) during the cell
+
+
 COLUMNS = ("kind", "mode", "swept", "value", "num_hidden_layers", "seq_len", "tp", "dp", "world", "dtype",
            "global_batch", "sequence_parallel", "async_communication", "vocab_parallel", "estimate", "status",
            "peak_mib", *(f"{k}_mib" for k in BREAKDOWN), "predicted_mib", "deviation_mib", "deviation_pct",
@@ -38,7 +51,7 @@ class Paths:
     logs: str
 
 
-def default_stem(kind: str) -> str:
+def default_stem(kind: Kind) -> str:
     """results/benchmark_<kind>_<date>_<time>_<pid>_<random>: no two runs share it (claim_paths makes sure)."""
     return os.path.join("results", f"benchmark_{kind}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}_"
                                    f"{secrets.token_hex(2)}")
@@ -51,10 +64,10 @@ def output_paths(args, stem: str) -> Paths:
                  plot=args.output_plot or stem + ".png", logs=stem + "_logs")
 
 
-def written(paths: Paths, kind: str) -> dict[str, str]:
+def written(paths: Paths, kind: Kind) -> dict[str, str]:
     """What a run writes, by the option (or the description) that names it; the logs are never replaced."""
     out = {"--output_csv": paths.csv, "--output_json": paths.json, "--output_plot": paths.plot}
-    if kind == "profile":
+    if kind == Kind.PROFILE:
         stem = os.path.splitext(paths.csv)[0]
         out.update({"the profile comparison": stem + "_profile.json", "the profile timeline": stem + "_timeline.png"})
     return out
@@ -65,7 +78,7 @@ def plot_formats() -> tuple[str, ...]:
     return tuple(FigureCanvasAgg.get_supported_filetypes())
 
 
-def check_paths(args, kind: str) -> None:
+def check_paths(args, kind: Kind) -> None:
     """Before anything runs: the outputs are distinct files, none from an earlier run unless --overwrite,
     their directories can be created and written, and the plot's extension is a format matplotlib writes."""
     paths = output_paths(args, default_stem(kind))
@@ -92,7 +105,7 @@ def check_paths(args, kind: str) -> None:
     check_directory("the cells' logs", paths.logs)
 
 
-def claim_paths(args, kind: str) -> Paths:
+def claim_paths(args, kind: Kind) -> Paths:
     """The run's paths, directories made. A default stem is claimed by creating its log directory,
     which fails if another run took it (then another stem is drawn)."""
     if args.output_csv:
@@ -112,13 +125,13 @@ def claim_paths(args, kind: str) -> Paths:
     return paths
 
 
-def new_row(kind, cell, par, a, global_batch: int, *, estimate: bool) -> dict:
+def new_row(kind: Kind, cell, par, a, global_batch: int, *, estimate: bool) -> dict:
     row = dict.fromkeys(COLUMNS)
     row.update(kind=kind, mode=cell.mode, swept=cell.swept, value=cell.value, num_hidden_layers=cell.num_hidden_layers,
                seq_len=cell.seq_len, tp=par.tp, dp=par.dp, world=par.world_size, dtype=a.dtype,
                global_batch=global_batch, sequence_parallel=par.sequence_parallel,
                async_communication=par.async_communication, vocab_parallel=par.vocab_parallel, estimate=estimate,
-               pp=par.pp, status="ok", reason="")
+               pp=par.pp, status=Status.OK, reason="")
     if par.pp > 1:
         row.update(pp_schedule=a.pp_schedule, num_microbatches=a.num_microbatches)
     return row
@@ -144,7 +157,7 @@ OOM = re.compile(r"OutOfMemoryError|out of memory|can't allocate memory|Cannot a
 
 def fail(row: dict, error: BaseException) -> None:
     oom = isinstance(error, MemoryError) or bool(OOM.search(f"{type(error).__name__}: {error}"))
-    row["status"], row["reason"] = ("oom" if oom else "failed"), one_line(error)
+    row["status"], row["reason"] = (Status.OOM if oom else Status.FAILED), one_line(error)
 
 
 ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:?\s*)?([\w.]*(?:Error|Exception)\b.*)$")
@@ -154,7 +167,7 @@ ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)
                         re.DOTALL | re.MULTILINE)
 
 
-def failure_from_log(log: str, code: int) -> tuple[str, str]:
+def failure_from_log(log: str, code: int) -> tuple[Status, str]:
     """(status, reason) of a cell whose ranks failed: a rank killed by a signal when torchrun names one as
     the first failure (not the error its peers raised on losing it), else the last `SomethingError: ...`
     line of its log; oom when that is an out-of-memory error (CUDA or CPU allocator)."""
@@ -166,19 +179,19 @@ def failure_from_log(log: str, code: int) -> tuple[str, str]:
     cause = ROOT_CAUSE.search(text)
     if cause and int(cause.group(2)) < 0:
         signal_name = cause.group(3) or f"signal {-int(cause.group(2))}"
-        return "failed", f"rank {cause.group(1)} was killed by {signal_name} (log: {log})"
+        return Status.FAILED, f"rank {cause.group(1)} was killed by {signal_name} (log: {log})"
     errors = [m.group(1).strip() for m in map(ERROR_LINE.match, text.splitlines()) if m]
     errors = [e for e in errors if not e.startswith(("torch.distributed.elastic", "ChildFailedError"))]
     reason = errors[-1] if errors else f"rank {cause.group(1)} exited with code {cause.group(2)}" if cause else \
         f"exit code {code}"
     oom = any(OOM.search(e) for e in errors)
-    return ("oom" if oom else "failed"), f"{reason[:300]} (log: {log})"
+    return (Status.OOM if oom else Status.FAILED), f"{reason[:300]} (log: {log})"
 
 
 def compare_with_previous(row: dict, done: list[dict]) -> None:
     """Deltas against the mode run just before at the same swept value (the book's tables)."""
     prev = next((r for r in reversed(done) if r["value"] == row["value"]), None)
-    if prev is None or prev["status"] != "ok" or row["status"] != "ok":
+    if prev is None or prev["status"] != Status.OK or row["status"] != Status.OK:
         return
     row["vs_mode"] = prev["mode"]
     if row["peak_mib"] is not None and prev["peak_mib"]:
@@ -226,7 +239,7 @@ def fmt(x, spec=".1f", signed=False) -> str:
 class Table:
     """One terminal line per cell; the columns are explained in docs/benchmark.md."""
 
-    def __init__(self, swept: str, kind: str):
+    def __init__(self, swept: str, kind: Kind):
         self.swept = {"num_hidden_layers": "layers", "seq_len": "seq_len"}[swept]
         self.kind = kind
 
@@ -262,7 +275,7 @@ class Table:
             line += (f"\n    cuda allocator: max_memory_allocated {r['cuda_allocated_mib']:.2f} MiB = tensors "
                      f"{r['cuda_allocated_mib'] - r['cuda_workspace_mib'] - r['cuda_rounding_mib']:.2f} + cuBLAS "
                      f"workspaces {r['cuda_workspace_mib']:.2f} + block rounding {r['cuda_rounding_mib']:.2f}")
-        if r["status"] != "ok":
+        if r["status"] != Status.OK:
             line += f"\n    {r['status']}: {r['reason']}"
         return line.rstrip()
 
@@ -299,14 +312,14 @@ def write_plot(path: str, rows: list[dict], swept: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timed_any = any(r["status"] == "ok" and r["step_ms"] is not None for r in rows)
+    timed_any = any(r["status"] == Status.OK and r["step_ms"] is not None for r in rows)
     fig, axes = plt.subplots(1, 2 if timed_any else 1, figsize=(11, 4.2) if timed_any else (6, 4.2), squeeze=False)
     mem, step = axes[0][0], (axes[0][1] if timed_any else None)
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     for i, mode in enumerate(modes):
         color = f"C{i}"
         mine = [r for r in rows if r["mode"] == mode]
-        ok = [r for r in mine if r["status"] == "ok"]
+        ok = [r for r in mine if r["status"] == Status.OK]
         if ok and ok[0]["peak_mib"] is not None:
             mem.plot([r["value"] for r in ok], [r["peak_mib"] for r in ok], "o-", color=color, label=mode)
         pred = [r for r in mine if r["predicted_mib"] is not None]
@@ -317,7 +330,7 @@ def write_plot(path: str, rows: list[dict], swept: str) -> None:
         if step is not None and timed:
             plot_step_times(step, timed, color, mode)
         for r in mine:
-            if r["status"] != "ok":
+            if r["status"] != Status.OK:
                 mem.axvline(r["value"], color=color, ls=":", alpha=0.5)
     xlabel = {"num_hidden_layers": "num_hidden_layers", "seq_len": "seq_len"}[swept]
     mem.set(xlabel=xlabel, ylabel="peak MiB (worst rank)", title="peak memory")

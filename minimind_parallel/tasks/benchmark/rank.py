@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ... import memory
+from ...config import DTYPES
 from ...context_parallel import ContextLayout
 from ...data.batches import broadcast_batch, cp_tokens, dp_rows
 from ...device_sync import synchronize
@@ -21,8 +22,9 @@ from ...groups import ProcessGroups, first_on_node
 from ...job import Job
 from ...model import MiniMindForCausalLM
 from ...options import collective_timeout
-from ...training import DTYPES, build_parallel_model, make_optimizer, train_step, wrap_data_parallel
+from ...training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from .cells import job_run
+from .command import Kind
 from .profile import profile_cell
 
 
@@ -47,7 +49,7 @@ def run_cell(job: Job, device) -> int:
     batch = dp_rows(broadcast_batch(run.rows * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
                                     args.seed + 1, device), groups.dp_rank, par.dp)
     ids, targets = cp_tokens(batch, ContextLayout.of(par, a.seq_len), groups.cp_rank)  # [rows, S/C]
-    result = (profile if kind == "profile" else measure)(kind, model, optimizer, groups, ids, targets, args, device)
+    result = (profile if kind == Kind.PROFILE else measure)(kind, model, optimizer, groups, ids, targets, args, device)
     global_tokens = run.rows * par.dp * a.seq_len * args.num_microbatches
     result["tokens_per_s"] = global_tokens / (result["step_ms"] / 1e3)
     if first_on_node() and job.report:
@@ -74,7 +76,7 @@ def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
     for _ in range(args.warmup_iters):
         timed_step()
     del steps[:]
-    meter = memory.MemoryMeter(device, model, optimizer) if kind == "memory" else None
+    meter = memory.MemoryMeter(device, model, optimizer) if kind == Kind.MEMORY else None
     with meter or nullcontext():
         times = [timed_step() for _ in range(args.benchmark_iters)]
     mine = {"step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),

@@ -19,8 +19,9 @@ from ...pipeline_parallel import bubble_fraction
 from ...processes import Interrupted
 from . import outputs
 from .cells import CellRun, cell_job, cell_run, sweep_cells
-from .command import batch_policy
+from .command import BatchPolicy, Kind, batch_policy
 from .estimate import estimate_cell, estimate_device
+from .outputs import Status
 from .profile import cell_dir, compare_cells
 
 
@@ -31,7 +32,7 @@ def run_benchmark(job: Job) -> int:
     launch, args, kind = job.launch, job.task, job.task.kind
     cells = sweep_cells(args)
     paths = outputs.claim_paths(args, kind)
-    if kind == "throughput" and args.batch_policy == "fixed_per_rank":
+    if kind == Kind.THROUGHPUT and args.batch_policy == BatchPolicy.FIXED_PER_RANK:
         print("benchmark: --kind throughput compares modes on the same global batch: using fixed_global")
     device = estimate_device(launch, args) if args.estimate else resolve_device(launch)
     meta = dict(command=[*program_name().split(), *job.argv], kind=kind, device=device,
@@ -64,16 +65,16 @@ def run_benchmark(job: Job) -> int:
         if len(results) < len(cells):  # the cell running, or about to start, when the signal came
             if row is None or any(r is row for r in results):
                 row = new_cell_row(job, cell_run(job, cells[len(results)]))
-            row["status"], row["reason"] = "interrupted", f"{e}; the cell's processes were ended"
+            row["status"], row["reason"] = Status.INTERRUPTED, f"{e}; the cell's processes were ended"
             record(row)
     bar.close()
     outputs.write_csv(paths.csv, results)  # again: an interruption may have come while they were written
     outputs.write_json(paths.json, results, meta)
     outputs.write_plot(paths.plot, results, cells[0].swept)
-    if kind == "profile":  # traces and reports of this run's finished cells; here the modes side by side
-        done = [cell for cell, r in zip(cells, results) if r["status"] == "ok"]
+    if kind == Kind.PROFILE:  # traces and reports of this run's finished cells; here the modes side by side
+        done = [cell for cell, r in zip(cells, results) if r["status"] == Status.OK]
         print(compare_cells(paths.csv, done) or "benchmark: no profile finished")
-    failed = [r for r in results if r["status"] != "ok"]
+    failed = [r for r in results if r["status"] != Status.OK]
     if outputs.noise_note(results):
         print(outputs.noise_note(results))
     print(f"benchmark: {len(results) - len(failed)} of {len(results)} cells ok; wrote {paths.csv}, {paths.json}, "
@@ -112,7 +113,7 @@ def launch_cell(job: Job, run: CellRun, row: dict, paths, *, timeout: float | No
     with new_file(os.path.join(paths.logs, f"{cell.mode}_{cell.swept}{cell.value}.log")) as log_file, \
             tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        profile_dir = cell_dir(paths.csv, cell) if row["kind"] == "profile" else None
+        profile_dir = cell_dir(paths.csv, cell) if row["kind"] == Kind.PROFILE else None
         code = launcher.run_job(cell_job(job, run, report=result_path, profile_dir=profile_dir),
                                 log=log_file.tmp, timeout=timeout)
         result = None
@@ -121,7 +122,7 @@ def launch_cell(job: Job, run: CellRun, row: dict, paths, *, timeout: float | No
                 result = json.load(f)
     log = log_file.path
     if code == launcher.TIMED_OUT:
-        row["status"], row["reason"] = "timeout", f"ranks killed after --cell_timeout {timeout:g} s (log: {log})"
+        row["status"], row["reason"] = Status.TIMEOUT, f"ranks killed after --cell_timeout {timeout:g} s (log: {log})"
         return
     if code != 0 or result is None:
         row["status"], row["reason"] = outputs.failure_from_log(log, code)
