@@ -29,8 +29,7 @@ from .data_parallel import unwrap, wrap_data_parallel
 from .groups import ProcessGroups
 from .loss_normalisation import equal_replicas_mean
 from .model import MiniMindForCausalLM
-from .pipeline_parallel import Schedule
-from .pipeline_parallel import forward_backward as run_schedule
+from .pipeline_parallel import Schedule, forward_backward
 from .plan import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer
 
@@ -101,8 +100,8 @@ class _Pair:
         """Forward both (and backward, grads finalised); -> the loss and logits rows when compared
         (the last stage only)."""
         ref = self.dense(self.batch.input_ids, targets=self.batch.targets)
-        out = run_schedule(self.model, self.groups, self.microbatches, schedule=self.schedule,
-                           forward_only=not self.backward, collect_logits=compare)
+        out = forward_backward(self.model, self.groups, self.microbatches, schedule=self.schedule,
+                                 forward_only=not self.backward, collect_logits=compare)
         rows = self._output_rows(step, out, ref) if compare and out.loss is not None else []
         if self.backward:
             ref.loss.backward()

@@ -19,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups  # noqa: E402
 from minimind_parallel.context_parallel import COMM_TYPES, ContextLayout, context_parallel_attention  # noqa: E402
+from minimind_parallel.context_parallel import blockwise, ring  # noqa: E402
 from minimind_parallel.model import rope_tables  # noqa: E402
 from minimind_parallel.parallel_model import ParallelBlock  # noqa: E402
 from minimind_parallel.profiling.collectives import CollectiveLog  # noqa: E402
@@ -58,7 +59,6 @@ def attention_time(cp: int, seq_len: int, comm: str, balance: bool, reps: int):
     """This rank's CPU seconds (thread time: other jobs on the cores do not count) inside block
     computations (forward + backward of the attention), median
     over `reps`; the waits for peers are outside."""
-    from minimind_parallel.context_parallel import blockwise, ring
     busy = [0.0]
 
     def timed(fn):

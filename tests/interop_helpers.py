@@ -5,8 +5,11 @@ import os
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from minimind_parallel import MiniMindConfig, MiniMindForCausalLM
+from distributed import run_ranks
+from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
+from minimind_parallel.checkpoint import save_checkpoint
 from minimind_parallel.data.tokenizer import SPECIAL_TOKENS, tokenizer_config
+from minimind_parallel.training import build_parallel_model, make_optimizer
 
 # MiniMind's head ratio (8 query heads, 4 key/value heads); non-default rope_theta and eps so an
 # export that dropped either would change the logits.
@@ -41,9 +44,6 @@ def write_word_tokenizer(directory: str) -> str:
 
 
 def _save_on_one_rank(save_dir: str, state: dict, config):
-    from minimind_parallel import ParallelConfig, ProcessGroups
-    from minimind_parallel.checkpoint import save_checkpoint
-    from minimind_parallel.training import build_parallel_model, make_optimizer
     par = ParallelConfig()
     groups = ProcessGroups.build(par)
     model = build_parallel_model(config, par, groups, state)
@@ -53,6 +53,5 @@ def _save_on_one_rank(save_dir: str, state: dict, config):
 
 def save_as_checkpoint(save_dir: str, model: MiniMindForCausalLM, state: dict | None = None) -> str:
     """`model` (or `state` in its place) saved as a one-rank checkpoint at step 1 of `save_dir`."""
-    from distributed import run_ranks
     state = model.state_dict() if state is None else state
     return run_ranks(_save_on_one_rank, 1, str(save_dir), {k: v.clone() for k, v in state.items()}, model.config)[0]

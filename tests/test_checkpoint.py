@@ -4,7 +4,9 @@ state equal to the saved dense one and the same continued losses at round-off; a
 before its rename or while writing leaves the previous checkpoint the loadable `latest`; a
 checkpoint of another model config, a directory with no complete checkpoint and a save directory
 that cannot be written are refused with one line."""
+import errno
 import os
+import shutil
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.checkpoint import (CheckpointSaveError, check_checkpoint_config, check_save_dir,
                                           latest_checkpoint, load_checkpoint, read_checkpoint_config,
                                           resolve_checkpoint, save_checkpoint)
-from minimind_parallel.checkpoint import directory as checkpoint_directory
+from minimind_parallel.checkpoint import directory
 from minimind_parallel.config import ConfigError
 from minimind_parallel.data.batches import dp_rows, random_batch
 from minimind_parallel.model import MiniMindForCausalLM
@@ -231,7 +233,7 @@ def _die_during_second_save(config, par, save_dir, shards_dir, where):
             rename(src, dst)
         os.rename = die_at_checkpoint_rename
     if where == "at_marker" and groups.rank == 0:
-        checkpoint_directory.write_marker = lambda *args: os._exit(1)
+        directory.write_marker = lambda *args: os._exit(1)
     _save(save_dir, 2, model, optimizer, config, groups)
 
 
@@ -357,7 +359,6 @@ def test_a_missing_checkpoint_directory_is_said_not_to_exist(tmp_path):
 @pytest.mark.parametrize("meta", ["{\"step\": 4, \"config\": {", "[1, 2]", "{\"step\": 4}", "\udcff"],
                          ids=["truncated", "not_an_object", "missing_keys", "not_utf8"])
 def test_a_corrupt_meta_json_is_one_line(tmp_path, saved, meta):
-    import shutil
     save_dir, _ = saved
     copy = tmp_path / "ckpt"
     shutil.copytree(latest_checkpoint(save_dir), copy)
@@ -396,7 +397,6 @@ def test_keep_last_keeps_the_newest_checkpoints_and_never_the_one_latest_does_no
 
 def _save_onto_a_full_disk(config, par, save_dir):
     """Save step 1, then step 2 with rank 1's data writes failing as on a full disk (ENOSPC)."""
-    import errno
     groups = ProcessGroups.build(par)
     model, optimizer = _setup(config, par, groups, seed=0)
     _train(model, optimizer, groups, range(1))
@@ -422,14 +422,13 @@ def test_a_full_disk_fails_the_save_on_every_rank_with_one_line_and_keeps_the_pr
 
 
 def test_a_full_disk_at_the_marker_fails_the_save_with_one_line(tmp_path, monkeypatch):
-    import errno
     config, groups = _config(), ProcessGroups.single()
     model, optimizer = _setup(config, groups.par, groups, seed=0)
     _save(str(tmp_path), 1, model, optimizer, config, groups)
 
     def full(*args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "latest"))
-    monkeypatch.setattr(checkpoint_directory, "write_marker", full)
+    monkeypatch.setattr(directory, "write_marker", full)
     with pytest.raises(CheckpointSaveError) as err:
         _save(str(tmp_path), 2, model, optimizer, config, groups)
     assert str(err.value) == f"saving step 2 in {tmp_path} failed: No space left on device: {tmp_path / 'latest'}"

@@ -8,7 +8,8 @@ import pytest
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
-from minimind_parallel.context_parallel import COMM_TYPES
+from minimind_parallel import validation
+from minimind_parallel.context_parallel import COMM_TYPES, ContextLayout
 from minimind_parallel.validation import compare_with_dense, failures, format_report
 from test_cli import assert_refused_before_launch
 
@@ -78,8 +79,6 @@ def test_a_misplaced_token_is_caught():
 
 
 def _mismatched(par):
-    import minimind_parallel.validation as validation
-    from minimind_parallel.context_parallel import ContextLayout
     original = validation.cp_tokens
 
     def wrong(batch, layout, cp_rank):  # the tokens of the contiguous split, positions of the balanced one

@@ -5,6 +5,9 @@ import torch
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
+from minimind_parallel.data.batches import random_batch
+from minimind_parallel.model import MiniMindForCausalLM
+from minimind_parallel.training import build_parallel_model, finalize_grads, make_optimizer
 from minimind_parallel.validation import DEFAULT_TOL, compare_with_dense, failures, format_report
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
@@ -85,9 +88,6 @@ def test_float64_steps_are_exact(par):
 def _norms_after_steps():
     par = ParallelConfig(tp=2, sequence_parallel=True, async_communication=True)
     groups = ProcessGroups.build(par)
-    from minimind_parallel.training import build_parallel_model, finalize_grads, make_optimizer
-    from minimind_parallel.model import MiniMindForCausalLM
-    from minimind_parallel.data.batches import random_batch
     config = MiniMindConfig(**TINY)
     torch.manual_seed(0)
     model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())

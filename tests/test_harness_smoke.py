@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,5 @@ def test_ranks_run_and_return():
 
 
 def test_a_failing_rank_is_reported_not_hung():
-    import pytest
     with pytest.raises(AssertionError, match="rank 1 broke"):
         run_ranks(_raise_on_rank_1, 2, timeout=60)

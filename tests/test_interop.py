@@ -14,6 +14,7 @@ from helpers import one_line_error, rel_l2
 from interop_helpers import TINY, lively_model, write_word_tokenizer
 from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM
 from minimind_parallel.data.tokenizer import load_tokenizer
+from minimind_parallel.files import atomic_path
 from minimind_parallel.interop import (export_hf, load_minimind_state_dict, minimind_weight_name, qwen3_config_dict,
                                        save_minimind_state_dict)
 
@@ -245,7 +246,6 @@ def test_hf_export_refuses_bad_input_before_writing(tmp_path):
 
 def test_an_atomic_write_ends_mode_0644_also_when_the_writer_put_its_own_file_in_place(tmp_path):
     """A writer (safetensors' save_file, for one) that replaces the temporary file with a private one."""
-    from minimind_parallel.files import atomic_path
     target = tmp_path / "out.bin"
     with atomic_path(str(target)) as tmp:
         os.remove(tmp)

@@ -19,14 +19,14 @@ def _inputs(seed):
     return x, torch.randn(S, B, N, generator=g, dtype=torch.float64)
 
 
-def _column(sp, async_comm, gather_output):
+def _column(sp, async_comm):
     group = dist.new_group(list(range(dist.get_world_size())))
     r, t = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     dense = nn.Linear(H, N, bias=True).double()
     x, dy = _inputs(1)
     layer = ColumnParallelLinear(H, N, group=group, bias=True, sequence_parallel=sp,
-                                 async_communication=async_comm, gather_output=gather_output, dtype=torch.float64)
+                                 async_communication=async_comm, dtype=torch.float64)
     with torch.no_grad():
         layer.weight.copy_(dense.weight.chunk(t, 0)[r])
         layer.bias.copy_(dense.bias.chunk(t, 0)[r])
@@ -35,16 +35,15 @@ def _column(sp, async_comm, gather_output):
     ref.backward(dy)
     xl = (x.chunk(t, 0)[r] if sp else x).clone().requires_grad_()       # SP input: this rank's sequence shard
     y = layer(xl)
-    want = ref if gather_output else ref.chunk(t, -1)[r]
-    torch.testing.assert_close(y, want.detach(), **TOL)
-    y.backward(dy if gather_output else dy.chunk(t, -1)[r])
+    torch.testing.assert_close(y, ref.chunk(t, -1)[r].detach(), **TOL)  # this rank's output columns
+    y.backward(dy.chunk(t, -1)[r])
     torch.testing.assert_close(layer.weight.grad, dense.weight.grad.chunk(t, 0)[r], **TOL)
     torch.testing.assert_close(layer.bias.grad, dense.bias.grad.chunk(t, 0)[r], **TOL)
     torch.testing.assert_close(xl.grad, xr.grad.chunk(t, 0)[r] if sp else xr.grad, **TOL)
     return True
 
 
-def _row(sp, input_is_parallel):
+def _row(sp):
     group = dist.new_group(list(range(dist.get_world_size())))
     r, t = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -53,14 +52,14 @@ def _row(sp, input_is_parallel):
     x = torch.randn(S, B, N, generator=g, dtype=torch.float64)
     dy = torch.randn(S, B, H, generator=g, dtype=torch.float64)
     layer = RowParallelLinear(N, H, group=group, bias=True, sequence_parallel=sp,
-                              input_is_parallel=input_is_parallel, dtype=torch.float64)
+                              dtype=torch.float64)
     with torch.no_grad():
         layer.weight.copy_(dense.weight.chunk(t, 1)[r])
         layer.bias.copy_(dense.bias)
     xr = x.clone().requires_grad_()
     ref = dense(xr)
     ref.backward(dy)
-    xl = (x.chunk(t, -1)[r] if input_is_parallel else x).clone().requires_grad_()
+    xl = x.chunk(t, -1)[r].clone().requires_grad_()                    # this rank's input columns
     y = layer(xl)
     torch.testing.assert_close(y, (ref.chunk(t, 0)[r] if sp else ref).detach(), **TOL)
     y.backward(dy.chunk(t, 0)[r] if sp else dy)
@@ -69,7 +68,7 @@ def _row(sp, input_is_parallel):
         assert layer.bias.tp_partial_grad
     torch.testing.assert_close(layer.weight.grad, dense.weight.grad.chunk(t, 1)[r], **TOL)
     torch.testing.assert_close(layer.bias.grad, dense.bias.grad, **TOL)
-    torch.testing.assert_close(xl.grad, xr.grad.chunk(t, -1)[r] if input_is_parallel else xr.grad, **TOL)
+    torch.testing.assert_close(xl.grad, xr.grad.chunk(t, -1)[r], **TOL)
     return True
 
 
@@ -94,16 +93,15 @@ def _embedding(sp):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("sp,async_comm,gather_output", [
-    (False, False, False), (False, False, True), (True, False, False), (False, True, False), (True, True, False)])
-def test_column_parallel_linear_matches_nn_linear(world, sp, async_comm, gather_output):
-    assert all(run_ranks(_column, world, sp, async_comm, gather_output))
+@pytest.mark.parametrize("sp,async_comm", [(False, False), (True, False), (False, True), (True, True)])
+def test_column_parallel_linear_matches_nn_linear(world, sp, async_comm):
+    assert all(run_ranks(_column, world, sp, async_comm))
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("sp,input_is_parallel", [(False, True), (False, False), (True, True)])
-def test_row_parallel_linear_matches_nn_linear(world, sp, input_is_parallel):
-    assert all(run_ranks(_row, world, sp, input_is_parallel))
+@pytest.mark.parametrize("sp", [False, True])
+def test_row_parallel_linear_matches_nn_linear(world, sp):
+    assert all(run_ranks(_row, world, sp))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -11,6 +11,7 @@ round-off e of about 1e-2.
 """
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_ranks
@@ -45,7 +46,6 @@ def _dense(model, ids, targets):
 def _errors(par, flash, dtype):
     """{item: (error of the parallel model in `dtype`, error of the dense model in `dtype`)}, both
     relative-L2 against the dense model in float32, worst over TP ranks."""
-    import torch.distributed as dist
     groups = ProcessGroups.build(par)
     config = MiniMindConfig(**TINY, tie_word_embeddings=par.vocab_parallel, flash_attn=flash)
     torch.manual_seed(3)

@@ -1,7 +1,7 @@
 """The overlap report on hand-made traces whose answers are known (times in us, reports in ms)."""
 import pytest
 
-from minimind_parallel.profiling.overlap import analyze, intersect, subtract, union
+from minimind_parallel.profiling.overlap import analyze, intersect, mean_over_ranks, subtract, union
 
 MAIN, GLOO = 1, 2
 
@@ -83,7 +83,6 @@ def test_gpu_trace_uses_nccl_kernels():
 
 
 def test_peer_wait_splits_a_span_into_waiting_for_the_late_rank_and_transfer():
-    from minimind_parallel.profiling.overlap import mean_over_ranks
     base = dict(steps=1, step_ms=1.0, compute_ms=0.5, exposed_comm_ms=0.5, idle_ms=0.0)
     coll = dict(count=2, time_ms=0.1, overlap=0.0, overlap_dgrad=0.0, overlap_wgrad=0.0, exposed_ms=0.1, wait_ms=0.0,
                 by_phase={}, overlap_by_phase={})

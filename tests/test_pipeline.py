@@ -15,8 +15,11 @@ from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.data.batches import random_batch, split_microbatches
 from minimind_parallel.pipeline_parallel import SCHEDULES, deallocate_output_tensor, forward_backward, schedule_order
 from minimind_parallel.pipeline_parallel.order import Step, backward, check_order, forward
+from minimind_parallel.sharding import gather_state_dict, shard_state_dict
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step
 from minimind_parallel.validation import compare_with_dense, error, failures, format_report
+from test_cli import assert_refused_before_launch
+from test_model import assert_shards_are_megatron_slices
 
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
 
@@ -321,7 +324,6 @@ BAD = [
 
 @pytest.mark.parametrize("argv,message", BAD, ids=[m.split(";")[0] for _, m in BAD])
 def test_bad_pipeline_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
-    from test_cli import assert_refused_before_launch
     assert_refused_before_launch(argv, message, monkeypatch, capsys)
 
 
@@ -348,8 +350,6 @@ def test_a_stage_that_raises_ends_the_job_with_its_error():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_stages_shard_and_gather_by_global_names(tied):
-    from minimind_parallel.sharding import gather_state_dict, shard_state_dict
-    from test_model import assert_shards_are_megatron_slices
     torch.manual_seed(0)
     sd = MiniMindForCausalLM(MiniMindConfig(**TINY, tie_word_embeddings=tied)).state_dict()
     par = ParallelConfig(tp=2, pp=2, vocab_parallel=True)

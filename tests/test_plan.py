@@ -10,6 +10,7 @@ from torch import nn
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
+from minimind_parallel.data.batches import random_batch
 from minimind_parallel.memory.estimate import fake_process_group
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 from minimind_parallel.plan import (PLAN, Style, grad_is_partial, grad_is_shared_over_stages, plan_of, stage_of,
@@ -19,6 +20,8 @@ from minimind_parallel.recompute import LeanRMSNorm
 from minimind_parallel.sharding import gather_state_dict, shard_state_dict
 from minimind_parallel.styles import LAYERS
 from minimind_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from minimind_parallel.training import build_parallel_model
+from minimind_parallel.validation import dense_slice
 
 TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       vocab_size=128, max_position_embeddings=64)
@@ -133,9 +136,6 @@ def test_every_shard_is_the_dense_slice_the_plan_names(name):
 def _partial_grads(par):
     """Dense and parallel model from the same float64 weights, one backward on the same batch, no
     grad finalisation: which local grads differ from the dense slice, and what the plan says."""
-    from minimind_parallel.training import build_parallel_model
-    from minimind_parallel.data.batches import random_batch
-    from minimind_parallel.validation import dense_slice
     groups = ProcessGroups.build(par)
     config = replace(TINY, tie_word_embeddings=False, num_hidden_layers=2)
     torch.manual_seed(0)

@@ -1,7 +1,11 @@
 """A real 2-rank profile: the trace parses, names every phase, and the report counts exactly the
 collectives the layers issue, phase by phase."""
+import contextlib
+import csv
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -129,18 +133,15 @@ def test_profile_counts_names_and_outputs(tmp_path):
 
 
 def test_ranges_are_free_when_not_profiling():
-    import contextlib
     assert isinstance(span("comm:all_reduce"), contextlib.nullcontext)
 
 
 def test_benchmark_kind_profile_writes_traces_reports_and_the_comparison(tmp_path):
-    import subprocess
-    import sys
-    csv = tmp_path / "p.csv"
+    csv_path = tmp_path / "p.csv"
     r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "benchmark", "--kind", "profile", "--tp_size", "2",
                         "--", "--modes", "tp_sp_async", "--num_hidden_layers", "1", "--seq_len", "16",
                         "--hidden_size", "64", "--vocab_size", "128", "--warmup_iters", "1", "--benchmark_iters", "1",
-                        "--output_csv", str(csv)], capture_output=True, text=True, timeout=300)
+                        "--output_csv", str(csv_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     d = tmp_path / "p_profiles" / "tp_sp_async_num_hidden_layers1"
     assert {"trace_rank0.json", "trace_rank1.json", "report.json", "timeline.png"} <= {p.name for p in d.iterdir()}
@@ -150,15 +151,13 @@ def test_benchmark_kind_profile_writes_traces_reports_and_the_comparison(tmp_pat
 
 
 def test_benchmark_kind_profile_of_a_pipeline_traces_every_stage_with_its_microbatches(tmp_path):
-    import csv as csv_module
-    import subprocess
-    import sys
-    csv = tmp_path / "p.csv"
+    csv_path = tmp_path / "p.csv"
     r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "benchmark", "--kind", "profile", "--pp_size", "2",
                         "--", "--modes", "pp", "--num_hidden_layers", "2", "--seq_len", "16", "--hidden_size", "64",
                         "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "128",
                         "--num_microbatches", "3", "--pp_schedule", "1f1b", "--warmup_iters", "1",
-                        "--benchmark_iters", "1", "--output_csv", str(csv)], capture_output=True, text=True, timeout=300)
+                        "--benchmark_iters", "1", "--output_csv", str(csv_path)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     d = tmp_path / "p_profiles" / "pp_num_hidden_layers2"
     for stage in range(2):  # stage p holds block p; every microbatch goes through it forward and backward
@@ -168,7 +167,7 @@ def test_benchmark_kind_profile_of_a_pipeline_traces_every_stage_with_its_microb
         assert names.count(f"block {stage} forward") == names.count(f"block {stage} backward") == 3, stage
         assert f"block {1 - stage} forward" not in names and "comm:send_recv" in names
     assert len(json.loads((d / "report.json").read_text())["ranks"]) == 2
-    with open(csv) as f:
-        row = next(csv_module.DictReader(f))
+    with open(csv_path) as f:
+        row = next(csv.DictReader(f))
     assert row["status"] == "ok" and row["in_flight_per_stage"] == "2 1"  # 1F1B: min(P - p, M)
     assert len(row["idle_pct_per_stage"].split()) == 2

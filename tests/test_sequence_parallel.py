@@ -11,6 +11,7 @@ from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.model import rope_tables
 from minimind_parallel.parallel_model import ParallelBlock
+from minimind_parallel.tensor_parallel import column_parallel
 
 S, B, H = 8, 2, 32
 CONFIG = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
@@ -87,7 +88,6 @@ def _saved_inputs(par, which):
             saved.append((t.numel(), ptr))
         return t
 
-    from minimind_parallel.tensor_parallel import column_parallel
     projs = [attn.q_proj, attn.k_proj, attn.v_proj] if which == "attention" else [mlp.gate_proj, mlp.up_proj]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = column_parallel(projs, x) if par.shared_sp_gather else [p(x) for p in projs]

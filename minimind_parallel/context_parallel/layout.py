@@ -31,10 +31,6 @@ class ContextLayout:
     def chunk_len(self) -> int:
         return self.seq_len // self.num_chunks
 
-    @property
-    def local_len(self) -> int:
-        return self.seq_len // self.cp
-
     def chunks(self, rank: int) -> tuple[int, ...]:
         """The global chunk indices CP rank `rank` holds, in its local order."""
         if self.load_balance:

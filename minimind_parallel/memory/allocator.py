@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .estimate import estimate_step_memory
 from .tracker import StorageTracker
 
 MIN_BLOCK = 512                 # kMinBlockSize: every request rounds up to a multiple of this
@@ -350,7 +351,6 @@ def predict_cuda_peak(model_config, par, *, setup: CudaSetup = CudaSetup(), stag
     `setup.capability`: `estimate_step_memory`'s steps (fake tensors; `sizes`: seq_len,
     micro_batch_size, dtype, num_microbatches, schedule) recorded and replayed through the
     allocator model, the first step as the allocator's warm-up."""
-    from .estimate import estimate_step_memory
     if iters < 2:
         raise ValueError(f"the replay needs a warm-up step and a measured one; got iters={iters}")
     seen: list[AllocationRecorder] = []

@@ -34,7 +34,7 @@ def _fake_store():
     """The fake backend's store. Imported here, not at the top: the module is private to PyTorch's
     tests and may be missing from a torch build, which should cost --estimate only."""
     try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # private, maybe missing: see above
     except ImportError:
         raise ConfigError("--estimate needs PyTorch's fake process group (torch.testing._internal.distributed"
                           f".fake_pg), which this torch build ({torch.__version__}) lacks") from None

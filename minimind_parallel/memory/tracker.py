@@ -45,12 +45,6 @@ class MemoryReport:
     def mib(self) -> float:
         return self.peak_bytes / 2**20
 
-    def breakdown_mib(self) -> dict[str, float]:
-        return {k: v / 2**20 for k, v in self.breakdown.items()}
-
-    def as_dict(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, **self.breakdown}
-
     @staticmethod
     def worst(reports: list["MemoryReport"]) -> "MemoryReport":
         """The worst rank's report (e.g. of dist.all_gather_object over the ranks)."""

@@ -17,7 +17,7 @@ def _bars(ax, intervals, y, height, color):
 
 def plot_timelines(runs: dict[str, list[dict]], path: str) -> None:
     """runs: {title: [timeline of rank 0, rank 1, ...]} -> one panel per title, saved to `path`."""
-    import matplotlib
+    import matplotlib  # here, not at the top: matplotlib is optional and slow to import, needed for a plot only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch

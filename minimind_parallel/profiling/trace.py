@@ -25,6 +25,7 @@ from ..files import atomic_path
 from ..pipeline_parallel import Schedule
 from ..training import train_step
 from .overlap import analyze_file, mean_over_ranks
+from .timeline import plot_timelines
 
 
 def name_blocks(model: nn.Module) -> list:
@@ -116,7 +117,6 @@ def profile_steps(model: nn.Module, optimizer, groups, ids, targets, *, steps: i
 
 def write_outputs(result: dict, out_dir: str, title: str = "") -> None:
     """report.json (the mean over ranks, and every rank's report) and timeline.png."""
-    from .timeline import plot_timelines
     with atomic_path(os.path.join(out_dir, "report.json")) as tmp, open(tmp, "w") as f:
         json.dump(dict(title=title, summary=result["summary"], ranks=result["ranks"]), f, indent=1)
     plot_timelines({title or "profile": [r["timeline"] for r in result["ranks"]]},

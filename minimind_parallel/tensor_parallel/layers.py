@@ -13,8 +13,7 @@ from torch import nn
 from ..distributed import comm
 from .async_linear import linear_with_async_communication
 from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+                       reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region)
 
 
 def mark_partial_grad(param: nn.Parameter) -> nn.Parameter:
@@ -34,18 +33,18 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features, out_features, *, group=None, bias=False, sequence_parallel=False,
-                 async_communication=False, shared_input=False, gather_output=False, dtype=None):
+                 async_communication=False, shared_input=False, dtype=None):
         super().__init__()
         t = comm.group_size(group)
         assert out_features % t == 0, f"out_features {out_features} not divisible by TP size {t}"
         self.group, self.sequence_parallel, self.async_communication = group, sequence_parallel, async_communication
-        self.shared_input, self.gather_output = shared_input, gather_output
+        self.shared_input = shared_input
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features // t, dtype=dtype)) if bias else None
 
     def forward(self, x):
         (y,) = column_parallel([self], x)
-        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+        return y
 
 
 def column_parallel(linears: list[ColumnParallelLinear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -74,19 +73,18 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features, out_features, *, group=None, bias=False, sequence_parallel=False,
-                 input_is_parallel=True, dtype=None):
+                 dtype=None):
         super().__init__()
         t = comm.group_size(group)
         assert in_features % t == 0, f"in_features {in_features} not divisible by TP size {t}"
-        self.group, self.sequence_parallel, self.input_is_parallel = group, sequence_parallel, input_is_parallel
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         if self.bias is not None and sequence_parallel:
             mark_partial_grad(self.bias)  # added on the sequence shard
 
     def forward(self, x):
-        if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x, self.group)       # [..., N] -> [..., N/T]
+        """x: [..., N/T], this rank's slice of the input -> the summed output."""
         return self.leave_region(F.linear(x, self.weight))              # partial sum over ranks
 
     def leave_region(self, y):

@@ -127,7 +127,7 @@ def curves(records: list[dict]) -> dict[str, dict[int, float]]:
 
 def write_loss_plot(records: list[dict], path: str, *, title: str = "") -> None:
     """Training and held-out loss against the step, as a PNG (written atomically)."""
-    import matplotlib
+    import matplotlib  # here, not at the top: matplotlib is optional and slow to import, needed for a plot only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

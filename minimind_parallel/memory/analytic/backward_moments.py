@@ -125,7 +125,8 @@ def _lean_post_norm_backward(s: StageSizes) -> tuple[int, int, int]:
     in, its activations and its share of the column inputs freed, the norm's own input and rsqrt
     still saved."""
     par, b, hid = s.par, s.b, s.hid
-    # under SP one more [H] grad is in by then (measured with the tracker, not derived)
+    # under SP one more [H] grad is in by then: measured with StorageTracker(detail=True) (docs/memory.md),
+    # not derived; no layout of tests/test_memory.py has this moment at its peak under SP, so no test pins it
     return (s.head_grads + 3 * s.mlp_w_grad + (b * hid if par.sequence_parallel else 0),
             *_lean_post_norm_rest(s, top_block_saved(s, 2 * s.mlp_out + s.gate_up_input)))
 

@@ -37,12 +37,6 @@ import torch
 
 from ...config import DTYPES, CPCommType, MiniMindConfig, ParallelConfig, Recompute
 
-BLOCK_KINDS = ("norm_fp32", "column_input", "qk_norm_fp32", "attention_q", "attention_kv", "attention_out", "mlp",
-               "checkpoint_input")
-
-
-MODEL_KINDS = ("embedding", "final_norm", "head_input", "logits_loss", "rope")
-
 
 def as_dtype(dtype) -> torch.dtype:
     """A torch.dtype, or its name as the command line spells it ("bfloat16")."""
