@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from torch.distributed.run import get_args_parser
+
 from . import processes
 from .job import Job, write_job
 from .options import resolve_device
@@ -53,8 +55,6 @@ def torchrun_command(launch, world_size: int, worker_argv: list[str]) -> list[st
 
 def torchrun_accepts(option: str) -> bool:
     """Whether the installed torchrun has `option` (the CUDA builds users bring may be older)."""
-    from torch.distributed.run import get_args_parser
-
     return any(option in action.option_strings for action in get_args_parser()._actions)
 
 

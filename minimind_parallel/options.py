@@ -11,7 +11,10 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from .config import DTYPES, ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
+from .memory import predict_memory
 from .pipeline_parallel.order import Schedule
 
 # What one CPU rank holds before any model: a Python process with torch and gloo (about 230 MiB
@@ -230,7 +233,6 @@ def collective_timeout(launch) -> datetime.timedelta:
 
 def resolve_device(launch) -> str:
     """--device, or cuda when available, else cpu."""
-    import torch
     if launch.device is not None:
         return launch.device
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -314,7 +316,6 @@ def check_world(launch, world_size: int, dtype: str, *, kernels: bool = True) ->
 
 
 def check_device(device: str, dtype: str, world_per_node: int) -> None:
-    import torch
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda needs a CUDA device; torch.cuda.is_available() is False")
@@ -342,7 +343,6 @@ def check_resources(launch, runs: list, *, rows: list[int] | None = None) -> Non
     peak = max((p for p in peaks if p is not None), default=0)
     override = "; pass --skip_resource_check to launch anyway"
     if device == "cuda":
-        import torch
         gpu = min(torch.cuda.get_device_properties(i).total_memory for i in range(per_node))
         if peak > gpu:
             raise ConfigError(f"predicted memory exceeds the GPU: the worst rank's predicted peak "
@@ -366,7 +366,6 @@ def check_resources(launch, runs: list, *, rows: list[int] | None = None) -> Non
 
 def predicted_peak(args, par: ParallelConfig, device: str, rows: int) -> int | None:
     """The analytic model's peak bytes of a training step on the worst rank (None: not modelled)."""
-    from .memory import predict_memory
     try:
         return predict_memory(model_config(args), par, seq_len=args.seq_len, micro_batch_size=rows,
                               dtype=DTYPES[args.dtype], device=device,

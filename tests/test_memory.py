@@ -12,11 +12,11 @@ import torch
 from distributed import run_ranks
 from helpers import one_line_error
 from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
-from minimind_parallel.memory import (MemoryMeter, StorageTracker, estimate_step_memory, parameter_shapes,
-                                      predict_memory)
+from minimind_parallel.memory import MemoryMeter, StorageTracker, estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic import activations_by_kind
 from minimind_parallel.memory.estimate import fake_process_group
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
+from minimind_parallel.plan import stage_parameters
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 import memory_model_sweep as sweep  # noqa: E402
@@ -227,10 +227,10 @@ def _stage_parameters(config, par, stage):
 
 @pytest.mark.parametrize("par", [ParallelConfig(), ParallelConfig(pp=2, tp=2, vocab_parallel=True), ParallelConfig(pp=4)])
 @pytest.mark.parametrize("tied", [False, True])
-def test_parameter_shapes_are_each_stages_model_in_optimizer_order(par, tied):
+def test_stage_parameters_are_each_stages_model_in_optimizer_order(par, tied):
     c = replace(PIPE, tie_word_embeddings=tied)
     for stage in range(par.pp):
-        assert list(parameter_shapes(c, par, stage).items()) == _stage_parameters(c, par, stage)
+        assert list(stage_parameters(c, par, stage).items()) == _stage_parameters(c, par, stage)
 
 
 @pytest.mark.parametrize("par,schedule,m,dtype,tied", [

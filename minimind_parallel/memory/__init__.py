@@ -4,11 +4,10 @@
     estimate_step_memory  the same tracker on fake tensors and a fake process group (--estimate), any stage
     predict_memory        the analytic model: bytes by category and by saved-tensor kind, every pipeline stage
 """
-from ..plan import stage_parameters as parameter_shapes  # the parameters the model counts, per stage
 from .analytic import MemoryPrediction, activations_by_kind, predict_memory
 from .estimate import estimate_step_memory
 from .meter import MemoryMeter
 from .tracker import CATEGORIES, MemoryReport, StorageTracker
 
 __all__ = ["CATEGORIES", "MemoryMeter", "MemoryPrediction", "MemoryReport", "StorageTracker", "activations_by_kind",
-           "estimate_step_memory", "parameter_shapes", "predict_memory"]
+           "estimate_step_memory", "predict_memory"]

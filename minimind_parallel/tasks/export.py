@@ -19,7 +19,8 @@ import torch
 
 from ..config import ConfigError
 from ..files import check_directory
-from ..interop.huggingface import EXPORT_DTYPES
+from ..interop import dense_state_dict, export_hf, minimind_weight_name, save_minimind_state_dict
+from ..interop.huggingface import EXPORT_DTYPES, check_export_folder, load_export_tokenizer
 from ..job import Job, LaunchOptions, TaskOptions
 from ..options import Parser, launcher_layout
 from .task import Task
@@ -44,7 +45,6 @@ def parser() -> argparse.ArgumentParser:
 
 def minimind_path(args, hidden_size: int) -> str:
     """--out, or MiniMind's file name in --out when it is a folder."""
-    from ..interop import minimind_weight_name
     if os.path.isdir(args.out):
         return os.path.join(args.out, minimind_weight_name(args.weight, hidden_size))
     return args.out
@@ -80,13 +80,11 @@ def check(job: Job) -> None:
         if args.dtype is not None or args.tokenizer_path is not None:
             raise ConfigError(f"--format minimind writes MiniMind's half-precision .pth (no tokenizer); got "
                               f"--dtype {args.dtype}, --tokenizer_path {args.tokenizer_path}")
-        from ..interop import minimind_weight_name
         minimind_weight_name(args.weight, config.hidden_size)
         path = minimind_path(args, config.hidden_size)
         if os.path.exists(path) and not args.overwrite:
             raise ConfigError(f"{path} already exists; pass --overwrite to replace it")
     else:
-        from ..interop.huggingface import check_export_folder, load_export_tokenizer
         if args.tokenizer_path is None:
             raise ConfigError("--format hf writes the tokenizer files with the model: give --tokenizer_path DIR")
         check_export_folder(args.out, args.overwrite)
@@ -102,14 +100,12 @@ def export_dtype(args) -> torch.dtype:
 def check_weights(args) -> None:
     """Read the checkpoint whole once before anything is written: every tensor finite, and finite in the
     dtype it is written in (ConfigError naming the tensor)."""
-    from ..interop import dense_state_dict
     config, dense = read_source(args, None)
     dense_state_dict(dense, config, source=args.checkpoint, dtype=export_dtype(args))
 
 
 def launch_export(job: Job) -> int:
     """Read the checkpoint whole and write the export, here in the launcher process."""
-    from ..interop import export_hf, save_minimind_state_dict
     args = job.task
     config, dense = read_source(args, None)
     if args.format == "minimind":

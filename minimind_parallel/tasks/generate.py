@@ -16,9 +16,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..config import DTYPES
+from ..config import DTYPES, check_layout
+from ..data.tokenizer import load_tokenizer
+from ..generation import check_generation_args, generate, new_text, prompt_ids
+from ..groups import ProcessGroups
 from ..job import Job
-from ..options import Parser, add_model_args, check_world
+from ..model import MiniMindForCausalLM
+from ..options import Parser, add_model_args, check_world, collective_timeout, resolve_device
+from ..parallel_generation import build_generation_model, check_generation_layout, generate_parallel, generation_layout
 from .task import Task, launch_once
 from .weights import add_source_args, check_source, read_source, trained_length
 
@@ -39,16 +44,11 @@ def parser() -> argparse.ArgumentParser:
 
 def _prompt(args, config):
     """(tokenizer, bos + the prompt's ids)."""
-    from ..data.tokenizer import load_tokenizer
-    from ..generation import prompt_ids
     tok = load_tokenizer(args.tokenizer_path)
     return tok, prompt_ids(tok, args.prompt, vocab_size=config.vocab_size)
 
 
 def check(job: Job) -> None:
-    from ..config import check_layout
-    from ..generation import check_generation_args
-    from ..parallel_generation import check_generation_layout, generation_layout
     launch, args = job.launch, job.task
     check_generation_layout(job.parallel)
     config = check_source(args, job.model)
@@ -76,8 +76,6 @@ def sample_args(args) -> dict:
 
 def generate_dense(job: Job, device) -> list[int]:
     """The new token ids (eos included when drawn) from the dense model in this process."""
-    from ..generation import generate
-    from ..model import MiniMindForCausalLM
     args = job.task
     config, dense = read_source(args, job.model)
     model = MiniMindForCausalLM(config)
@@ -90,9 +88,6 @@ def generate_dense(job: Job, device) -> list[int]:
 
 def generate_on_rank(job: Job, device) -> list[int]:
     """The new token ids from this TP rank's shard (every rank returns the same ids)."""
-    from ..groups import ProcessGroups
-    from ..options import collective_timeout
-    from ..parallel_generation import build_generation_model, generate_parallel, generation_layout
     launch, args = job.launch, job.task
     config, dense = read_source(args, job.model)
     groups = ProcessGroups.build(generation_layout(launch.tp_size), timeout=collective_timeout(launch))
@@ -104,8 +99,6 @@ def generate_on_rank(job: Job, device) -> list[int]:
 
 def show(args, new_ids: list[int]) -> None:
     """The prompt and its continuation, as text."""
-    from ..data.tokenizer import load_tokenizer
-    from ..generation import new_text
     print(args.prompt + new_text(load_tokenizer(args.tokenizer_path), new_ids))
     sys.stdout.flush()
 
@@ -114,7 +107,6 @@ def launch_generate(job: Job) -> int:
     """One rank: here, on the dense model; T ranks: one torchrun job of the TP model."""
     if job.launch.tp_size > 1:
         return launch_once(job)
-    from ..options import resolve_device
     show(job.task, generate_dense(job, torch.device(resolve_device(job.launch))))
     return 0
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import launcher
+from .. import checkpoint, launcher
 from ..config import DTYPES, ConfigError
 from ..context_parallel import ContextLayout
 from ..data.batches import cp_tokens
@@ -50,6 +50,7 @@ from ..data.tokenizer import load_tokenizer
 from ..distributed import comm
 from ..files import atomic_path, check_directory
 from ..groups import ProcessGroups, first_on_node
+from ..interop.minimind import load_minimind_state_dict
 from ..job import Job
 from ..model import MiniMindForCausalLM
 from ..options import Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout
@@ -185,7 +186,6 @@ def check_data(args, tok, par) -> None:
 
 def check_outputs(args, config) -> None:
     """The save and output directories (checked, not created) and what --resume / --from_weight read."""
-    from .. import checkpoint
     if args.resume and args.from_weight:
         raise ConfigError(f"--resume continues a checkpoint, --from_weight starts from weights: give one; "
                           f"got --resume and --from_weight {args.from_weight}")
@@ -206,7 +206,6 @@ def check_outputs(args, config) -> None:
             raise ConfigError(f"--resume: no complete checkpoint in --save_dir {args.save_dir}")
         checkpoint.check_checkpoint_config(path, config)
     if args.from_weight:
-        from ..interop.minimind import load_minimind_state_dict
         load_minimind_state_dict(args.from_weight, config)
     check_directory("--out_dir", out_dir(args))
 
@@ -236,7 +235,6 @@ def check_resume(args, p: Plan) -> None:
     global batch (the data position is a step of global batches; another --dp_size with
     --batch_size / --accumulation_steps keeping dp x batch_size x accumulation_steps continues at
     the same sample) and total steps (the learning-rate schedule spans them)."""
-    from .. import checkpoint
     path = checkpoint.latest_checkpoint(args.save_dir)
     extra = checkpoint.read_extra(path)
     if "data" in extra:   # checkpoints saved before the identity was recorded are not checked
@@ -266,7 +264,6 @@ def launch_train(job: Job) -> int:
     args = job.task
     p = plan(args, job.parallel)
     if args.resume:
-        from .. import checkpoint
         path = checkpoint.latest_checkpoint(args.save_dir)
         step = checkpoint.read_extra(path)["step"]
         if step >= p.total_steps:
@@ -342,7 +339,6 @@ class Run:
     def _build_model(self):
         args = self.args
         if args.from_weight:
-            from ..interop.minimind import load_minimind_state_dict
             dense = load_minimind_state_dict(args.from_weight, self.config)
         else:
             torch.manual_seed(args.seed)
@@ -353,7 +349,6 @@ class Run:
     def _resume(self) -> int:
         """Load the latest checkpoint; the run's length is the saved one (the launcher checked this
         command makes the same run)."""
-        from .. import checkpoint
         path = checkpoint.latest_checkpoint(self.args.save_dir)
         extra = checkpoint.load_checkpoint(path, model=self.model, optimizer=self.optimizer, config=self.config,
                                            par=self.par, groups=self.groups)
@@ -365,7 +360,6 @@ class Run:
         return int(extra["step"])
 
     def _save(self) -> None:
-        from .. import checkpoint
         extra = {"step": self.step, "sampler": self.sampler.state_dict(), "total_steps": self.total,
                  "data": self.data_identity, "max_seq_len": self.args.seq_len,  # generate warns beyond it
                  "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}

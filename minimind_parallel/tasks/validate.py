@@ -16,9 +16,11 @@ from .. import launcher
 from ..config import DTYPES, ConfigError
 from ..files import atomic_path
 from ..groups import ProcessGroups, first_on_node
+from ..interop import load_minimind_state_dict
 from ..job import Job, LaunchOptions, TaskOptions
 from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes, check_number,
                        check_resources, collective_timeout, mode_parallel, model_config)
+from ..plan import stage_parameters
 from ..validation import compare_with_dense, failures, format_report
 from .task import Task
 
@@ -70,7 +72,6 @@ def initial_state(job: Job) -> dict | None:
     """The dense state dict of --from_weight (read strictly: ConfigError naming a key or shape), or None."""
     if job.task.from_weight is None:
         return None
-    from ..interop import load_minimind_state_dict
     return load_minimind_state_dict(job.task.from_weight, job.model)
 
 
@@ -79,8 +80,7 @@ def check_perturb(job: Job) -> None:
     args, par = job.task, job.parallel
     if args.perturb is None:
         return
-    from ..memory import parameter_shapes
-    names = {n for stage in range(par.pp) for n in parameter_shapes(job.model, par, stage)}
+    names = {n for stage in range(par.pp) for n in stage_parameters(job.model, par, stage)}
     if args.perturb not in names:
         examples = ", ".join(sorted(n for n in names if ".layers." not in n))
         raise ConfigError(f"--perturb must name a parameter of the model (model.layers.<i>.self_attn.q_proj.weight, "

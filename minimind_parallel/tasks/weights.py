@@ -7,7 +7,10 @@ import argparse
 
 import torch
 
+from ..checkpoint import checkpoint_model_config, read_dense_state, resolve_checkpoint
+from ..checkpoint.directory import read_meta
 from ..config import ConfigError, MiniMindConfig
+from ..interop import dense_state_dict, load_minimind_state_dict
 
 
 def add_checkpoint_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -24,7 +27,6 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
 
 def check_checkpoint(path: str) -> MiniMindConfig:
     """The model config of the complete checkpoint `path` resolves to; ConfigError when there is none."""
-    from ..checkpoint import checkpoint_model_config, resolve_checkpoint
     return checkpoint_model_config(resolve_checkpoint(path))
 
 
@@ -43,16 +45,13 @@ def trained_length(args) -> int | None:
     (MiniMind's weight file does not say) or a checkpoint that does not record it."""
     if args.checkpoint is None:
         return None
-    from ..checkpoint.directory import read_meta
     return read_meta(args.checkpoint).get("extra", {}).get("max_seq_len")
 
 
 def read_source(args, model: MiniMindConfig | None) -> tuple[MiniMindConfig, dict[str, torch.Tensor]]:
     """(config, the dense model's state dict in float32) of the weights args name; `model`: the
     model of the model arguments, which a .pth is read against."""
-    from ..interop import dense_state_dict, load_minimind_state_dict
     if args.checkpoint is not None:
-        from ..checkpoint import read_dense_state
         config, state = read_dense_state(args.checkpoint)
         return config, dense_state_dict(state, config, source=args.checkpoint)
     return model, load_minimind_state_dict(args.from_weight, model)

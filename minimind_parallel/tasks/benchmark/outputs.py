@@ -74,7 +74,7 @@ def written(paths: Paths, kind: Kind) -> dict[str, str]:
 
 
 def plot_formats() -> tuple[str, ...]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # here: matplotlib is optional and slow to import
     return tuple(FigureCanvasAgg.get_supported_filetypes())
 
 
@@ -308,7 +308,7 @@ def write_plot(path: str, rows: list[dict], swept: str) -> None:
     """Peak memory (measured solid, predicted dashed) and, when some cell was timed, step time (the
     median, bars from the fastest to the slowest iteration) against the swept dimension, per mode.
     --estimate times nothing: its plot is the memory panel alone."""
-    import matplotlib
+    import matplotlib  # here, not at the top: matplotlib is optional and slow to import, needed for a plot only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
