@@ -10,6 +10,7 @@ import torch
 
 from minimind_parallel import cli, launcher, options
 from minimind_parallel.config import ConfigError
+from minimind_parallel.memory import predict_memory
 from test_cli import assert_refused_before_launch
 from test_train import checkpointed, corpus  # noqa: F401  (the fixtures)
 
@@ -245,7 +246,6 @@ def test_a_model_predicted_not_to_fit_the_gpu_is_refused(monkeypatch, capsys):
 @pytest.mark.parametrize("spare,fits", [(0, True), (-1, False)], ids=["fits", "one byte short"])
 def test_the_cpu_rule_is_ranks_times_process_plus_the_analytic_peak(spare, fits, monkeypatch):
     """Not a bound picked by hand: refused exactly when ranks x (process + predicted peak) > MemAvailable."""
-    from minimind_parallel.memory import predict_memory
     job = cli.resolve(["validate", "--tp_size", "2", "--device", "cpu", "--", "--hidden_size", "64"])
     launch, args, par = job.launch, job.task, job.parallel
     peak = predict_memory(options.model_config(args), par, seq_len=args.seq_len, micro_batch_size=2,

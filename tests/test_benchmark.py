@@ -9,9 +9,11 @@ import sys
 import time
 
 import pytest
+import torch
 
-from minimind_parallel import cli, files, launcher, tasks
+from minimind_parallel import MiniMindConfig, ParallelConfig, cli, files, launcher, tasks
 from minimind_parallel.job import read_job
+from minimind_parallel.memory import predict_memory
 from minimind_parallel.options import MODES
 from minimind_parallel.tasks import validate
 from minimind_parallel.tasks.benchmark import outputs as outputs_module
@@ -341,9 +343,6 @@ def test_an_estimated_pipeline_cell_has_every_stage_measured_and_predicted(monke
 def test_every_row_carries_the_analytic_prediction_and_the_deviation(monkeypatch, tmp_path):
     """Each row's prediction is predict_memory of that row's own cell (its mode, its depth; the
     four cells' predictions all differ), written out here from the command line's values."""
-    import torch
-    from minimind_parallel import MiniMindConfig, ParallelConfig
-    from minimind_parallel.memory import predict_memory
     run, _ = fake_torchrun(oom_cell=None)
     monkeypatch.setattr(launcher, "run_torchrun", run)
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--num_hidden_layers", "1", "2",

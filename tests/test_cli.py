@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+from torch.distributed.run import get_args_parser
 
 from minimind_parallel import cli, launcher, options, tasks
 from minimind_parallel.job import TaskOptions, read_job, write_job
@@ -129,8 +130,6 @@ def test_a_jobs_enums_are_written_by_value_and_rebuilt_by_type(tmp_path):
 def test_the_torchrun_command_parses_under_the_installed_torchrun(nnodes):
     """Every launcher flag is one the installed torchrun knows (CUDA builds users bring may be
     older than the pinned CPU build; an unknown flag ends every job before it starts)."""
-    from torch.distributed.run import get_args_parser
-
     class L:
         node_rank, master_addr, master_port, rdzv_timeout = 0, "127.0.0.1", 29512, 30.0
     L.nnodes = nnodes

@@ -2,6 +2,7 @@
 .pth and to a Hugging Face folder holding exactly its trained weights; transformers loads the folder
 with our logits; the .pth goes back into validate at another layout; `generate` prints text and gives
 the same greedy tokens on one rank and under TP; every bad input is one line before launch."""
+import json
 import os
 import subprocess
 import sys
@@ -11,8 +12,6 @@ import torch
 import transformers  # a test dependency (pyproject's `test` extra)
 
 from distributed import run_ranks
-import json
-
 from helpers import rel_l2
 from interop_helpers import lively_model, save_as_checkpoint, write_word_tokenizer
 from minimind_parallel import cli, tasks
@@ -20,9 +19,13 @@ from minimind_parallel.checkpoint import checkpoint_model_config
 from minimind_parallel.config import ConfigError, ParallelConfig
 from minimind_parallel.data_parallel import unwrap
 from minimind_parallel.generation import generate
+from minimind_parallel.groups import ProcessGroups
 from minimind_parallel.interop import save_minimind_state_dict
 from minimind_parallel.model import MiniMindForCausalLM
+from minimind_parallel.parallel_generation import build_generation_model, generate_parallel, generation_layout
 from minimind_parallel.sharding import gather_state_dict
+from minimind_parallel.tasks.generate import generate_dense, generate_on_rank
+from minimind_parallel.tasks.train import Run
 from minimind_parallel.tasks.validate import initial_state
 from test_cli import assert_refused_before_launch
 from test_train import corpus, data_args  # noqa: F401  (corpus: the fixture)
@@ -35,7 +38,6 @@ PROMPT = "Return the"
 
 def _train_and_keep(argv):
     """One rank of the train task; returns this rank's trained shards."""
-    from minimind_parallel.tasks.train import Run
     run = Run(cli.resolve(argv), torch.device("cpu"))
     run.train()
     return {n: p.detach().clone() for n, p in unwrap(run.model).named_parameters()}
@@ -108,7 +110,6 @@ def test_hf_export_of_a_tp2_sp_checkpoint_loads_in_transformers_with_our_logits(
 
     # What a transformers user runs: the tokenizer puts bos first, as the training rows start, and greedy
     # generate continues with our tokens.
-    from minimind_parallel.tasks.generate import generate_dense
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     inputs = hf_tok(PROMPT, return_tensors="pt")
     assert inputs.input_ids[0, 0].item() == hf_tok.bos_token_id == 1
@@ -139,7 +140,6 @@ def test_the_pth_reimported_into_validate_at_another_layout_equals_the_dense_mod
 # ---------------------------------------------------------------- generate
 
 def _generate_rank(argv):
-    from minimind_parallel.tasks.generate import generate_on_rank
     return generate_on_rank(cli.resolve(argv), torch.device("cpu"))
 
 
@@ -151,7 +151,6 @@ def generate_argv(source, corpus, *extra, launcher_args=()):  # noqa: F811
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top_p", "0.9", "--seed", "3"]],
                          ids=["greedy", "top_p"])
 def test_generate_from_the_checkpoint_gives_the_same_tokens_on_one_rank_and_under_tp2(trained, corpus, sampling):  # noqa: F811
-    from minimind_parallel.tasks.generate import generate_dense
     save_dir, _ = trained
     source = ["--checkpoint", str(save_dir)]
     job = cli.resolve(generate_argv(source, corpus, *sampling))
@@ -163,8 +162,6 @@ def test_generate_from_the_checkpoint_gives_the_same_tokens_on_one_rank_and_unde
 
 
 def _lively_rank(state, ids, sampling):
-    from minimind_parallel.groups import ProcessGroups
-    from minimind_parallel.parallel_generation import build_generation_model, generate_parallel, generation_layout
     model = build_generation_model(lively_model().config, ProcessGroups.build(generation_layout(2)), state)
     return generate_parallel(model, ids, max_new_tokens=16, **sampling)
 

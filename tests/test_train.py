@@ -3,6 +3,7 @@ ln(vocab) in tp2 + SP and in pp2, resuming is exact (and works onto another layo
 save that was killed), what a person sees is written, a run that diverges or cannot save stops
 with one line keeping its last good checkpoint, and every bad input -- a resume that would not
 continue the same run among them -- is one line before anything launches."""
+import errno
 import json
 import math
 import os
@@ -13,13 +14,17 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.utils.flop_counter import FlopCounterMode
 
 from distributed import run_ranks
 from minimind_parallel import cli, launcher, tasks
+from minimind_parallel.checkpoint import latest_checkpoint, read_dense_state
 from minimind_parallel.config import MiniMindConfig
 from minimind_parallel.data.tokenizer import train_tokenizer
 from minimind_parallel.training.metrics import curves, model_flops_per_token
 from minimind_parallel.model import MiniMindForCausalLM
+from minimind_parallel.tasks.train import Run, RunStopped
 from test_cli import assert_refused_before_launch
 
 VOCAB, TRAIN_DOCS = 320, 32
@@ -50,7 +55,6 @@ def data_args(corpus, **extra) -> list[str]:
 
 
 def _train_rank(argv):
-    from minimind_parallel.tasks.train import Run
     Run(cli.resolve(argv), torch.device("cpu")).train()
 
 
@@ -184,7 +188,6 @@ def test_metrics_curve_drops_what_a_killed_run_logged_past_its_checkpoint():
 
 
 def test_model_flops_per_token_count_every_matmul_of_forward_and_backward():
-    from torch.utils.flop_counter import FlopCounterMode
     for tied in (False, True):
         config = MiniMindConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                                 vocab_size=256, tie_word_embeddings=tied, flash_attn=False)  # math attention: counted
@@ -196,7 +199,6 @@ def test_model_flops_per_token_count_every_matmul_of_forward_and_backward():
 
 def _resumed(argv):
     """What a rank's run holds once it has loaded the checkpoint (--resume)."""
-    from minimind_parallel.tasks.train import Run
     run = Run(cli.resolve(argv), torch.device("cpu"))
     return {"step": run.step, "total": run.total, "scaler": run.scaler.state_dict()}
 
@@ -214,7 +216,6 @@ def test_resume_restores_the_float16_loss_scaler(corpus, tmp_path):
 # ---------------------------------------------------------------- runs that stop early: one line
 
 def test_a_diverging_run_stops_with_one_line_keeping_its_last_finite_checkpoint(corpus, tmp_path):
-    from minimind_parallel.checkpoint import latest_checkpoint, read_dense_state
     r = subprocess.run([sys.executable, "-m", "evaluation.parallel", "train", "--",
                         *data_args(corpus, learning_rate="1e6", max_steps=20, save_interval=1, keep_last=1,
                                    dtype="float32", save_dir=tmp_path)],
@@ -237,9 +238,6 @@ def test_a_diverging_run_stops_with_one_line_keeping_its_last_finite_checkpoint(
 
 def _train_onto_a_full_disk(argv):
     """The run, with every checkpoint write after the first failing as on a full disk (ENOSPC)."""
-    import errno
-    import torch.distributed.checkpoint as dcp
-    from minimind_parallel.tasks.train import RunStopped
     write, calls = dcp.FileSystemWriter.write_data, []
 
     def fills_up(self, plan, planner):
