@@ -169,8 +169,14 @@ def _task_values(values: dict, parser: argparse.ArgumentParser) -> dict:
     """The task's options with the enums its parser makes rebuilt (a list option: each item)."""
     out = dict(values)
     for action in parser._actions:
-        kind = action.type
-        if action.dest in out and isinstance(kind, type) and issubclass(kind, enum.Enum) and out[action.dest] is not None:
+        kind = _enum_of(action.type)
+        if kind is not None and action.dest in out and out[action.dest] is not None:
             v = out[action.dest]
             out[action.dest] = [kind(x) for x in v] if isinstance(v, list) else kind(v)
     return out
+
+
+def _enum_of(kind) -> type[enum.Enum] | None:
+    """The enum an argparse `type=` makes: the enum itself, or its classmethod (`Choice.parse`)."""
+    owner = kind if isinstance(kind, type) else getattr(kind, "__self__", None)
+    return owner if isinstance(owner, type) and issubclass(owner, enum.Enum) else None

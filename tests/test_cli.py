@@ -126,6 +126,17 @@ def test_a_jobs_enums_are_written_by_value_and_rebuilt_by_type(tmp_path):
     assert isinstance(read.task, TaskOptions) and read.parallel == job.parallel and read.launch == job.launch
 
 
+def test_a_rank_reads_the_task_options_modes_back_as_the_members_the_launcher_resolved(tmp_path):
+    """The task parsers take modes as `type=X.parse`: read back with the task's own parser (as
+    worker.py does), every mode option is its member again, not its text."""
+    job = cli.resolve(["benchmark", "--tp_size", "2", "--", "--modes", "tp", "--recompute", "selective",
+                       "--cp_comm_type", "ring", "--pp_schedule", "gpipe"])
+    read = read_job(write_job(job, str(tmp_path / "job.json")), lambda name: tasks.get(name).parser())
+    for name in ("recompute", "cp_comm_type", "pp_schedule", "kind"):
+        resolved, back = getattr(job.task, name), getattr(read.task, name)
+        assert isinstance(resolved, enum.Enum) and back is resolved, (name, back)
+
+
 @pytest.mark.parametrize("nnodes", [1, 2])
 def test_the_torchrun_command_parses_under_the_installed_torchrun(nnodes):
     """Every launcher flag is one the installed torchrun knows (CUDA builds users bring may be
