@@ -172,7 +172,7 @@ def check(job: Job) -> None:
     check_data(args, tok, par)
     check_outputs(args, config)
     if args.resume:
-        check_resume(args, plan(args, par))
+        check_resume(args, run_length(args, par))
 
 
 def check_data(args, tok, par) -> None:
@@ -210,10 +210,10 @@ def check_outputs(args, config) -> None:
     check_directory("--out_dir", out_dir(args))
 
 
-# ---------------------------------------------------------------- launcher side: the run's plan, resuming
+# ---------------------------------------------------------------- launcher side: the run's length, resuming
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class RunLength:
     """What the command asks for: this many steps of this many rows from these rows of this file."""
 
     total_steps: int
@@ -223,14 +223,14 @@ class Plan:
     dp: int
 
 
-def plan(args, par) -> Plan:
+def run_length(args, par) -> RunLength:
     train_rows = len(open_data(args, load_tokenizer(args.tokenizer_path)).train)
     sampler = make_sampler(args, train_rows, 0, par.dp)
-    return Plan(total_steps=total_steps(args, sampler.steps_per_epoch), steps_per_epoch=sampler.steps_per_epoch,
+    return RunLength(total_steps=total_steps(args, sampler.steps_per_epoch), steps_per_epoch=sampler.steps_per_epoch,
                 num_rows=train_rows, global_batch=sampler.global_batch_size, dp=par.dp)
 
 
-def check_resume(args, p: Plan) -> None:
+def check_resume(args, p: RunLength) -> None:
     """The run of this command is the run the checkpoint is part of: the same data file, rows, seed,
     global batch (the data position is a step of global batches; another --dp_size with
     --batch_size / --accumulation_steps keeping dp x batch_size x accumulation_steps continues at
@@ -262,7 +262,7 @@ def launch_train(job: Job) -> int:
     """Say what the run will do (or that a resumed run is already finished), then one torchrun job;
     a run the ranks stopped early (the job's report file) is one line on stderr, exit 1."""
     args = job.task
-    p = plan(args, job.parallel)
+    p = run_length(args, job.parallel)
     if args.resume:
         path = checkpoint.latest_checkpoint(args.save_dir)
         step = checkpoint.read_extra(path)["step"]
