@@ -14,6 +14,13 @@
 - `files`: atomic file writing (unique temporary name, then rename).
 - `identity`: a data file's identity (size, hash of head and tail), saved with a checkpoint and
   checked before a resume.
+- `chat_template`, `chat`: MiniMind-3's ChatML chat template (the tokenizer carries it) and
+  conversation rows `{"conversations": [...]}` checked and rendered with it (tools, tool calls,
+  reasoning), a row without an assistant turn or a tokenizer without a template refused in one line.
+- `sft`: MiniMind's supervised fine-tuning rows on the token cache of the rendered conversations
+  (truncated, padded; labels -100 outside the assistant spans).
+- `conversations`: a conversation corpus with no download (questions about the standard library
+  answered by its docstrings), MiniMind's SFT jsonl.
 - `pretrain`: MiniMind's pretraining rows (bos + text + eos, padded; labels -100 at padding) on the
   cache, the deterministic data-parallel sampler whose position is saved with a checkpoint, and a
   loading-throughput measurement.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 
@@ -60,11 +60,14 @@ def check_vocab_fits(vocab_size: int) -> None:
                           f"got vocab_size={vocab_size}")
 
 
-def cache_key(data_path: str, tokenizer_path: str) -> str:
-    """Changes when the data file (size, mtime) or the tokenizer.json (contents) changes."""
+def cache_key(data_path: str, tokenizer_path: str, rendering: str = "") -> str:
+    """Changes when the data file (size, mtime), the tokenizer.json (contents) or the `rendering` of
+    a row into text (a chat template; "" for a text row) changes."""
     with open_data_file(data_path) as f:
         stat = os.fstat(f.fileno())
     digest = hashlib.sha256(f"{CACHE_FORMAT}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
+    if rendering:   # a text row's key is unchanged by it
+        digest.update(f"{rendering}|".encode())
     with open(tokenizer_path, "rb") as f:
         digest.update(f.read())
     return digest.hexdigest()[:16]
@@ -88,35 +91,37 @@ def _open_cache(tokens_path: str, index_path: str, built: bool) -> TokenCache | 
     return TokenCache(tokens=tokens, offsets=offsets, tokens_path=tokens_path, index_path=index_path, built=built)
 
 
-def _encoded_chunks(data_path: str, tok: LoadedTokenizer) -> Iterator[list[np.ndarray]]:
+def _encoded_chunks(texts: Iterator[str], tok: LoadedTokenizer) -> Iterator[list[np.ndarray]]:
     """The documents' token ids, ENCODE_CHUNK_DOCS documents per batch encode."""
     encode = getattr(tok.tokenizer, "encode_batch_fast", tok.tokenizer.encode_batch)  # fast: no offsets
-    texts = iter_texts(data_path)
     while chunk := list(islice(texts, ENCODE_CHUNK_DOCS)):
         yield [np.asarray(e.ids, dtype=TOKEN_DTYPE) for e in encode(chunk, add_special_tokens=False)]
 
 
-def _tokenise(data_path: str, tok: LoadedTokenizer, tokens_file: str) -> np.ndarray:
+def _tokenise(texts: Iterator[str], tok: LoadedTokenizer, tokens_file: str) -> np.ndarray:
     """Write all token ids to `tokens_file`; return the document offsets."""
     lengths = []
     with open(tokens_file, "wb") as out:
-        for docs in _encoded_chunks(data_path, tok):
+        for docs in _encoded_chunks(texts, tok):
             for ids in docs:
                 ids.tofile(out)
             lengths.extend(len(ids) for ids in docs)
     return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
 
 
-def build_token_cache(data_path: str, tok: LoadedTokenizer) -> TokenCache:
-    """The cache of `data_path` under `tok`: reused when present, else tokenised once and written atomically."""
+def build_token_cache(data_path: str, tok: LoadedTokenizer, *, texts: Callable[[str], Iterator[str]] = iter_texts,
+                      rendering: str = "") -> TokenCache:
+    """The cache of `data_path` under `tok`: reused when present, else tokenised once and written
+    atomically. `texts(data_path)`: each row's text (the "text" of a pretraining row; a rendered
+    conversation, whose template is the `rendering` that keys the cache)."""
     check_vocab_fits(tok.vocab_size)
-    tokens_path, index_path = cache_paths(data_path, cache_key(data_path, tok.path))
+    tokens_path, index_path = cache_paths(data_path, cache_key(data_path, tok.path, rendering))
     cache = _open_cache(tokens_path, index_path, built=False)
     if cache is not None:
         return cache
     with atomic_path(index_path) as tmp_index:
         with atomic_path(tokens_path) as tmp_tokens:
-            offsets = _tokenise(data_path, tok, tmp_tokens)
+            offsets = _tokenise(texts(data_path), tok, tmp_tokens)
         with open(tmp_index, "wb") as f:
             np.save(f, offsets)
     return _open_cache(tokens_path, index_path, built=True)

@@ -17,15 +17,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from ..config import ConfigError
 from ..files import atomic_path
+from .chat_template import MINIMIND_CHAT_TEMPLATE
 from .jsonl import iter_texts
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2 in this order
 BYTE_ALPHABET = 256
-# ChatML, the conversation format MiniMind's later stages (SFT) use; pretraining never applies it.
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-                 "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                 "{% endif %}")
+# MiniMind-3's ChatML template (data/chat_template.py): what the `sft` task and `generate --chat` render.
+CHAT_TEMPLATE = MINIMIND_CHAT_TEMPLATE
 
 
 @dataclass(frozen=True, kw_only=True)
