@@ -1,5 +1,6 @@
 """What a training rank reads: its replica's rows of every optimizer step and of the held-out
-batches, as `Batch(input_ids, targets)` (MiniMind's labels shifted once, `batches.shift_labels`).
+batches, as `Batch(input_ids, targets)` (MiniMind's labels shifted once, `batches.shift_labels`):
+pretraining rows of text (`data.pretrain`) or conversation rows (`data.sft`), by `DataFormat`.
 
 Held-out rows come from their own jsonl, or are a fraction of the training file's rows set aside
 by a permutation seeded with the run's seed (the same on every rank and every resume) and never
@@ -13,16 +14,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import Choice
 from .batches import Batch, shift_labels
 from .pretrain import PretrainDataset
+from .sft import SFTDataset
 from .token_cache import build_token_cache
 from .tokenizer import LoadedTokenizer
 
 HELDOUT_STREAM = 7  # a second random stream beside the sampler's [seed, epoch]: [seed, 7, 7]
 
 
-def open_dataset(data_path: str, tok: LoadedTokenizer, max_seq_len: int) -> PretrainDataset:
+class DataFormat(Choice):
+    """What a row of the jsonl is (`--data_format`)."""
+
+    TEXT = "text"                    # {"text": ...}: MiniMind's pretraining rows (`data.pretrain`)
+    CONVERSATIONS = "conversations"  # {"conversations": [...]}: MiniMind's SFT rows (`data.sft`)
+
+
+def open_dataset(data_path: str, tok: LoadedTokenizer, max_seq_len: int,
+                 data_format: DataFormat = DataFormat.TEXT) -> PretrainDataset | SFTDataset:
     """The rows of `data_path` (its token cache is built on first use, reused after)."""
+    if data_format == DataFormat.CONVERSATIONS:
+        return SFTDataset.open(data_path, tok, max_seq_len=max_seq_len)
     return PretrainDataset.from_tokenizer(build_token_cache(data_path, tok), tok, max_seq_len=max_seq_len)
 
 
@@ -37,7 +50,7 @@ def heldout_split(num_rows: int, fraction: float, seed: int) -> tuple[np.ndarray
 class Rows:
     """Some rows of a dataset; position i is dataset row rows[i]."""
 
-    dataset: PretrainDataset
+    dataset: PretrainDataset | SFTDataset
     rows: np.ndarray
 
     def __len__(self) -> int:

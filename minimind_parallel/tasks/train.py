@@ -43,14 +43,13 @@ from .. import checkpoint, launcher
 from ..config import DTYPES, ConfigError
 from ..context_parallel import ContextLayout
 from ..data.batches import cp_tokens
-from ..data.feed import Rows, heldout_batches, heldout_split, open_dataset
+from ..data.feed import DataFormat, Rows, heldout_batches, heldout_split, open_dataset
 from ..data.identity import check_same_file, file_identity
 from ..data.pretrain import PretrainSampler, check_fits_model
 from ..data.tokenizer import load_tokenizer
 from ..distributed import comm
 from ..files import atomic_path, check_directory
 from ..groups import ProcessGroups, first_on_node
-from ..interop.minimind import load_minimind_state_dict
 from ..job import Job
 from ..model import MiniMindForCausalLM
 from ..options import Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout
@@ -62,6 +61,7 @@ from ..training.metrics import (MetricsFile, format_eval, format_line, interval_
                                 peak_memory_bytes, peak_tflops, write_loss_plot)
 from ..training.mixed_precision import LossScaler, Precision, PrecisionMode
 from .task import Task
+from .weights import read_initial_weights
 
 MIB = 2 ** 20
 
@@ -70,7 +70,10 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(prog="train", description="pretrain MiniMind-3 on a jsonl corpus (MiniMind's train_pretrain.py)")
     add_model_args(p)
     p.add_argument("--num_hidden_layers", type=int, default=8)
-    p.add_argument("--data_path", required=True, help="jsonl, one {\"text\": ...} per line")
+    p.add_argument("--data_path", required=True, help="jsonl, one row per line (--data_format)")
+    p.add_argument("--data_format", type=DataFormat.parse, choices=DataFormat.values(), default=DataFormat.TEXT,
+                   help="text: {\"text\": ...} rows (pretraining); conversations: {\"conversations\": [...]} "
+                        "rows rendered with the tokenizer's chat template, the loss on the assistant's tokens (sft)")
     p.add_argument("--tokenizer_path", required=True, help="directory with MiniMind's tokenizer.json")
     p.add_argument("--max_seq_len", dest="seq_len", type=int, default=340)
     p.add_argument("--batch_size", dest="micro_batch_size", type=int, help="rows per microbatch per DP rank")
@@ -90,7 +93,8 @@ def parser() -> argparse.ArgumentParser:
                    help="start a new run in a --save_dir that holds an earlier run's checkpoints")
     p.add_argument("--keep_last", type=int, default=0, metavar="N",
                    help="keep the newest N checkpoints, removing older ones after each save (0: keep all)")
-    p.add_argument("--from_weight", default=None, metavar="PTH", help="start from MiniMind weights ({weight}_{dim}.pth)")
+    p.add_argument("--from_weight", default=None, metavar="PTH",
+                   help="start from MiniMind weights ({weight}_{dim}.pth) or a checkpoint / save directory of the same model")
     p.add_argument("--eval_data_path", default=None, help="held-out jsonl")
     p.add_argument("--eval_fraction", type=float, default=0.0, help="hold out this fraction of --data_path instead")
     p.add_argument("--eval_interval", type=int, default=0, help="held-out loss every N steps (and at the end)")
@@ -114,11 +118,11 @@ class TrainData:
 
 def open_data(args, tok) -> TrainData:
     """The training rows and the held-out rows (own file, a held-out fraction, or none)."""
-    dataset = open_dataset(args.data_path, tok, args.seq_len)
+    dataset = open_dataset(args.data_path, tok, args.seq_len, args.data_format)
     train_rows, held = heldout_split(len(dataset), args.eval_fraction, args.seed)
     heldout = None
     if args.eval_data_path:
-        eval_set = open_dataset(args.eval_data_path, tok, args.seq_len)
+        eval_set = open_dataset(args.eval_data_path, tok, args.seq_len, args.data_format)
         heldout = Rows(eval_set, np.arange(len(eval_set)))
     elif len(held):
         heldout = Rows(dataset, held)
@@ -206,7 +210,7 @@ def check_outputs(args, config) -> None:
             raise ConfigError(f"--resume: no complete checkpoint in --save_dir {args.save_dir}")
         checkpoint.check_checkpoint_config(path, config)
     if args.from_weight:
-        load_minimind_state_dict(args.from_weight, config)
+        read_initial_weights(args.from_weight, config)
     check_directory("--out_dir", out_dir(args))
 
 
@@ -267,18 +271,18 @@ def launch_train(job: Job) -> int:
         path = checkpoint.latest_checkpoint(args.save_dir)
         step = checkpoint.read_extra(path)["step"]
         if step >= p.total_steps:
-            print(f"train: the run in --save_dir {args.save_dir} is finished: step {step} of {p.total_steps} "
+            print(f"{job.launch.task}: the run in --save_dir {args.save_dir} is finished: step {step} of {p.total_steps} "
                   f"({os.path.basename(path)}); nothing to resume")
             return 0
     if args.max_steps is not None and args.max_steps > args.epochs * p.steps_per_epoch:
-        print(f"train: --max_steps {args.max_steps} runs past --epochs {args.epochs} ({p.steps_per_epoch} steps per "
+        print(f"{job.launch.task}: --max_steps {args.max_steps} runs past --epochs {args.epochs} ({p.steps_per_epoch} steps per "
               f"epoch): {math.ceil(args.max_steps / p.steps_per_epoch)} epochs", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         outcome = os.path.join(tmp, "outcome.json")
         code = launcher.run_job(replace(job, report=outcome))
         if code == 0 and os.path.exists(outcome):
             with open(outcome) as f:
-                print(f"error: train: {json.load(f)['stopped']}", file=sys.stderr)
+                print(f"error: {job.launch.task}: {json.load(f)['stopped']}", file=sys.stderr)
             return 1
         return code
 
@@ -314,7 +318,7 @@ class Run:
 
     def __init__(self, job: Job, device):
         args = job.task
-        self.args, self.device, self.argv = args, device, list(job.argv)
+        self.args, self.device, self.argv, self.task = args, device, list(job.argv), job.launch.task
         self.config, self.par = job.model, job.parallel
         self.groups = ProcessGroups.build(self.par, timeout=collective_timeout(job.launch))
         self.precision = Precision.of(args.precision, DTYPES[args.dtype], device)
@@ -339,7 +343,7 @@ class Run:
     def _build_model(self):
         args = self.args
         if args.from_weight:
-            dense = load_minimind_state_dict(args.from_weight, self.config)
+            dense = read_initial_weights(args.from_weight, self.config)
         else:
             torch.manual_seed(args.seed)
             dense = MiniMindForCausalLM(self.config).state_dict()
@@ -408,11 +412,11 @@ class Run:
                                  "total_steps": self.total, "argv": self.argv, "peak_tflops": self.peak,
                                  "peak_tflops_source": self.peak_source, "world": self.par.world_size})
             epochs = math.ceil(self.total / self.sampler.steps_per_epoch)
-            tqdm.write(f"train: {self.total} steps ({epochs} epoch{'s' * (epochs > 1)} of "
+            tqdm.write(f"{self.task}: {self.total} steps ({epochs} epoch{'s' * (epochs > 1)} of "
                        f"{self.sampler.steps_per_epoch} steps) of {rows_per_replica(self.args) * self.par.dp} x "
                        f"{self.args.seq_len} tokens; MFU against {self.peak} TFLOP/s per rank "
                        f"({self.peak_source}); starting at step {self.step}", file=sys.stdout)
-        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", file=sys.stderr,
+        bar = tqdm(total=self.total, initial=self.step, desc=self.task, unit="step", file=sys.stderr,
                    dynamic_ncols=True, disable=not self.lead)
         interval = Interval(start=time.perf_counter())
         try:
@@ -499,7 +503,7 @@ def run_rank(job: Job, device) -> int:
     except RunStopped as e:
         if job.report is None:
             if dist.get_rank() == 0:
-                print(f"error: train: {e}", file=sys.stderr)
+                print(f"error: {job.launch.task}: {e}", file=sys.stderr)
             return 1
         if first_on_node():
             with atomic_path(job.report) as tmp, open(tmp, "w") as f:

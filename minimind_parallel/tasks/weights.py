@@ -4,10 +4,11 @@ arguments). Shared by `export` and `generate`; every check runs before anything 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
-from ..checkpoint import checkpoint_model_config, read_dense_state, resolve_checkpoint
+from ..checkpoint import check_checkpoint_config, checkpoint_model_config, read_dense_state, resolve_checkpoint
 from ..checkpoint.directory import read_meta
 from ..config import ConfigError, MiniMindConfig
 from ..interop import dense_state_dict, load_minimind_state_dict
@@ -55,3 +56,15 @@ def read_source(args, model: MiniMindConfig | None) -> tuple[MiniMindConfig, dic
         config, state = read_dense_state(args.checkpoint)
         return config, dense_state_dict(state, config, source=args.checkpoint)
     return model, load_minimind_state_dict(args.from_weight, model)
+
+
+def read_initial_weights(path: str, config: MiniMindConfig) -> dict[str, torch.Tensor]:
+    """A run's starting weights (`train` / `sft --from_weight`): MiniMind's weight file, read strictly
+    against `config`, or a checkpoint (or save directory) of any layout whose model is `config`;
+    the dense state dict in float32. ConfigError (one line) when it does not fit."""
+    if os.path.isdir(path):
+        resolved = resolve_checkpoint(path)
+        check_checkpoint_config(resolved, config)
+        saved, state = read_dense_state(resolved)
+        return dense_state_dict(state, saved, source=path)
+    return load_minimind_state_dict(path, config)
