@@ -64,6 +64,12 @@ class Recompute(Choice):
         return self != Recompute.NONE
 
 
+# MiniMind's `--inference_rope_scaling` (model/model_minimind.py, MiniMindConfig): YaRN (Peng et al. 2023)
+# stretching the positions a model learned in 2048 sixteen-fold, the attention factor left at 1.
+INFERENCE_ROPE_SCALING = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048,
+                          "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0}
+
+
 class ConfigError(ValueError):
     """A size or flag constraint that a configuration breaks (one line, names the values)."""
 
@@ -86,6 +92,7 @@ class MiniMindConfig:
     tie_word_embeddings: bool = True
     flash_attn: bool = True
     hidden_act: str = "silu"
+    rope_scaling: dict | None = None   # YaRN's parameters (INFERENCE_ROPE_SCALING) or None: plain RoPE
 
     def __post_init__(self):
         if self.head_dim is None and self.num_attention_heads > 0:

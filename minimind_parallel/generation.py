@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError
+from .data.chat import ChatTemplate
 from .data.tokenizer import LoadedTokenizer
 from .model import Attention, MiniMindForCausalLM, apply_rope, repeat_kv
 
@@ -189,6 +190,16 @@ def prompt_ids(tokenizer: LoadedTokenizer, prompt: str, *, vocab_size: int, add_
         raise ConfigError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the model's "
                           f"vocab_size={vocab_size}")
     return ([tokenizer.bos_id] if add_bos else []) + tokenizer.tokenizer.encode(prompt).ids
+
+
+def chat_prompt_ids(tokenizer: LoadedTokenizer, template: ChatTemplate, messages: list[dict], *,
+                    vocab_size: int) -> list[int]:
+    """The ids of a conversation rendered for the assistant's next turn (the template's generation
+    prompt, `<|im_start|>assistant\n`, last; the template writes every special token, so no bos is
+    added), as the SFT rows render their conversations (`data.sft`)."""
+    prompt_ids(tokenizer, "", vocab_size=vocab_size)   # the tokenizer fits the model
+    return tokenizer.tokenizer.encode(template.render(messages, add_generation_prompt=True),
+                                      add_special_tokens=False).ids
 
 
 def new_text(tokenizer: LoadedTokenizer, new: list[int]) -> str:

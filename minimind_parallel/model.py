@@ -39,11 +39,34 @@ class RMSNorm(nn.Module):
         return (self.weight * self.norm(x.to(torch.promote_types(x.dtype, torch.float32)))).type_as(x)
 
 
-def rope_tables(head_dim: int, end: int, theta: float, device=None):
-    """fp32 cos/sin tables of width head_dim, built as cat(freqs, freqs)."""
+def yarn_frequencies(freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) as MiniMind's `precompute_freqs_cis` applies it: each frequency f_i
+    becomes f_i ((1 - r_i) + r_i / factor), r_i a ramp over the dimensions from 0 (those that turn
+    more than beta_fast times in the original positions: kept) to 1 (fewer than beta_slow:
+    interpolated by the factor). [head_dim/2] -> [head_dim/2]."""
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+
+    def dimension(turns):   # the dimension that turns `turns` times over the original positions
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low = max(math.floor(dimension(scaling["beta_fast"])), 0)
+    high = min(math.ceil(dimension(scaling["beta_slow"])), head_dim // 2 - 1)
+    ramp = ((torch.arange(head_dim // 2, device=freqs.device).float() - low) / max(high - low, 0.001)).clamp(0, 1)
+    return freqs * (1 - ramp + ramp / factor)
+
+
+def rope_tables(head_dim: int, end: int, theta: float, device=None, scaling: dict | None = None):
+    """fp32 cos/sin tables [end, head_dim], built as cat(freqs, freqs); with YaRN's `scaling`
+    (config.INFERENCE_ROPE_SCALING) when the table reaches past its original positions, its
+    frequencies stretched and the tables times its attention factor (MiniMind's rule)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim))
+    factor = 1.0
+    if scaling is not None:
+        factor = scaling["attention_factor"]
+        if end / scaling["original_max_position_embeddings"] > 1.0:
+            freqs = yarn_frequencies(freqs, head_dim, theta, scaling)
     freqs = torch.outer(torch.arange(end, device=device), freqs).float()
-    return torch.cat([freqs.cos(), freqs.cos()], dim=-1), torch.cat([freqs.sin(), freqs.sin()], dim=-1)
+    cos, sin = torch.cat([freqs.cos(), freqs.cos()], dim=-1), torch.cat([freqs.sin(), freqs.sin()], dim=-1)
+    return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
 
 def rotate_half(x):
@@ -134,7 +157,7 @@ class MiniMindModel(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList([MiniMindBlock(c) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, scaling=c.rope_scaling)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
 

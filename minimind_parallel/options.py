@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import DTYPES, ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
+from .config import (DTYPES, INFERENCE_ROPE_SCALING, ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute,
+                     check_layout)
 from .memory import predict_memory
 from .pipeline_parallel.order import Schedule
 
@@ -210,11 +211,24 @@ def launcher_layout(launch) -> ParallelConfig:
     return ParallelConfig(tp=launch.tp_size, pp=launch.pp_size, cp=launch.cp_size, dp=launch.dp_size)
 
 
+def add_rope_scaling_arg(p: argparse.ArgumentParser) -> None:
+    """--inference_rope_scaling (MiniMind's flag): YaRN for sequences past the trained positions."""
+    p.add_argument("--inference_rope_scaling", action="store_true",
+                   help="YaRN as MiniMind's --inference_rope_scaling: factor 16 over 2048 original positions, "
+                        "beta_fast 32, beta_slow 1, attention factor 1 (for sequences beyond the trained length)")
+
+
+def rope_scaling(args) -> dict | None:
+    """The model's rope_scaling for --inference_rope_scaling (tasks without the flag: none)."""
+    return dict(INFERENCE_ROPE_SCALING) if getattr(args, "inference_rope_scaling", False) else None
+
+
 def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
     return MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=num_hidden_layers or args.num_hidden_layers,
                           num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                           vocab_size=args.vocab_size, intermediate_size=args.intermediate_size,
-                          tie_word_embeddings=args.tie_word_embeddings, flash_attn=args.flash_attn)
+                          tie_word_embeddings=args.tie_word_embeddings, flash_attn=args.flash_attn,
+                          rope_scaling=rope_scaling(args))
 
 
 def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = None) -> ParallelConfig:

@@ -136,7 +136,7 @@ class ParallelMiniMindModel(nn.Module):
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
         self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group, cp_group) for i in layers})
         self.norm = build_layer("model.norm.weight", c, par, group) if final_norm else None
-        cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, scaling=c.rope_scaling)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
 

@@ -32,7 +32,7 @@ DCP_INDEX = ".metadata"
 TMP_PREFIX = ".tmp-"
 PREVIOUS_SUFFIX = ".previous"   # a checkpoint being replaced by a new save of the same step
 # Not part of the model: an attention kernel choice (the weights and the function are the same).
-CONFIG_FIELDS_NOT_COMPARED = ("flash_attn",)
+CONFIG_FIELDS_NOT_COMPARED = ("flash_attn", "rope_scaling")   # how to run the weights, not what they are
 
 
 def step_dir_name(step: int) -> str:

@@ -53,7 +53,7 @@ def qwen3_config_dict(config: MiniMindConfig, *, dtype: torch.dtype = torch.floa
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": c.hidden_act,
         "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "rope_scaling": None,
+        "rope_theta": c.rope_theta, "rope_scaling": None if c.rope_scaling is None else dict(c.rope_scaling),
         "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": False, "attention_dropout": c.dropout,
         "use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_hidden_layers,
         "initializer_range": 0.02, "use_cache": True,

@@ -22,7 +22,7 @@ from ..files import check_directory
 from ..interop import dense_state_dict, export_hf, minimind_weight_name, save_minimind_state_dict
 from ..interop.huggingface import EXPORT_DTYPES, check_export_folder, load_export_tokenizer
 from ..job import Job, LaunchOptions, TaskOptions
-from ..options import Parser, launcher_layout
+from ..options import Parser, add_rope_scaling_arg, launcher_layout
 from .task import Task
 from .weights import add_checkpoint_arg, check_checkpoint, read_source
 
@@ -33,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(prog="export", description="a checkpoint as MiniMind's .pth or a Hugging Face folder")
     add_checkpoint_arg(p, required=True)
     p.add_argument("--format", choices=FORMATS, required=True)
+    add_rope_scaling_arg(p)   # --format hf: the config.json's rope_scaling
     p.add_argument("--out", required=True, help="minimind: a .pth file, or a folder to write "
                                                 "{weight}_{hidden}.pth in; hf: a folder")
     p.add_argument("--weight", default="pretrain", help="minimind, --out a folder: the file's {weight} prefix")

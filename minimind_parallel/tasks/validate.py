@@ -18,7 +18,7 @@ from ..files import atomic_path
 from ..groups import ProcessGroups, first_on_node
 from ..interop import load_minimind_state_dict
 from ..job import Job, LaunchOptions, TaskOptions
-from ..options import (Parser, add_model_args, apply_mode, check_at_least, check_common, check_modes, check_number,
+from ..options import (Parser, add_model_args, add_rope_scaling_arg, apply_mode, check_at_least, check_common, check_modes, check_number,
                        check_resources, collective_timeout, mode_parallel, model_config)
 from ..plan import stage_parameters
 from ..validation import compare_with_dense, failures, format_report
@@ -30,6 +30,7 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--num_hidden_layers", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=64)
+    add_rope_scaling_arg(p)
     p.add_argument("--mode", default=None, help="a mode preset (tp, tp_sp, tp_sp_async, tp_vp, pp, tp_pp, ...)")
     p.add_argument("--optimizer_steps", type=int, default=3)
     p.add_argument("--log_interval", type=int, default=1)

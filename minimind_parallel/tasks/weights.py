@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 import torch
 
@@ -12,6 +13,7 @@ from ..checkpoint import check_checkpoint_config, checkpoint_model_config, read_
 from ..checkpoint.directory import read_meta
 from ..config import ConfigError, MiniMindConfig
 from ..interop import dense_state_dict, load_minimind_state_dict
+from ..options import rope_scaling
 
 
 def add_checkpoint_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -54,7 +56,8 @@ def read_source(args, model: MiniMindConfig | None) -> tuple[MiniMindConfig, dic
     model of the model arguments, which a .pth is read against."""
     if args.checkpoint is not None:
         config, state = read_dense_state(args.checkpoint)
-        return config, dense_state_dict(state, config, source=args.checkpoint)
+        state = dense_state_dict(state, config, source=args.checkpoint)
+        return replace(config, rope_scaling=rope_scaling(args)), state   # how to run it: this command's
     return model, load_minimind_state_dict(args.from_weight, model)
 
 
