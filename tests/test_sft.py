@@ -28,6 +28,7 @@ from minimind_parallel.training import build_parallel_model, train_step, unwrap,
 from minimind_parallel.training.metrics import curves
 from minimind_parallel.training.mixed_precision import Precision
 from minimind_parallel.validation import dense_slice
+from test_cli import assert_refused_before_launch
 
 VOCAB, SEQ, ROWS = 320, 48, 8
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
@@ -150,3 +151,16 @@ def test_sft_trains_saves_resumes_exactly_and_starts_from_a_checkpoint(corpus, t
     assert all(torch.equal(start[k], saved[k].float()) for k in saved)
     other = cli.resolve(["sft", "--", *sft_args(corpus), "--hidden_size", "32"]).model
     assert "another model config" in one_line_error(ConfigError, read_initial_weights, str(tmp_path / "whole"), other)
+
+
+def test_sft_refuses_a_row_without_an_answer_or_a_tokenizer_without_a_template_before_launch(
+        corpus, tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"conversations": [{"role": "user", "content": "Hello?"}]}\n')
+    assert_refused_before_launch(["sft", "--tp_size", "2", "--", *sft_args(corpus), "--data_path",
+                                  str(tmp_path / "bad.jsonl")], "bad.jsonl:1: the conversation has no assistant turn",
+                                 monkeypatch, capsys)
+    plain = tmp_path / "tokenizer"
+    plain.mkdir()
+    (plain / "tokenizer.json").write_bytes((corpus / "tokenizer" / "tokenizer.json").read_bytes())
+    assert_refused_before_launch(["sft", "--tp_size", "2", "--", *sft_args(corpus), "--tokenizer_path", str(plain)],
+                                 "has no chat template", monkeypatch, capsys)

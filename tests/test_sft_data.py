@@ -18,8 +18,9 @@ from minimind_parallel.data.conversations import write_conversations
 from minimind_parallel.data.sft import SFTDataset
 from minimind_parallel.data.tokenizer import train_tokenizer
 
-TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Zeit in einer Stadt",
-                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Zeit in einer Stadt", "parameters": CITY}}]
+CALLS = [{"name": "get_time", "arguments": {"city": "Paris"}}]
 ROWS = [
     [{"role": "user", "content": "What does os.path.join do?"},
      {"role": "assistant", "content": "Join two or more pathname components, inserting '/' as needed."}],
@@ -31,7 +32,7 @@ ROWS = [
     [{"role": "user", "content": "Think first."}, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nDone."}],
     [{"role": "system", "content": "You may call tools.", "tools": json.dumps(TOOLS, ensure_ascii=False)},
      {"role": "user", "content": "Wie spät ist es in Paris?"},
-     {"role": "assistant", "content": "", "tool_calls": json.dumps([{"name": "get_time", "arguments": {"city": "Paris"}}])},
+     {"role": "assistant", "content": "", "tool_calls": json.dumps(CALLS)},
      {"role": "tool", "content": "{\"time\": \"12:00\"}"},
      {"role": "assistant", "content": "Es ist 12:00 in Paris."}],
     [{"role": "user", "content": "Tell me everything. " * 30},
@@ -140,7 +141,8 @@ def test_the_loss_covers_the_answer_and_its_end_only(tokenizer_dir, tmp_path):
         "Join two or more pathname components, inserting '/' as needed.<|im_end|>\n")
     assert decode(labels[0][labels[0] != IGNORE_INDEX]) == ("Join two or more pathname components, inserting '/' "
                                                            "as needed.<|im_end|>\n")
-    assert decode(labels[1][labels[1] != IGNORE_INDEX]) == "Abstract Base Classes.<|im_end|>\nJSON encoder and decoder.<|im_end|>\n"
+    assert decode(labels[1][labels[1] != IGNORE_INDEX]) == ("Abstract Base Classes.<|im_end|>\n"
+                                                           "JSON encoder and decoder.<|im_end|>\n")
     assert decode(labels[2][labels[2] != IGNORE_INDEX]) == (
         "<think>\nThe user asks why; answer briefly.\n</think>\n\nBecause.<|im_end|>\n")
 

@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep_last", type=int, default=0, metavar="N",
                    help="keep the newest N checkpoints, removing older ones after each save (0: keep all)")
     p.add_argument("--from_weight", default=None, metavar="PTH",
-                   help="start from MiniMind weights ({weight}_{dim}.pth) or a checkpoint / save directory of the same model")
+                   help="start from MiniMind weights ({weight}_{dim}.pth) or a checkpoint / save directory of the "
+                        "same model")
     p.add_argument("--eval_data_path", default=None, help="held-out jsonl")
     p.add_argument("--eval_fraction", type=float, default=0.0, help="hold out this fraction of --data_path instead")
     p.add_argument("--eval_interval", type=int, default=0, help="held-out loss every N steps (and at the end)")
@@ -271,12 +272,13 @@ def launch_train(job: Job) -> int:
         path = checkpoint.latest_checkpoint(args.save_dir)
         step = checkpoint.read_extra(path)["step"]
         if step >= p.total_steps:
-            print(f"{job.launch.task}: the run in --save_dir {args.save_dir} is finished: step {step} of {p.total_steps} "
-                  f"({os.path.basename(path)}); nothing to resume")
+            print(f"{job.launch.task}: the run in --save_dir {args.save_dir} is finished: step {step} of "
+                  f"{p.total_steps} ({os.path.basename(path)}); nothing to resume")
             return 0
     if args.max_steps is not None and args.max_steps > args.epochs * p.steps_per_epoch:
-        print(f"{job.launch.task}: --max_steps {args.max_steps} runs past --epochs {args.epochs} ({p.steps_per_epoch} steps per "
-              f"epoch): {math.ceil(args.max_steps / p.steps_per_epoch)} epochs", flush=True)
+        print(f"{job.launch.task}: --max_steps {args.max_steps} runs past --epochs {args.epochs} "
+              f"({p.steps_per_epoch} steps per epoch): {math.ceil(args.max_steps / p.steps_per_epoch)} epochs",
+              flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         outcome = os.path.join(tmp, "outcome.json")
         code = launcher.run_job(replace(job, report=outcome))

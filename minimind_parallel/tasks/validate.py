@@ -18,8 +18,8 @@ from ..files import atomic_path
 from ..groups import ProcessGroups, first_on_node
 from ..interop import load_minimind_state_dict
 from ..job import Job, LaunchOptions, TaskOptions
-from ..options import (Parser, add_model_args, add_rope_scaling_arg, apply_mode, check_at_least, check_common, check_modes, check_number,
-                       check_resources, collective_timeout, mode_parallel, model_config)
+from ..options import (Parser, add_model_args, add_rope_scaling_arg, apply_mode, check_at_least, check_common,
+                       check_modes, check_number, check_resources, collective_timeout, mode_parallel, model_config)
 from ..plan import stage_parameters
 from ..validation import compare_with_dense, failures, format_report
 from .task import Task
