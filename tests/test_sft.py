@@ -83,20 +83,30 @@ def _masked_step(par, batch, microbatches):
     return loss, dense_loss.item(), n, errors, len(list(unwrap(model).parameters()))
 
 
-@pytest.mark.parametrize("par,microbatches", [
-    (ParallelConfig(tp=2, sequence_parallel=True), 1),
-    (ParallelConfig(pp=2), 2),
-    (ParallelConfig(dp=2, cp=2), 2),
-], ids=["tp2_sp", "pp2_1f1b_microbatches", "dp2_cp2_microbatches"])
-def test_the_masked_loss_and_grads_equal_the_dense_models_in_every_layout(corpus, par, microbatches):
+def _masked_steps(layouts, batch):
+    """Several layouts of one world size in one launch."""
+    return [_masked_step(par, batch, microbatches) for par, microbatches in layouts]
+
+
+LAYOUTS = {   # world size -> (layout, microbatches) run in one launch
+    2: [(ParallelConfig(tp=2, sequence_parallel=True), 1),
+        (ParallelConfig(tp=2, sequence_parallel=True, vocab_parallel=True), 1),
+        (ParallelConfig(pp=2), 2)],                                  # 1F1B over two microbatches
+    4: [(ParallelConfig(dp=2, cp=2), 2)],
+}
+
+
+@pytest.mark.parametrize("world", list(LAYOUTS), ids=["tp2_sp_vp_and_pp2", "dp2_cp2_microbatches"])
+def test_the_masked_loss_and_grads_equal_the_dense_models_in_every_layout(corpus, world):
     batch = sft_batch(corpus)
     per_row = (batch.targets != IGNORE_INDEX).sum(dim=1)
     assert len(set(per_row.tolist())) > 2 and 0 < int(count_targets(batch.targets)) < ROWS * SEQ / 2
-    for loss, dense_loss, n, errors, params in run_ranks(_masked_step, par.world_size, par, batch, microbatches):
-        assert n == int(count_targets(batch.targets))
-        assert loss == pytest.approx(dense_loss, rel=1e-6)
-        assert len(errors) == params                      # every parameter of the rank's stage
-        assert max(errors.values()) < 2e-5, max(errors.items(), key=lambda kv: kv[1])
+    for rank in run_ranks(_masked_steps, world, LAYOUTS[world], batch):
+        for (par, _), (loss, dense_loss, n, errors, params) in zip(LAYOUTS[world], rank):
+            assert n == int(count_targets(batch.targets)), par
+            assert loss == pytest.approx(dense_loss, rel=1e-6), par
+            assert len(errors) == params                      # every parameter of the rank's stage
+            assert max(errors.values()) < 2e-5, (par, max(errors.items(), key=lambda kv: kv[1]))
 
 
 # ---------------------------------------------------------------- the task: trains, saves, resumes
