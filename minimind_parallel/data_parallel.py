@@ -21,8 +21,9 @@ def wrap_data_parallel(model: nn.Module, groups: ProcessGroups) -> nn.Module:
 
     Under PP the model stays unwrapped: DDP reduces in the backward that follows a synced forward,
     but a pipeline interleaves forwards and backwards of different microbatches, so
-    `finalize_grads` all-reduces the DP grads itself, once, after the last microbatch."""
-    if groups.dp_cp is None or groups.par.pp > 1:
+    `finalize_grads` all-reduces the DP grads itself, once, after the last microbatch. Under
+    --zero the distributed optimizer reduce-scatters them instead (`zero/`): no DDP either."""
+    if groups.dp_cp is None or groups.par.pp > 1 or groups.par.zero:
         return model
     # RoPE tables are identical everywhere: no need to broadcast buffers each step.
     no_sync = ({"forward_sync_buffers": False}
