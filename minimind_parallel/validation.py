@@ -32,7 +32,7 @@ from .model import MiniMindForCausalLM
 from .pipeline_parallel import Schedule, forward_backward
 from .plan import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer
-from .training.step import DEFAULT_BUCKET_MB
+from .zero.buckets import DEFAULT_BUCKET_MB
 from .zero import DistributedOptimizer
 
 # float32: 10x the dense model's own float32-vs-float64 error on the test configurations

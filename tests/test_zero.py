@@ -14,6 +14,7 @@ from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, unwrap, wrap_data_parallel
 from minimind_parallel.validation import compare_with_dense, dense_slice, failures, format_report
 from minimind_parallel.zero import DistributedOptimizer, plan_buffer
+from test_cli import assert_refused_before_launch
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
 SMALL_BUCKETS = 0.01   # MiB: about 2600 float32 elements, so every layout has several buckets
@@ -125,3 +126,19 @@ def test_the_buckets_cover_every_parameter_once_and_pad_to_the_group():
                 assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), (name, world, bucket, parts)
     assert len(plan_buffer(sizes, 2, None).buckets) == 3   # before, the embedding, after
     assert [b.names for b in plan_buffer(sizes, 2, 8).buckets] == [("c",), ("embed",), ("b", "a")]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["validate", "--", "--zero", "1"],
+     "--zero 1 shards over the data-parallel x context-parallel ranks and needs dp_size x cp_size > 1; "
+     "got dp_size=1, cp_size=1"),
+    (["validate", "--tp_size", "2", "--", "--zero", "2"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
+    (["validate", "--", "--mode", "zero1"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
+    (["validate", "--dp_size", "2", "--", "--zero", "4"], "argument --zero: invalid choice: 4"),
+    (["validate", "--dp_size", "2", "--", "--zero", "1", "--bucket_size_mb", "0"],
+     "bucket_size_mb must be > 0 MiB; got bucket_size_mb=0"),
+    (["benchmark", "--dp_size", "2", "--", "--modes", "zero2", "--bucket_size_mb", "-1", "--num_hidden_layers", "1"],
+     "bucket_size_mb must be > 0 MiB; got bucket_size_mb=-1"),
+], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "bucket_zero", "benchmark_bucket"])
+def test_bad_zero_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
+    assert_refused_before_launch(argv, message, monkeypatch, capsys)

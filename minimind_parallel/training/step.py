@@ -43,10 +43,8 @@ from ..parallel_model import ParallelMiniMindForCausalLM
 from ..pipeline_parallel import Schedule, StepResult, forward_backward
 from ..sharding import shard_state_dict
 from .grad_clip import clip_grad_norm_, grads_of
-from ..zero import DistributedOptimizer
+from ..zero import DEFAULT_BUCKET_MB, DistributedOptimizer, bucket_numel
 from .mixed_precision import LossScaler, Precision
-
-DEFAULT_BUCKET_MB = 25.0   # --bucket_size_mb: DDP's default bucket (bucket_cap_mb)
 
 
 def build_parallel_model(config: MiniMindConfig, par: ParallelConfig, groups: ProcessGroups, dense_state: dict,
@@ -105,10 +103,6 @@ def make_optimizer(model: nn.Module, lr: float, groups: ProcessGroups | None = N
                                     bucket_numel=bucket_numel(bucket_size_mb, next(model.parameters()).dtype))
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
 
-
-def bucket_numel(bucket_size_mb: float, dtype: torch.dtype) -> int:
-    """Elements of `dtype` in a bucket of `bucket_size_mb` MiB (at least one)."""
-    return max(int(bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size(), 1)
 
 
 @dataclass(frozen=True, kw_only=True)

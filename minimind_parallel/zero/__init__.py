@@ -11,8 +11,9 @@ parameters, as Megatron-LM's distributed optimizer does it:
                            all-gathered after the step) and --zero 2 (grads kept only as slices,
                            reduce-scattered bucket by bucket from backward hooks)
 """
-from .buckets import Bucket, BufferLayout, Piece, plan_buffer
+from .buckets import DEFAULT_BUCKET_MB, Bucket, BufferLayout, Piece, bucket_numel, plan_buffer
 from .distributed_optimizer import DistributedOptimizer
 from .reduction_group import reduction_group
 
-__all__ = ["Bucket", "BufferLayout", "DistributedOptimizer", "Piece", "plan_buffer", "reduction_group"]
+__all__ = ["DEFAULT_BUCKET_MB", "Bucket", "BufferLayout", "DistributedOptimizer", "Piece", "bucket_numel",
+           "plan_buffer", "reduction_group"]

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+DEFAULT_BUCKET_MB = 25.0   # --bucket_size_mb: DDP's default bucket (its bucket_cap_mb)
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -80,6 +84,11 @@ class BufferLayout:
 
     def bucket_of(self, name: str) -> int:
         return next(i for i, b in enumerate(self.buckets) if name in b.names)
+
+
+def bucket_numel(bucket_size_mb: float, dtype: torch.dtype) -> int:
+    """Elements of `dtype` in a bucket of `bucket_size_mb` MiB (at least one)."""
+    return max(int(bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size(), 1)
 
 
 def padded(numel: int, world: int) -> int:
