@@ -64,8 +64,9 @@ class Recompute(Choice):
         return self != Recompute.NONE
 
 
-# --zero: 0 plain data parallelism; 1 optimizer states sharded; 2 and the grads (zero/).
-ZERO_LEVELS = (0, 1, 2)
+# --zero: 0 plain data parallelism; 1 optimizer states sharded; 2 and the grads (zero/); 3 the
+# parameters too (FSDP2's fully_shard, refused: not built).
+ZERO_LEVELS = (0, 1, 2, 3)
 
 
 class ConfigError(ValueError):
@@ -211,6 +212,9 @@ def check_zero(par: ParallelConfig) -> None:
     """--zero names a level the library shards at, over a DP x CP group of more than one rank."""
     if par.zero not in ZERO_LEVELS:
         raise ConfigError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}; got zero={par.zero}")
+    if par.zero == 3:
+        raise ConfigError("--zero 3 (parameters sharded too, with FSDP2's fully_shard) is not built in this version; "
+                          "use --zero 1 or --zero 2")
     if par.zero and par.dp * par.cp == 1:
         raise ConfigError(f"--zero {par.zero} shards over the data-parallel x context-parallel ranks and needs "
                           f"dp_size x cp_size > 1; got dp_size={par.dp}, cp_size={par.cp}")

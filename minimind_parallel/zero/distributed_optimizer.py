@@ -56,7 +56,7 @@ class FlatBuffer:
         self._offsets = {n: o for b in self.layout.buckets for n, o in zip(b.names, b.offsets)}
         with torch.no_grad():
             for name, p in named:
-                view = self._view(self.flat, name)
+                view = self.view(self.flat, name)
                 view.copy_(p)
                 p.data = view
         self.mains = [nn.Parameter(self.flat[slice(*b.shard_range(self.rank))]) for b in self.layout.buckets]
@@ -77,7 +77,8 @@ class FlatBuffer:
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready(name)) for name, p in named]
         self.zero_grad()
 
-    def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter `name`'s elements of a flat tensor laid out as this buffer, shaped like it."""
         p = self.params[name]
         return flat[self._offsets[name]:self._offsets[name] + p.numel()].view_as(p)
 
@@ -89,7 +90,7 @@ class FlatBuffer:
         if self.level == 1:
             self.grad_flat.zero_()
             for name, p in self.params.items():
-                p.grad = self._view(self.grad_flat, name)
+                p.grad = self.view(self.grad_flat, name)
         else:
             assert not self._pending, "zero_grad with reduce-scatters in flight"
             self._ready = [0] * len(self.layout.buckets)
@@ -166,10 +167,12 @@ class FlatBuffer:
     # -- parameters ----------------------------------------------------------------------------
     def gather(self) -> None:
         """Every rank's updated slices into every bucket: the parameters whole again."""
-        works = [comm.all_gather_flat(self.flat[b.start:b.start + b.padded_numel], self.group, async_op=True)
-                 for b in self.layout.buckets]
-        for work in works:
-            work.wait()
+        self.gather_into(self.flat)
+
+    def gather_into(self, flat: torch.Tensor) -> None:
+        """Every rank's slices of `flat` (laid out as this buffer) all-gathered into it, in place."""
+        for b in self.layout.buckets:   # one at a time: each bucket is a view of the one flat tensor
+            comm.all_gather_flat(flat[b.start:b.start + b.padded_numel], self.group)
 
 
 class DistributedOptimizer:
@@ -199,6 +202,9 @@ class DistributedOptimizer:
     def state(self):
         return self.inner.state
 
+    def register_step_post_hook(self, hook):
+        return self.inner.register_step_post_hook(hook)
+
     def reduce_grads(self) -> None:
         for b in self.buffers:
             b.reduce()
@@ -219,6 +225,40 @@ class DistributedOptimizer:
         self.inner.step()
         for b in self.buffers:
             b.gather()
+
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's AdamW states whole (as the replicated optimizer holds them: exp_avg and
+        exp_avg_sq shaped like the parameter, the step counter), gathered from the slices; {} before
+        the first step. Collective over the reduction groups (a checkpoint's save)."""
+        if not self.inner.state:
+            return {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b in self.buffers:
+            step = self.inner.state[b.mains[0]]["step"]
+            for key in ("exp_avg", "exp_avg_sq"):
+                whole = torch.zeros_like(b.flat)                                         # [numel padded]
+                for main, bucket in zip(b.mains, b.layout.buckets):
+                    whole[slice(*bucket.shard_range(b.rank))].copy_(self.inner.state[main][key])
+                b.gather_into(whole)
+                for name in b.params:
+                    out.setdefault(name, {"step": step.clone()})[key] = b.view(whole, name).clone()
+        return out
+
+    def slice_states(self, states: dict[str, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+        """The inner AdamW's state (by its parameter index) from every parameter's whole states
+        (`param_states`' form, as a checkpoint holds them): each rank keeps its slices."""
+        out, index = {}, 0
+        for b in self.buffers:
+            whole = {key: torch.zeros_like(b.flat) for key in ("exp_avg", "exp_avg_sq")}   # [numel padded]
+            for name in b.params:
+                for key, flat in whole.items():
+                    b.view(flat, name).copy_(states[name][key])
+            step = states[next(iter(b.params))]["step"]
+            for bucket in b.layout.buckets:
+                mine = slice(*bucket.shard_range(b.rank))
+                out[index] = {"step": step.clone(), **{key: flat[mine].clone() for key, flat in whole.items()}}
+                index += 1
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the slices (the buffers are kept: `set_to_none` is accepted for torch's signature)."""
