@@ -65,7 +65,7 @@ class Recompute(Choice):
 
 
 # --zero: 0 plain data parallelism; 1 optimizer states sharded; 2 and the grads (zero/); 3 the
-# parameters too (FSDP2's fully_shard, refused: not built).
+# parameters too (FSDP2's fully_shard, zero/fully_shard.py).
 ZERO_LEVELS = (0, 1, 2, 3)
 
 
@@ -212,9 +212,9 @@ def check_zero(par: ParallelConfig) -> None:
     """--zero names a level the library shards at, over a DP x CP group of more than one rank."""
     if par.zero not in ZERO_LEVELS:
         raise ConfigError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}; got zero={par.zero}")
-    if par.zero == 3:
-        raise ConfigError("--zero 3 (parameters sharded too, with FSDP2's fully_shard) is not built in this version; "
-                          "use --zero 1 or --zero 2")
+    if par.zero == 3 and (par.tp > 1 or par.pp > 1):
+        raise ConfigError(f"--zero 3 (FSDP2's fully_shard) is composed with data and context parallelism only, not "
+                          f"with the project's tensor or pipeline parallelism; got tp_size={par.tp}, pp_size={par.pp}")
     if par.zero and par.dp * par.cp == 1:
         raise ConfigError(f"--zero {par.zero} shards over the data-parallel x context-parallel ranks and needs "
                           f"dp_size x cp_size > 1; got dp_size={par.dp}, cp_size={par.cp}")

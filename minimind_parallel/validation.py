@@ -34,6 +34,7 @@ from .plan import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer
 from .zero.buckets import DEFAULT_BUCKET_MB
 from .zero import DistributedOptimizer
+from .zero.fully_shard import whole
 
 # float32: 10x the dense model's own float32-vs-float64 error on the test configurations
 # (scripts/tolerance_baseline.py: forward + grads max-abs 5.7e-7, relative-L2 2.2e-6; params
@@ -146,7 +147,7 @@ class _Pair:
         # Tied names both map to the one dense Parameter (a pipeline holds them on two stages).
         dense = dict(self.dense.named_parameters(remove_duplicate=False))
         par, tp_rank = self.groups.par, self.groups.tp_rank
-        return [Row(item.format(name=name), *error(of(p), dense_slice(name, of(dense[name]), par, tp_rank)),
+        return [Row(item.format(name=name), *error(whole(of(p)), dense_slice(name, of(dense[name]), par, tp_rank)),
                     self.atol, rtol)
                 for name, p in unwrap(self.model).named_parameters()]
 

@@ -17,6 +17,7 @@ from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, unwrap, wrap_data_parallel
 from minimind_parallel.validation import compare_with_dense, dense_slice, failures, format_report
 from minimind_parallel.zero import DistributedOptimizer, plan_buffer
+from minimind_parallel.zero.fully_shard import local, whole
 from test_cli import assert_refused_before_launch
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
@@ -35,12 +36,16 @@ VALIDATE = {
     "dp2 pp2 zero1 tied": (dict(dp=2, pp=2, zero=1), dict(tied=True, micro_batch_size=1, num_microbatches=4)),
     "dp2 pp2 zero2 tied": (dict(dp=2, pp=2, zero=2), dict(tied=True, micro_batch_size=1, num_microbatches=4)),
     "dp2 cp2 zero2": (dict(dp=2, cp=2, zero=2), dict()),
+    "dp2 zero3 tied": (dict(dp=2, zero=3), dict(tied=True)),
+    "dp4 zero3": (dict(dp=4, zero=3), dict()),
+    "dp2 cp2 zero3": (dict(dp=2, cp=2, zero=3), dict()),
 }
 # name -> (layout, tied, microbatches): a clipped float64 step against the dense one
 CLIP = {
     "dp2 zero2 clip": (dict(dp=2, zero=2), False, 2),
     "dp2 tp2 zero1 tied clip": (dict(dp=2, tp=2, zero=1), True, 1),     # replicated embedding: TP rank 0 only
     "dp2 pp2 zero2 tied clip": (dict(dp=2, pp=2, zero=2), True, 2),     # tied copies on two stages: once
+    "dp2 zero3 tied clip": (dict(dp=2, zero=3), True, 2),               # FSDP2's shards
 }
 
 
@@ -62,7 +67,7 @@ def _clip(par: ParallelConfig, tied: bool, microbatches: int):
     model = wrap_data_parallel(build_parallel_model(config, par, groups, dense.state_dict(), dtype=torch.float64),
                                groups)
     optimizer = make_optimizer(model, 1e-2, groups, SMALL_BUCKETS)
-    assert isinstance(optimizer, DistributedOptimizer)
+    assert isinstance(optimizer, DistributedOptimizer) == (par.zero < 3)
     batch = random_batch(1, 4 * par.dp, 16, config.vocab_size)
     dense(batch.input_ids, targets=batch.targets).loss.backward()
     full = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")).item()
@@ -70,10 +75,11 @@ def _clip(par: ParallelConfig, tied: bool, microbatches: int):
     make_optimizer(dense, 1e-2).step()
     stats = train_step(model, optimizer, groups, *dp_rows(batch, groups.dp_rank, par.dp),
                        num_microbatches=microbatches, grad_clip=0.1 * full)
-    worst = max((p.detach() - dense_slice(name, dense.get_parameter(name).detach(), par, groups.tp_rank))
+    worst = max((whole(p.detach()) - dense_slice(name, dense.get_parameter(name).detach(), par, groups.tp_rank))
                 .abs().max().item() for name, p in unwrap(model).named_parameters())
-    states = sum(v.numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
-    slices = sum(b.layout.shard_numel for b in optimizer.buffers)
+    states = sum(local(v).numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    slices = (sum(b.layout.shard_numel for b in optimizer.buffers) if par.zero < 3
+              else sum(local(p).numel() for p in model.parameters()))   # FSDP2: this rank's Shard(0) rows
     return stats.grad_norm.item(), dense_norm, worst, states, slices, sum(p.numel() for p in model.parameters())
 
 
@@ -222,12 +228,18 @@ def test_the_buckets_cover_every_parameter_once_and_pad_to_the_group():
     (["validate", "--tp_size", "2", "--", "--zero", "2"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
     (["validate", "--", "--mode", "zero1"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
     (["validate", "--dp_size", "2", "--", "--zero", "4"], "argument --zero: invalid choice: 4"),
-    (["validate", "--dp_size", "2", "--", "--zero", "3"], "--zero 3 (parameters sharded too, with FSDP2's"),
+    (["validate", "--tp_size", "2", "--dp_size", "2", "--", "--zero", "3"],
+     "--zero 3 (FSDP2's fully_shard) is composed with data and context parallelism only, not with the project's "
+     "tensor or pipeline parallelism; got tp_size=2, pp_size=1"),
+    (["validate", "--pp_size", "2", "--dp_size", "2", "--", "--zero", "3"], "got tp_size=1, pp_size=2"),
+    (["benchmark", "--dp_size", "2", "--", "--modes", "zero3", "--num_hidden_layers", "1"],
+     "benchmark does not take --zero 3 (FSDP2's sharded parameters are checked by validate only"),
     (["validate", "--dp_size", "2", "--", "--zero", "1", "--bucket_size_mb", "0"],
      "bucket_size_mb must be > 0 MiB; got bucket_size_mb=0"),
     (["benchmark", "--dp_size", "2", "--", "--modes", "zero2", "--bucket_size_mb", "-1", "--num_hidden_layers", "1"],
      "bucket_size_mb must be > 0 MiB; got bucket_size_mb=-1"),
-], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "zero3", "bucket_zero", "benchmark_bucket"])
+], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "zero3_tp", "zero3_pp", "zero3_benchmark",
+                                 "bucket_zero", "benchmark_bucket"])
 def test_bad_zero_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
     assert_refused_before_launch(argv, message, monkeypatch, capsys)
 

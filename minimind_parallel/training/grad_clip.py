@@ -12,7 +12,8 @@ the same with its "is not a duplicate" test):
     tied embedding, two copies under PP          the first stage's copy only (equal after finalize_grads)
     DP / CP replicas                            not summed: their grads are equal after averaging
     --zero 1/2: the slices of the reduction      summed over that group (each rank owns a disjoint
-      group (zero.reduction_group)               part of the averaged grad), then as above
+      group (zero.reduction_group); --zero 3:    part of the averaged grad), then as above
+      FSDP2's shards
 
 Call after `training.finalize_grads` (and, under a float16 loss scaler, after unscaling).
 Every rank gets the same norm, so every rank applies the same clip coefficient.
@@ -26,7 +27,8 @@ from ..data_parallel import unwrap
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..plan import grad_is_shared_over_stages, tp_split_dim
-from ..zero import DistributedOptimizer
+from ..zero import DistributedOptimizer, reduction_group
+from ..zero.fully_shard import is_fully_sharded, local
 
 
 def counted_here(name: str, model: nn.Module, groups: ProcessGroups) -> bool:
@@ -45,7 +47,10 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups, sharded: Distribut
     acc = torch.promote_types(next(inner.parameters()).dtype, torch.float32)
     device = next(inner.parameters()).device
     if sharded is None:
-        parts = [(None, [(name, p.grad) for name, p in inner.named_parameters() if p.grad is not None])]
+        named = [(name, p.grad) for name, p in inner.named_parameters() if p.grad is not None]
+        # --zero 3: FSDP2's grads are shards over the DP x CP mesh, disjoint like the slices
+        fsdp = is_fully_sharded(model)
+        parts = [(reduction_group(groups, "") if fsdp else None, [(n, local(g)) for n, g in named])]
     else:
         parts = sharded.grads_by_group()
     squares = torch.zeros((), dtype=acc, device=device)
@@ -73,7 +78,7 @@ def grads_of(model: nn.Module, sharded: DistributedOptimizer | None = None) -> l
     """The grads the step applies: the parameters' own, or under --zero the slices `sharded` owns."""
     if sharded is not None:
         return sharded.main_grads()
-    return [p.grad for p in unwrap(model).parameters() if p.grad is not None]
+    return [local(p.grad) for p in unwrap(model).parameters() if p.grad is not None]
 
 
 def clip_grad_norm_(model: nn.Module, groups: ProcessGroups, max_norm: float,

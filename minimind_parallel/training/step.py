@@ -44,6 +44,7 @@ from ..pipeline_parallel import Schedule, StepResult, forward_backward
 from ..sharding import shard_state_dict
 from .grad_clip import clip_grad_norm_, grads_of
 from ..zero import DEFAULT_BUCKET_MB, DistributedOptimizer, bucket_numel
+from ..zero.fully_shard import is_fully_sharded
 from .mixed_precision import LossScaler, Precision
 
 
@@ -71,7 +72,7 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups, optimizer=None) -> N
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
     _all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], groups.tp)
     _all_reduce_grads([p for p in params if getattr(p, "shared_embedding", False)], groups.embed)
-    if not isinstance(model, DistributedDataParallel) and groups.dp_cp is not None:
+    if not isinstance(model, DistributedDataParallel) and not is_fully_sharded(model) and groups.dp_cp is not None:
         replicas = grad_divisor(groups.par)
         for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak
             comm.all_reduce(p.grad, groups.dp_cp).div_(replicas)
@@ -98,7 +99,7 @@ def make_optimizer(model: nn.Module, lr: float, groups: ProcessGroups | None = N
     """AdamW as in MiniMind's trainer (foreach off: one update per tensor, easy to account); under
     --zero 1/2 (`groups.par.zero`) over this rank's slices only (`zero.DistributedOptimizer`, its
     buckets of `bucket_size_mb` MiB)."""
-    if groups is not None and groups.par.zero:
+    if groups is not None and groups.par.zero in (1, 2):
         return DistributedOptimizer(unwrap(model), groups, lr=lr, weight_decay=0.01,
                                     bucket_numel=bucket_numel(bucket_size_mb, next(model.parameters()).dtype))
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)

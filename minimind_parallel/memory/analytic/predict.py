@@ -45,7 +45,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py)."""
     c = model_config
     if par.zero > 1:
-        raise NotImplementedError("predict_memory: --zero 2 (grads reduce-scattered from backward hooks) is not modelled")
+        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (--zero 2: the grads alive depend "
+                                  f"on the buckets backward has finished; --zero 3: FSDP2's gathers)")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
