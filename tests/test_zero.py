@@ -19,6 +19,7 @@ from minimind_parallel.validation import compare_with_dense, dense_slice, failur
 from minimind_parallel.zero import DistributedOptimizer, plan_buffer
 from minimind_parallel.zero.fully_shard import local, whole
 from test_cli import assert_refused_before_launch
+from test_train import corpus, data_args  # noqa: F401  (the fixture)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
 SMALL_BUCKETS = 0.01   # MiB: about 2600 float32 elements, so every layout has several buckets
@@ -305,3 +306,12 @@ def _ckpt_resume_nothing():
     """The later steps without the checkpoint: what a load that did nothing would give."""
     groups, config, model, optimizer = _ckpt_setup(ParallelConfig(dp=2, zero=1), seed=1)
     return _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
+
+
+@pytest.mark.parametrize("launcher_args,zero,message", [
+    ([], "1", "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
+    (["--dp_size", "2"], "3", "train does not take --zero 3"),
+], ids=["dp1", "zero3"])
+def test_bad_zero_input_to_train_is_one_line(corpus, launcher_args, zero, message, monkeypatch, capsys):  # noqa: F811
+    assert_refused_before_launch(["train", *launcher_args, "--", *data_args(corpus), "--zero", zero], message,
+                                 monkeypatch, capsys)
