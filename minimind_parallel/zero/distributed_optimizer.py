@@ -51,31 +51,42 @@ class FlatBuffer:
         self.layout: BufferLayout = plan_buffer(
             [(n, p.numel(), bool(getattr(p, "shared_embedding", False)) and groups.embed is not None)
              for n, p in named], world, bucket_numel)
-        first = named[0][1]
-        self.flat = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)   # [numel padded]
         self._offsets = {n: o for b in self.layout.buckets for n, o in zip(b.names, b.offsets)}
-        with torch.no_grad():
-            for name, p in named:
-                view = self.view(self.flat, name)
-                view.copy_(p)
-                p.data = view
+        self.flat = self._adopt_parameters()                                                 # [numel padded]
         self.mains = [nn.Parameter(self.flat[slice(*b.shard_range(self.rank))]) for b in self.layout.buckets]
-        if level == 1:
-            self.grad_flat = torch.zeros_like(self.flat)                                     # [numel padded]
-            for main, b in zip(self.mains, self.layout.buckets):
-                main.grad = self.grad_flat[slice(*b.shard_range(self.rank))]
-        else:
-            self.grad_flat = None
-            slices = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)  # [numel padded / W]
-            offset = 0
-            for main, b in zip(self.mains, self.layout.buckets):
-                main.grad = slices[offset:offset + b.shard_numel]
-                offset += b.shard_numel
+        self.grad_flat = self._slice_grads()
+        if level == 2:
             self._ready = [0] * len(self.layout.buckets)
             self._pending: list = []
             self._bucket_of = {n: i for i, b in enumerate(self.layout.buckets) for n in b.names}
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready(name)) for name, p in named]
         self.zero_grad()
+
+    def _adopt_parameters(self) -> torch.Tensor:
+        """The flat parameter buffer [numel padded], every parameter's values copied in and the
+        parameter made a view of it (the padding stays zero)."""
+        first = next(iter(self.params.values()))
+        flat = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for name, p in self.params.items():
+                view = self.view(flat, name)
+                view.copy_(p)
+                p.data = view
+        return flat
+
+    def _slice_grads(self) -> torch.Tensor | None:
+        """The mains' grads: --zero 1 slices of a whole flat grad buffer (returned, [numel padded]);
+        --zero 2 slices of one tensor of this rank's slices only ([numel padded / W]; None returned)."""
+        if self.level == 1:
+            whole = torch.zeros_like(self.flat)
+            for main, b in zip(self.mains, self.layout.buckets):
+                main.grad = whole[slice(*b.shard_range(self.rank))]
+            return whole
+        slices, offset = torch.zeros(self.layout.shard_numel, dtype=self.flat.dtype, device=self.flat.device), 0
+        for main, b in zip(self.mains, self.layout.buckets):
+            main.grad = slices[offset:offset + b.shard_numel]
+            offset += b.shard_numel
+        return None
 
     def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         """Parameter `name`'s elements of a flat tensor laid out as this buffer, shaped like it."""
