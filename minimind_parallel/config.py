@@ -69,6 +69,10 @@ class Recompute(Choice):
 INFERENCE_ROPE_SCALING = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048,
                           "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0}
 
+# --zero: 0 plain data parallelism; 1 optimizer states sharded; 2 and the grads (zero/); 3 the
+# parameters too (FSDP2's fully_shard, zero/fully_shard.py).
+ZERO_LEVELS = (0, 1, 2, 3)
+
 
 class ConfigError(ValueError):
     """A size or flag constraint that a configuration breaks (one line, names the values)."""
@@ -119,6 +123,7 @@ class ParallelConfig:
     loss_chunks: int = 1            # lm_head + cross entropy over this many token chunks
     cp_comm_type: CPCommType = CPCommType.ALL_GATHER   # how attention crosses the CP group: all_gather | a2a | ring
     cp_load_balance: bool = True       # 2C chunks, rank i holding i and 2C-1-i (else C contiguous)
+    zero: int = 0                      # sharded data parallelism over DP x CP: 1 optimizer states, 2 + grads
 
     def __post_init__(self):
         # text (a test, a JSON config) becomes the member; an unknown name stays for check_layout to refuse
@@ -182,6 +187,7 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         raise ConfigError("--shared_sp_gather shares the sequence-parallel all-gather and needs --sequence_parallel")
     check_context_parallel(model, par)
     check_recompute(par)
+    check_zero(par)
     if model.num_hidden_layers % par.pp:
         raise ConfigError(f"num_hidden_layers must be divisible by pp_size; "
                           f"got num_hidden_layers={model.num_hidden_layers}, pp_size={par.pp}")
@@ -206,6 +212,18 @@ def check_recompute(par: ParallelConfig) -> None:
         raise ConfigError(f"recompute must be one of {', '.join(Recompute.values())}; got {par.recompute!r}")
     if par.loss_chunks < 1:
         raise ConfigError(f"loss_chunks must be >= 1; got loss_chunks={par.loss_chunks}")
+
+
+def check_zero(par: ParallelConfig) -> None:
+    """--zero names a level the library shards at, over a DP x CP group of more than one rank."""
+    if par.zero not in ZERO_LEVELS:
+        raise ConfigError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}; got zero={par.zero}")
+    if par.zero == 3 and (par.tp > 1 or par.pp > 1):
+        raise ConfigError(f"--zero 3 (FSDP2's fully_shard) is composed with data and context parallelism only, not "
+                          f"with the project's tensor or pipeline parallelism; got tp_size={par.tp}, pp_size={par.pp}")
+    if par.zero and par.dp * par.cp == 1:
+        raise ConfigError(f"--zero {par.zero} shards over the data-parallel x context-parallel ranks and needs "
+                          f"dp_size x cp_size > 1; got dp_size={par.dp}, cp_size={par.cp}")
 
 
 def check_context_parallel(model: MiniMindConfig, par: ParallelConfig) -> None:

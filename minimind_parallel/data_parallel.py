@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .groups import ProcessGroups
+from .zero.fully_shard import shard_fully
 
 
 def wrap_data_parallel(model: nn.Module, groups: ProcessGroups) -> nn.Module:
@@ -21,8 +22,11 @@ def wrap_data_parallel(model: nn.Module, groups: ProcessGroups) -> nn.Module:
 
     Under PP the model stays unwrapped: DDP reduces in the backward that follows a synced forward,
     but a pipeline interleaves forwards and backwards of different microbatches, so
-    `finalize_grads` all-reduces the DP grads itself, once, after the last microbatch."""
-    if groups.dp_cp is None or groups.par.pp > 1:
+    `finalize_grads` all-reduces the DP grads itself, once, after the last microbatch. Under
+    --zero the distributed optimizer reduce-scatters them instead (`zero/`): no DDP either."""
+    if groups.par.zero == 3:   # FSDP2 over DP x CP (zero/fully_shard.py): it reduces the grads itself
+        return shard_fully(model, groups)
+    if groups.dp_cp is None or groups.par.pp > 1 or groups.par.zero:
         return model
     # RoPE tables are identical everywhere: no need to broadcast buffers each step.
     no_sync = ({"forward_sync_buffers": False}

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import (DTYPES, INFERENCE_ROPE_SCALING, ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute,
-                     check_layout)
+from .config import (DTYPES, INFERENCE_ROPE_SCALING, ZERO_LEVELS, ConfigError, CPCommType, MiniMindConfig,
+                     ParallelConfig, Recompute, check_layout)
 from .memory import predict_memory
 from .pipeline_parallel.order import Schedule
+from .zero.buckets import DEFAULT_BUCKET_MB
 
 # What one CPU rank holds before any model: a Python process with torch and gloo (about 230 MiB
 # resident: scripts/rank_process_rss.py), rounded up. A node starts a rank per this much available memory at most.
@@ -104,6 +105,13 @@ PRESETS = (
     Preset("tp_cp", tp=True, cp=True),
     Preset("pp_cp", pp=True, cp=True),
     Preset("tp_cp_pp", tp=True, cp=True, pp=True),
+    # sharded data parallelism (--zero, minimind_parallel/zero/): every rank a replica, or TP x DP
+    Preset("zero1", replicas=True, flags=dict(zero=1)),
+    Preset("zero2", replicas=True, flags=dict(zero=2)),
+    Preset("zero3", replicas=True, flags=dict(zero=3)),
+    Preset("tp_zero1", tp=True, flags=dict(zero=1)),
+    Preset("tp_sp_async_zero1", tp=True, flags={**SP_ASYNC, "zero": 1}),
+    Preset("tp_zero2", tp=True, flags=dict(zero=2)),
 )
 MODES = {p.name: p for p in PRESETS}
 
@@ -188,6 +196,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context-parallel attention: gather K/V, all-to-all heads (Ulysses) or ring (p2p)")
     p.add_argument("--cp_load_balance", action=argparse.BooleanOptionalAction, default=True,
                    help="2C chunks, CP rank i holding chunks i and 2C-1-i (--no-cp_load_balance: C contiguous)")
+    p.add_argument("--zero", type=int, choices=ZERO_LEVELS, default=0,
+                   help="shard over the DP x CP ranks: 1 the AdamW states (a distributed optimizer), 2 the grads too")
+    p.add_argument("--bucket_size_mb", type=float, default=DEFAULT_BUCKET_MB,
+                   help="--zero: MiB of grads per reduce-scatter bucket")
     p.add_argument("--flash_attn", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=1234)
 
@@ -237,7 +249,7 @@ def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = Non
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
                           shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel,
                           cp_comm_type=args.cp_comm_type, cp_load_balance=args.cp_load_balance,
-                          recompute=args.recompute, loss_chunks=args.loss_chunks)
+                          recompute=args.recompute, loss_chunks=args.loss_chunks, zero=args.zero)
 
 
 def collective_timeout(launch) -> datetime.timedelta:
@@ -262,10 +274,19 @@ def check_common(job, runs: list, *, steps: str | None, kernels: bool = True,
     args = job.task
     check_at_least(args, 1, sizes)
     check_number(args, "learning_rate", minimum=0.0)
+    check_number(args, "bucket_size_mb", minimum=0.0, exclusive=True, unit=" MiB")
     check_float16_steps(args.dtype, steps)
     for run_args, par in runs:
         check_run(run_args, par)
     check_world(job.launch, job.parallel.world_size, args.dtype, kernels=kernels)
+
+
+def check_fully_sharded(task: str, par: ParallelConfig) -> None:
+    """--zero 3 (FSDP2's DTensor parameters) runs in validate only: checkpoints, the memory meter and
+    --estimate read plain tensors."""
+    if par.zero == 3:
+        raise ConfigError(f"{task} does not take --zero 3 (FSDP2's sharded parameters are checked by validate only: "
+                          f"checkpoints, the memory meter and --estimate read plain tensors); use --zero 1 or 2")
 
 
 def check_launcher(launch) -> None:

@@ -32,6 +32,9 @@ from .model import MiniMindForCausalLM
 from .pipeline_parallel import Schedule, forward_backward
 from .plan import stage_of, tp_split_dim
 from .training import build_parallel_model, finalize_grads, make_optimizer
+from .zero.buckets import DEFAULT_BUCKET_MB
+from .zero import DistributedOptimizer
+from .zero.fully_shard import whole
 
 # float32: 10x the dense model's own float32-vs-float64 error on the test configurations
 # (scripts/tolerance_baseline.py: forward + grads max-abs 5.7e-7, relative-L2 2.2e-6; params
@@ -95,6 +98,7 @@ class _Pair:
     atol: float
     rtol: float                      # step 0 (forward from the same weights) and the grads
     later_rtol: float                # the loss and logits after AdamW steps (see PARAM_RTOL)
+    optimizer: object = None         # the parallel model's (under --zero it reduces the grads)
 
     def step(self, step: int, compare: bool) -> list[Row]:
         """Forward both (and backward, grads finalised); -> the loss and logits rows when compared
@@ -105,7 +109,7 @@ class _Pair:
         rows = self._output_rows(step, out, ref) if compare and out.loss is not None else []
         if self.backward:
             ref.loss.backward()
-            finalize_grads(self.model, self.groups)
+            finalize_grads(self.model, self.groups, self.optimizer)
         return rows
 
     def _output_rows(self, step: int, out, ref) -> list[Row]:
@@ -122,13 +126,28 @@ class _Pair:
         want = logits_slice(want, par, self.groups.tp_rank)
         return rows + [Row(f"step {step} logits", *error(logits, want), self.atol, rtol)]
 
+    def grad_rows(self, rtol: float) -> list[Row]:
+        """One row per parameter: its grad against the same slice of the dense grad; under --zero
+        the part of it this rank owns (the other ranks' rows cover the rest: worst over ranks)."""
+        if not isinstance(self.optimizer, DistributedOptimizer):
+            return self.shard_rows("grad {name}", lambda p: p.grad, rtol)
+        dense = dict(self.dense.named_parameters(remove_duplicate=False))
+        par, tp_rank = self.groups.par, self.groups.tp_rank
+        rows = []
+        for buffer in self.optimizer.buffers:
+            for piece, i in buffer.pieces():
+                mine = buffer.mains[i].grad[piece.shard_offset:piece.shard_offset + piece.numel]
+                want = dense_slice(piece.name, dense[piece.name].grad, par, tp_rank).reshape(-1)[piece.lo:piece.hi]
+                rows.append(Row(f"grad {piece.name}", *error(mine, want), self.atol, rtol))
+        return rows
+
     def shard_rows(self, item: str, of, rtol: float) -> list[Row]:
         """One row per parameter: `of(param)` of each shard against the same slice of the dense
         model's; `item` is formatted with the parameter's name."""
         # Tied names both map to the one dense Parameter (a pipeline holds them on two stages).
         dense = dict(self.dense.named_parameters(remove_duplicate=False))
         par, tp_rank = self.groups.par, self.groups.tp_rank
-        return [Row(item.format(name=name), *error(of(p), dense_slice(name, of(dense[name]), par, tp_rank)),
+        return [Row(item.format(name=name), *error(whole(of(p)), dense_slice(name, of(dense[name]), par, tp_rank)),
                     self.atol, rtol)
                 for name, p in unwrap(self.model).named_parameters()]
 
@@ -138,9 +157,11 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
                        dtype=torch.float32, lr: float = 1e-3, optimizer_steps: int = 3, log_interval: int = 1,
                        check_backward: bool = True, seed: int = 1234, device="cpu", perturb: str | None = None,
                        atol: float | None = None, rtol: float | None = None,
-                       initial_state: dict | None = None) -> list[Row]:
+                       initial_state: dict | None = None, bucket_size_mb: float = DEFAULT_BUCKET_MB) -> list[Row]:
     """Rows of (item, max-abs error, relative-L2 error, tolerances), worst over all ranks. Both models
-    start from `initial_state` (a dense state dict, loaded strictly) when given, else a seeded init."""
+    start from `initial_state` (a dense state dict, loaded strictly) when given, else a seeded init.
+    Under --zero (`par.zero`) the parallel model steps with the distributed optimizer (buckets of
+    `bucket_size_mb` MiB) and each rank compares the grads of the slices it owns."""
     atol = DEFAULT_TOL[dtype][0] if atol is None else atol
     rtol = DEFAULT_TOL[dtype][1] if rtol is None else rtol
     torch.manual_seed(seed)
@@ -160,10 +181,11 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
                  microbatches=split_microbatches(*rows, num_microbatches),
                  schedule=pp_schedule, backward=check_backward or optimizer_steps > 0, atol=atol, rtol=rtol,
                  later_rtol=max(rtol, PARAM_RTOL[dtype]))
-    opt_dense, opt_par = make_optimizer(dense, lr), make_optimizer(pair.model, lr)
+    opt_dense = make_optimizer(dense, lr)
+    opt_par = pair.optimizer = make_optimizer(pair.model, lr, groups, bucket_size_mb)
     rows = pair.step(0, compare=True)
     if check_backward:
-        rows += pair.shard_rows("grad {name}", lambda p: p.grad, rtol)
+        rows += pair.grad_rows(rtol)
     for step in range(1, optimizer_steps + 1):
         opt_dense.step(), opt_par.step()
         opt_dense.zero_grad(set_to_none=True), opt_par.zero_grad(set_to_none=True)

@@ -5,7 +5,9 @@ What one checkpoint holds (DCP keys; dense parameter names, see `placement`):
 
     model.<name>                     every parameter, as the plan places it
     optim.<name>.<state>             every optimizer state: AdamW's exp_avg, exp_avg_sq (placed
-                                     like the parameter) and step (a scalar every rank holds)
+                                     like the parameter) and step (a scalar every rank holds);
+                                     under --zero gathered from the slices on save and sliced
+                                     again on load (any zero level, DP size or layout resumes it)
     rng.rank<r>.<device type>        rank r's random generator states (cpu, and the accelerator's)
     meta.json                        step, model config, layout, optimizer hyper-parameters, extra
 """
@@ -25,6 +27,7 @@ from ..config import MiniMindConfig, ParallelConfig
 from ..data_parallel import unwrap
 from ..groups import ProcessGroups
 from ..plan import plan_of
+from ..zero import DistributedOptimizer
 from .directory import (META, check_checkpoint_config, new_temp_dir, prune, publish, read_meta, resolve_checkpoint,
                         write_json)
 from .placement import checkpoint_key, local_part, placed, tp_mesh
@@ -112,7 +115,8 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optim
                        for n, p in params.items()}}
     if meta["optimizer_state"]:
         state["optim"] = _empty_optimizer_tensors(path, params, config, par, mesh)
-    same_layout = meta["layout"] == dataclasses.asdict(par)
+    # a field the saving version did not have yet (zero, ...) held its default there
+    same_layout = {**dataclasses.asdict(ParallelConfig()), **meta["layout"]} == dataclasses.asdict(par)
     if same_layout:
         state["rng"] = {f"rank{groups.rank}": {k: torch.empty_like(v) for k, v in _rng_states(model).items()}}
     dcp.load(state, checkpoint_id=path)
@@ -133,10 +137,13 @@ def _model_tensors(model, config, par, mesh) -> dict:
 
 
 def _optimizer_tensors(model, optimizer, config, par, mesh) -> dict:
-    """{key: {state: tensor}} of every parameter with optimizer state ({} before the first step)."""
+    """{key: {state: tensor}} of every parameter with optimizer state ({} before the first step).
+    Under --zero the distributed optimizer's slices are gathered into each parameter's states
+    first, so a checkpoint is the same whatever the zero level (and loads at any)."""
     out = {}
+    whole = optimizer.param_states() if isinstance(optimizer, DistributedOptimizer) else None
     for name, p in unwrap(model).named_parameters():
-        states = optimizer.state.get(p, {})
+        states = whole.get(name, {}) if whole is not None else optimizer.state.get(p, {})
         out_p = {}
         for state, value in states.items():
             if not isinstance(value, torch.Tensor):
@@ -170,14 +177,18 @@ def _empty_optimizer_tensors(path, params, config, par, mesh) -> dict:
 def _load_optimizer(optimizer, params, loaded, saved_groups, config) -> None:
     """Hand the loaded states to the optimizer through its own `load_state_dict` (which creates the
     state of a fresh optimizer), with the saved hyper-parameters of each param group."""
-    index_of = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = {index_of[id(p)]: {k: local_part(v) for k, v in loaded[checkpoint_key(n, config)].items()}
-             for n, p in params.items()}
+    whole = {n: {k: local_part(v) for k, v in loaded[checkpoint_key(n, config)].items()} for n in params}
+    target = optimizer.inner if isinstance(optimizer, DistributedOptimizer) else optimizer
+    index_of = {id(p): i for i, p in enumerate(p for g in target.param_groups for p in g["params"])}
+    if isinstance(optimizer, DistributedOptimizer):   # each rank keeps its slices
+        state = optimizer.slice_states(whole)
+    else:
+        state = {index_of[id(p)]: whole[n] for n, p in params.items()}
     groups = []
-    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+    for group, saved in zip(target.param_groups, saved_groups, strict=True):
         restored = {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group}
         groups.append({**group, **restored, "params": [index_of[id(p)] for p in group["params"]]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    target.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _meta(step, optimizer, config, par, extra, has_optimizer_state) -> dict:

@@ -183,6 +183,28 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, async_op: bool = False):
     return (out, work) if async_op else out
 
 
+def reduce_scatter_flat(flat: torch.Tensor, group, *, async_op: bool = False):
+    """[W * n] -> its rank's n elements summed over the group, written in place into that rank's
+    slice of `flat` (returned, a view), as Megatron-LM's distributed optimizer reduces a bucket."""
+    t = group_size(group)
+    shard = flat.view(t, -1)[rank_in(group)]
+    if t == 1:
+        return (shard, _Done()) if async_op else shard
+    with collective("reduce_scatter"):
+        work = _issue([flat], async_op, _reduce_scatter_single, shard, flat, group=group)
+    return (shard, work) if async_op else shard
+
+
+def all_gather_flat(flat: torch.Tensor, group, *, async_op: bool = False):
+    """Every rank's slice of `flat` [W * n] (its n elements at rank * n) gathered into `flat`, in place."""
+    t = group_size(group)
+    if t == 1:
+        return _Done() if async_op else None
+    shard = flat.view(t, -1)[rank_in(group)]
+    with collective("all_gather"):
+        return _issue([flat], async_op, _all_gather_single, flat, shard, group=group)
+
+
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[..., N/T] -> [..., N], rank order along the last dim."""
     t = group_size(group)

@@ -25,6 +25,7 @@ from ..groups import ProcessGroups
 from ..parallel_model import ParallelMiniMindForCausalLM
 from ..pipeline_parallel import Schedule
 from ..training import make_optimizer, train_step
+from ..zero.buckets import DEFAULT_BUCKET_MB
 from .analytic import as_dtype
 from .meter import MemoryMeter
 from .tracker import MemoryReport
@@ -55,13 +56,15 @@ def fake_process_group(rank: int, world_size: int):
 
 def _to_dtype(model, dtype):
     """model.to(dtype) as in a real run (floating buffers too, tied weights stay tied). Fake
-    parameters cannot be swapped in place, so the cast puts new ones in their slots."""
+    parameters cannot be swapped in place, so the cast puts new ones in their slots, with the
+    marks the model set on the old ones (partial over TP, shared over the embedding group)."""
     cast = {}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
                 if p not in cast:
                     cast[p] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                    cast[p].__dict__.update(p.__dict__)
                 module._parameters[name] = cast[p]
         for name, b in module._buffers.items():
             if b is not None and b.is_floating_point():
@@ -93,7 +96,8 @@ def _create_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer)
 def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
                          micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: bool = True,
                          num_microbatches: int = 1, schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int = 0,
-                         cp_rank: int = 0, tracker_type=None, on_step=None) -> MemoryReport:
+                         cp_rank: int = 0, tracker_type=None, on_step=None,
+                         bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryReport:
     """Peak memory of `iters` training steps, each of `num_microbatches` microbatches of
     `micro_batch_size` sequences, on one rank of pipeline stage `stage`, without kernels.
     warmup: the optimizer states exist before the window, as after the warm-up steps of a real run.
@@ -104,7 +108,8 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
     PP the fake backend answers every receive at once (an empty buffer of the boundary's shape),
     so a stage runs its schedule alone, in the order of a real run.
     tracker_type / on_step(tracker), called after each step: to watch more than the report
-    (memory/allocator.py records the allocation sequence this way)."""
+    (memory/allocator.py records the allocation sequence this way). Under --zero (`par.zero`) the
+    distributed optimizer runs as it does on real ranks (buckets of `bucket_size_mb` MiB)."""
     if not 0 <= stage < par.pp:
         raise ValueError(f"stage must be in [0, pp); got stage={stage}, pp={par.pp}")
     if not 0 <= cp_rank < par.cp:
@@ -119,9 +124,9 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
         groups = ProcessGroups.build(par)  # real (fake-backend) groups, built outside the fake mode
         with FakeTensorMode():
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
-            optimizer = make_optimizer(model, lr=1e-3)
-            # DDP over DP x CP; none under PP
-            buckets = ddp_gradient_buckets(model) if par.dp * par.cp > 1 and par.pp == 1 else []
+            optimizer = make_optimizer(model, 1e-3, groups, bucket_size_mb)
+            # DDP over DP x CP; none under PP, nor under --zero
+            buckets = ddp_gradient_buckets(model) if par.dp * par.cp > 1 and par.pp == 1 and not par.zero else []
             ids = torch.randint(0, model_config.vocab_size, (micro_batch_size * num_microbatches, seq_len))
             ids, targets = cp_tokens(Batch(ids, shift_labels(ids)), ContextLayout.of(par, seq_len),
                                      groups.cp_rank)                     # [M B, S/C]

@@ -50,6 +50,9 @@ class MemoryMeter:
             # A gradient becomes a .grad when AccumulateGrad stores it: reclassify it then.
             self._handles.append(p.register_post_accumulate_grad_hook(lambda p: t.mark(p.grad, "grads")))
         if self.optimizer is not None:
+            for group in self.optimizer.param_groups:   # under --zero: the slices, and their grads
+                for p in group["params"]:
+                    t.mark(p.grad, "grads")
             self._mark_optimizer_states()
             # States created inside the window (no warm-up step) are classified after the step.
             self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._mark_optimizer_states()))

@@ -52,7 +52,8 @@ from ..files import atomic_path, check_directory
 from ..groups import ProcessGroups, first_on_node
 from ..job import Job
 from ..model import MiniMindForCausalLM
-from ..options import Parser, add_model_args, check_at_least, check_common, check_number, collective_timeout
+from ..options import (Parser, add_model_args, check_at_least, check_common, check_fully_sharded, check_number,
+                       collective_timeout)
 from ..loss_normalisation import token_sum, world_token_mean
 from ..training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from ..training.heldout import heldout_loss
@@ -174,6 +175,7 @@ def check(job: Job) -> None:
                      max_positions=config.max_position_embeddings)
     check_common(job, [(args, par)], sizes=("micro_batch_size", "num_microbatches"),
                  steps=" with --precision pure: use --precision mixed" if args.precision == PrecisionMode.PURE else None)
+    check_fully_sharded("train", par)
     check_data(args, tok, par)
     check_outputs(args, config)
     if args.resume:
@@ -330,7 +332,7 @@ class Run:
         self.total = total_steps(args, self.sampler.steps_per_epoch)
         self.data_identity = file_identity(args.data_path)
         self.model = wrap_data_parallel(self._build_model(), self.groups)
-        self.optimizer = make_optimizer(self.model, args.learning_rate)
+        self.optimizer = make_optimizer(self.model, args.learning_rate, self.groups, args.bucket_size_mb)
         self.scaler = LossScaler() if self.precision.needs_loss_scaling else None
         self.last_checkpoint: tuple[str, int] | None = None   # (path, step) of the newest checkpoint of the run
         self.step = self._resume() if args.resume else 0

@@ -116,13 +116,13 @@ def run_rank(job: Job, device) -> int:
                               dtype=dtype, lr=args.learning_rate, optimizer_steps=args.optimizer_steps,
                               log_interval=args.log_interval, check_backward=args.check_backward, seed=args.seed,
                               device=device, perturb=args.perturb, atol=args.atol, rtol=args.rtol,
-                              initial_state=initial_state(job))
+                              initial_state=initial_state(job), bucket_size_mb=args.bucket_size_mb)
     bad = failures(rows)
     if dist.get_rank() == 0:
         print(f"validate: dp={par.dp} pp={par.pp} schedule={args.pp_schedule} microbatches={args.num_microbatches} "
               f"tp={par.tp} sp={par.sequence_parallel} async={par.async_communication} "
               f"shared_gather={par.shared_sp_gather} vp={par.vocab_parallel} cp={par.cp} "
-              f"cp_comm_type={par.cp_comm_type} cp_load_balance={par.cp_load_balance} dtype={args.dtype} "
+              f"cp_comm_type={par.cp_comm_type} cp_load_balance={par.cp_load_balance} zero={par.zero} dtype={args.dtype} "
               f"layers={config.num_hidden_layers} seq={args.seq_len} steps={args.optimizer_steps}"
               f"{f' weights={args.from_weight}' if args.from_weight else ''}")
         print(format_report(rows))

@@ -11,6 +11,9 @@ the same with its "is not a duplicate" test):
     layers of other pipeline stages             summed over PP
     tied embedding, two copies under PP          the first stage's copy only (equal after finalize_grads)
     DP / CP replicas                            not summed: their grads are equal after averaging
+    --zero 1/2: the slices of the reduction      summed over that group (each rank owns a disjoint
+      group (zero.reduction_group); --zero 3:    part of the averaged grad), then as above
+      FSDP2's shards
 
 Call after `training.finalize_grads` (and, under a float16 loss scaler, after unscaling).
 Every rank gets the same norm, so every rank applies the same clip coefficient.
@@ -24,6 +27,8 @@ from ..data_parallel import unwrap
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..plan import grad_is_shared_over_stages, tp_split_dim
+from ..zero import DistributedOptimizer, reduction_group
+from ..zero.fully_shard import is_fully_sharded, local
 
 
 def counted_here(name: str, model: nn.Module, groups: ProcessGroups) -> bool:
@@ -33,33 +38,53 @@ def counted_here(name: str, model: nn.Module, groups: ProcessGroups) -> bool:
     return not (grad_is_shared_over_stages(name, model.config, groups.par) and not groups.is_first_stage)
 
 
-def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
+def global_grad_norm(model: nn.Module, groups: ProcessGroups, sharded: DistributedOptimizer | None = None
+                     ) -> torch.Tensor:
     """The 2-norm of the dense model's whole gradient (0-dim, at least float32; the same on every
-    rank). Collective over TP and PP."""
+    rank), from the parameters' grads or, under --zero, from the slices `sharded` owns.
+    Collective over TP and PP (and the reduction groups under --zero)."""
     inner = unwrap(model)
-    grads = [p.grad for name, p in inner.named_parameters()
-             if p.grad is not None and counted_here(name, inner, groups)]
     acc = torch.promote_types(next(inner.parameters()).dtype, torch.float32)
     device = next(inner.parameters()).device
+    if sharded is None:
+        named = [(name, p.grad) for name, p in inner.named_parameters() if p.grad is not None]
+        # --zero 3: FSDP2's grads are shards over the DP x CP mesh, disjoint like the slices
+        fsdp = is_fully_sharded(model)
+        parts = [(reduction_group(groups, "") if fsdp else None, [(n, local(g)) for n, g in named])]
+    else:
+        parts = sharded.grads_by_group()
     squares = torch.zeros((), dtype=acc, device=device)
-    for g in grads:
-        squares += g.detach().to(acc).pow(2).sum()
+    for group, named in parts:
+        part = torch.zeros((), dtype=acc, device=device)
+        for name, g in named:
+            if counted_here(name, inner, groups):
+                part += g.detach().to(acc).pow(2).sum()
+        squares += comm.all_reduce(part, group)   # the slices of one reduction group (None: whole grads)
     comm.all_reduce(squares, groups.tp)   # the shards of one stage
     comm.all_reduce(squares, groups.pp)   # the stages
     return squares.sqrt()
 
 
-def clip_grads_(model: nn.Module, total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale every grad by min(1, max_norm / (total_norm + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
+def clip_grads_(model: nn.Module, total_norm: torch.Tensor, max_norm: float,
+                sharded: DistributedOptimizer | None = None) -> None:
+    """Scale every grad (under --zero: every slice `sharded` owns) by min(1, max_norm / (total_norm
+    + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in unwrap(model).parameters():
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+    for g in grads_of(model, sharded):
+        g.mul_(coef.to(g.dtype))
 
 
-def clip_grad_norm_(model: nn.Module, groups: ProcessGroups, max_norm: float) -> torch.Tensor:
+def grads_of(model: nn.Module, sharded: DistributedOptimizer | None = None) -> list[torch.Tensor]:
+    """The grads the step applies: the parameters' own, or under --zero the slices `sharded` owns."""
+    if sharded is not None:
+        return sharded.main_grads()
+    return [local(p.grad) for p in unwrap(model).parameters() if p.grad is not None]
+
+
+def clip_grad_norm_(model: nn.Module, groups: ProcessGroups, max_norm: float,
+                    sharded: DistributedOptimizer | None = None) -> torch.Tensor:
     """Clip by the global norm (max_norm <= 0: measure only); returns the norm before clipping."""
-    total = global_grad_norm(model, groups)
+    total = global_grad_norm(model, groups, sharded)
     if max_norm > 0:
-        clip_grads_(model, total, max_norm)
+        clip_grads_(model, total, max_norm, sharded)
     return total

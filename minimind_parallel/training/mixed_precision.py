@@ -15,10 +15,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..config import Choice
-from ..data_parallel import unwrap
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -71,10 +69,10 @@ class LossScaler:
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self.good_steps = 0
 
-    def unscale_(self, model: nn.Module) -> None:
-        for p in unwrap(model).parameters():
-            if p.grad is not None:
-                p.grad.div_(self.scale)
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
+        """Divide the step's grads (`grad_clip.grads_of`: the parameters', or the --zero slices) by the scale."""
+        for g in grads:
+            g.div_(self.scale)
 
     def update(self, finite: bool) -> bool:
         """After a step's grads were checked: -> whether to take the optimizer step."""

@@ -42,7 +42,9 @@ from ..loss_normalisation import dp_loss_share, grad_divisor
 from ..parallel_model import ParallelMiniMindForCausalLM
 from ..pipeline_parallel import Schedule, StepResult, forward_backward
 from ..sharding import shard_state_dict
-from .grad_clip import clip_grad_norm_
+from .grad_clip import clip_grad_norm_, grads_of
+from ..zero import DEFAULT_BUCKET_MB, DistributedOptimizer, bucket_numel
+from ..zero.fully_shard import is_fully_sharded
 from .mixed_precision import LossScaler, Precision
 
 
@@ -54,8 +56,9 @@ def build_parallel_model(config: MiniMindConfig, par: ParallelConfig, groups: Pr
     return model.to(device=device, dtype=dtype)
 
 
-def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
-    """After the last microbatch's backward, in this order:
+def finalize_grads(model: nn.Module, groups: ProcessGroups, optimizer=None) -> None:
+    """After the last microbatch's backward, in this order (under --zero, `optimizer` a
+    `zero.DistributedOptimizer`: the same sums, on the slices it owns, `reduce_grads`):
     1. TP: sum the grads of replicated parameters that saw only this rank's part of the data
        (norms on sequence shards, q_norm/k_norm on this rank's heads);
     2. PP with tied embeddings: sum the first stage's embedding grad and the last stage's
@@ -63,10 +66,13 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups) -> None:
     3. DP x CP when not done by DDP (pipelines): average every grad over the DP x CP group (the
        CP ranks' losses were scaled by C in backward, so this sums over CP and averages over DP;
        `loss_normalisation.grad_divisor`)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.reduce_grads()
+        return
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
     _all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], groups.tp)
     _all_reduce_grads([p for p in params if getattr(p, "shared_embedding", False)], groups.embed)
-    if not isinstance(model, DistributedDataParallel) and groups.dp_cp is not None:
+    if not isinstance(model, DistributedDataParallel) and not is_fully_sharded(model) and groups.dp_cp is not None:
         replicas = grad_divisor(groups.par)
         for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak
             comm.all_reduce(p.grad, groups.dp_cp).div_(replicas)
@@ -88,9 +94,16 @@ def _all_reduce_grads(params: list, group) -> None:
         offset += n
 
 
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW as in MiniMind's trainer (foreach off: one update per tensor, easy to account)."""
+def make_optimizer(model: nn.Module, lr: float, groups: ProcessGroups | None = None,
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> torch.optim.Optimizer | DistributedOptimizer:
+    """AdamW as in MiniMind's trainer (foreach off: one update per tensor, easy to account); under
+    --zero 1/2 (`groups.par.zero`) over this rank's slices only (`zero.DistributedOptimizer`, its
+    buckets of `bucket_size_mb` MiB)."""
+    if groups is not None and groups.par.zero in (1, 2):
+        return DistributedOptimizer(unwrap(model), groups, lr=lr, weight_decay=0.01,
+                                    bucket_numel=bucket_numel(bucket_size_mb, next(model.parameters()).dtype))
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,12 +139,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: Proce
                               schedule=schedule, loss_scale=loss_scale,
                               forward_context=precision.forward_context if precision is not None else nullcontext)
     with span("finalize_grads"):
-        finalize_grads(model, groups)
+        finalize_grads(model, groups, optimizer)
+    sharded = optimizer if isinstance(optimizer, DistributedOptimizer) else None
     norm, bad = None, ()
     if grad_clip is not None:
         if scaler is not None:
-            scaler.unscale_(model)
-        norm = clip_grad_norm_(model, groups, grad_clip)
+            scaler.unscale_(grads_of(model, sharded))
+        norm = clip_grad_norm_(model, groups, grad_clip, sharded)
         bad = nonfinite_quantities(result.loss, norm, overflow_is_skipped=scaler is not None)
     stepped = not bad and (scaler is None or scaler.update(bool(torch.isfinite(norm))))
     with span("optimizer"):

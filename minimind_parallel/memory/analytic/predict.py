@@ -8,10 +8,12 @@ import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...pipeline_parallel.order import Schedule, schedule_order
+from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import stage_sizes
+from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
 
 
 @dataclass
@@ -32,14 +34,19 @@ class MemoryPrediction:
 
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
-                   schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None) -> MemoryPrediction:
+                   schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
     there). The prediction of every stage is in `per_stage`. Under CP `cp_rank` picks the CP rank
     (None: the worst; with the load-balanced split every CP rank holds the same bytes, with the
-    contiguous one the later ranks' attention sees more blocks)."""
+    contiguous one the later ranks' attention sees more blocks). Under --zero 1 (`par.zero`) the
+    distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py)."""
     c = model_config
+    if par.zero > 1:
+        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (--zero 2: the grads alive depend "
+                                  f"on the buckets backward has finished; --zero 3: FSDP2's gathers)")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
@@ -48,7 +55,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
-                                  cp_rank=r) for r in cp_ranks), key=lambda s: s.peak_bytes)
+                                  cp_rank=r, bucket_size_mb=bucket_size_mb) for r in cp_ranks), key=lambda s: s.peak_bytes)
               for p in range(par.pp)]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
     pick.per_stage = [s.peak_bytes for s in stages]
@@ -56,15 +63,23 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
 
 
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
-                   num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0) -> MemoryPrediction:
+                   num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0,
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then."""
     s = stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
                     num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
-    params = s.param_bytes + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
-    states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
+    layout = zero_layout(c, par, stage, as_dtype(dtype), bucket_size_mb)
+    stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
+    params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     moments, in_flight = replay_schedule(s, schedule_order(par.pp, stage, num_microbatches, schedule))
-    moments["optimizer"] = optimizer_step(s)
+    if layout is None:
+        states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
+        moments["optimizer"] = optimizer_step(s)
+    else:   # the grad buffer from the start; AdamW over the slices
+        states = optimizer_state_bytes(layout, s.b, device)
+        moments = {k: (stored, a, t) for k, (_, a, t) in moments.items()}
+        moments["optimizer"] = optimizer_step(s, slice_sizes(layout, s.b), grads=stored)
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]

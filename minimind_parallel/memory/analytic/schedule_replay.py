@@ -120,12 +120,13 @@ def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
     return moments, in_flight
 
 
-def optimizer_step(s: StageSizes) -> tuple[int, int, int]:
+def optimizer_step(s: StageSizes, stepped: list[int] | None = None, grads: int | None = None) -> tuple[int, int, int]:
     """AdamW (one tensor at a time): sqrt(exp_avg_sq) and denom of one parameter while the
     previous parameter's denom is still bound; the schedule's loss weights are gone, its reported
-    loss not."""
-    sizes = [0] + [s.b * numel(shape) for shape in s.shapes.values()]
+    loss not. `stepped`: the bytes of the tensors AdamW steps, in order (default: the parameters;
+    --zero: the slices, zero_sizes.py), `grads` the grads alive (default: the parameters')."""
+    sizes = [0] + (stepped if stepped is not None else [s.b * numel(shape) for shape in s.shapes.values()])
     scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
     saved = _batch_saved(s)
-    return (s.param_bytes, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets
+    return (s.param_bytes if grads is None else grads, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets
             + (s.loss_scalar if s.last else 0))

@@ -152,8 +152,8 @@ class StageSizes:
 
     @property
     def ddp_buckets(self) -> int:
-        """DDP's flat gradient buckets (no DDP under a pipeline)."""
-        return self.param_bytes if self.par.dp * self.par.cp > 1 and self.par.pp == 1 else 0
+        """DDP's flat gradient buckets (no DDP under a pipeline, nor under --zero)."""
+        return self.param_bytes if self.par.dp * self.par.cp > 1 and self.par.pp == 1 and not self.par.zero else 0
 
 
 def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,

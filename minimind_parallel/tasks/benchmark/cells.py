@@ -81,7 +81,8 @@ def rows_per_replica(kind: Kind, args, par: ParallelConfig, launch) -> int:
 def step_sizes(job: Job, a: TaskOptions, par: ParallelConfig) -> dict:
     """The sizes of one step of a cell (task args `a`, layout `par`) that the memory API takes."""
     return dict(seq_len=a.seq_len, micro_batch_size=rows_per_replica(a.kind, a, par, job.launch),
-                dtype=DTYPES[a.dtype], num_microbatches=a.num_microbatches, schedule=a.pp_schedule)
+                dtype=DTYPES[a.dtype], num_microbatches=a.num_microbatches, schedule=a.pp_schedule,
+                bucket_size_mb=a.bucket_size_mb)
 
 
 def cell_run(job: Job, cell: Cell) -> CellRun:

@@ -1,0 +1,278 @@
+"""ZeRO 1 and 2 as a distributed optimizer (Megatron-LM's `DistributedOptimizer`; Rajbhandari et
+al. 2020): every rank of a parameter's reduction group (DP x CP) updates only its slice of it.
+
+Per (reduction group, dtype), one flat buffer (`buckets.BufferLayout`):
+
+    params     the parameters' own storage: each parameter is a view of the flat buffer
+               [numel padded], so the all-gather after the step writes them in place
+    mains      this rank's slice of every bucket, as the parameter AdamW steps (a view of the
+               flat buffer: under mixed precision the parameters are float32, so these are the
+               float32 master weights, of this slice only, as Megatron-LM's fp32 parameters)
+    grads      --zero 1: a flat grad buffer [numel padded] of which every parameter's .grad is a
+               view; after the last microbatch each bucket is reduce-scattered in place into this
+               rank's slice, the mains' grads.
+               --zero 2: only this rank's slices [numel padded / W]; a post-accumulate-grad hook
+               on every parameter counts the grads of its bucket, and once a bucket's are all
+               there (backward runs in roughly the buffer's order) copies them into a staging
+               bucket, frees them and starts the bucket's reduce-scatter asynchronously, at most
+               `IN_FLIGHT` buckets at a time (the oldest is waited for and added to the slice
+               before another starts); the rest are waited for before the step.
+    optimizer  AdamW over the mains: its states are 1/W of the replicated optimizer's.
+
+After the reduce-scatter the slices are divided by the replicas (`loss_normalisation.grad_divisor`,
+as DDP averages), then the slices of grads that are partial over TP (norms under SP, q/k norms)
+are summed over TP (the TP ranks' layouts are the same) and the embedding-group copies (a bucket of
+their own, at the same offsets on both stages) over the embedding group: what `finalize_grads`
+does to whole grads, done to the slices. The step updates the mains, then every bucket is
+all-gathered in place, so every parameter is whole again for the next forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed import comm
+from ..groups import ProcessGroups
+from ..loss_normalisation import grad_divisor
+from .buckets import BufferLayout, Piece, plan_buffer
+from .reduction_group import reduction_group
+
+IN_FLIGHT = 2   # --zero 2: buckets whose reduce-scatter may run at once (each holds a staging bucket)
+
+
+class FlatBuffer:
+    """The parameters of one (reduction group, dtype), laid out by `plan_buffer`."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group, *, level: int, bucket_numel: int | None,
+                 groups: ProcessGroups):
+        self.group, self.level, self.groups = group, level, groups
+        self.params = dict(named)
+        self.rank, world = comm.rank_in(group), comm.group_size(group)
+        self.layout: BufferLayout = plan_buffer(
+            [(n, p.numel(), bool(getattr(p, "shared_embedding", False)) and groups.embed is not None)
+             for n, p in named], world, bucket_numel)
+        self._offsets = {n: o for b in self.layout.buckets for n, o in zip(b.names, b.offsets)}
+        self.flat = self._adopt_parameters()                                                 # [numel padded]
+        self.mains = [nn.Parameter(self.flat[slice(*b.shard_range(self.rank))]) for b in self.layout.buckets]
+        self.grad_flat = self._slice_grads()
+        if level == 2:
+            self._ready = [0] * len(self.layout.buckets)
+            self._pending: list = []
+            self._bucket_of = {n: i for i, b in enumerate(self.layout.buckets) for n in b.names}
+            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready(name)) for name, p in named]
+        self.zero_grad()
+
+    def _adopt_parameters(self) -> torch.Tensor:
+        """The flat parameter buffer [numel padded], every parameter's values copied in and the
+        parameter made a view of it (the padding stays zero)."""
+        first = next(iter(self.params.values()))
+        flat = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for name, p in self.params.items():
+                view = self.view(flat, name)
+                view.copy_(p)
+                p.data = view
+        return flat
+
+    def _slice_grads(self) -> torch.Tensor | None:
+        """The mains' grads: --zero 1 slices of a whole flat grad buffer (returned, [numel padded]);
+        --zero 2 slices of one tensor of this rank's slices only ([numel padded / W]; None returned)."""
+        if self.level == 1:
+            whole = torch.zeros_like(self.flat)
+            for main, b in zip(self.mains, self.layout.buckets):
+                main.grad = whole[slice(*b.shard_range(self.rank))]
+            return whole
+        slices, offset = torch.zeros(self.layout.shard_numel, dtype=self.flat.dtype, device=self.flat.device), 0
+        for main, b in zip(self.mains, self.layout.buckets):
+            main.grad = slices[offset:offset + b.shard_numel]
+            offset += b.shard_numel
+        return None
+
+    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter `name`'s elements of a flat tensor laid out as this buffer, shaped like it."""
+        p = self.params[name]
+        return flat[self._offsets[name]:self._offsets[name] + p.numel()].view_as(p)
+
+    # -- grads ---------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero the slices (and --zero 1's whole buffer, the parameters' .grad views)."""
+        for main in self.mains:
+            main.grad.zero_()
+        if self.level == 1:
+            self.grad_flat.zero_()
+            for name, p in self.params.items():
+                p.grad = self.view(self.grad_flat, name)
+        else:
+            assert not self._pending, "zero_grad with reduce-scatters in flight"
+            self._ready = [0] * len(self.layout.buckets)
+            for p in self.params.values():
+                p.grad = None
+
+    def _grad_ready(self, name: str):
+        def hook(param: nn.Parameter) -> None:
+            i = self._bucket_of[name]
+            self._ready[i] += 1
+            if self._ready[i] == len(self.layout.buckets[i].names):
+                self._ready[i] = 0
+                self._start_reduce(i)
+        return hook
+
+    def _start_reduce(self, i: int) -> None:
+        """--zero 2: bucket i's grads into a staging bucket (theirs freed), its reduce-scatter started."""
+        b = self.layout.buckets[i]
+        staging = torch.empty(b.padded_numel, dtype=self.flat.dtype, device=self.flat.device)   # [bucket padded]
+        staging[sum(b.numels):].zero_()
+        for name, offset, numel in zip(b.names, b.offsets, b.numels):
+            p = self.params[name]
+            staging[offset - b.start:offset - b.start + numel].copy_(p.grad.reshape(-1))
+            p.grad = None
+        while len(self._pending) >= IN_FLIGHT:
+            self._finish(self._pending.pop(0))
+        shard, work = comm.reduce_scatter_flat(staging, self.group, async_op=True)
+        self._pending.append((i, shard, work))
+        del staging   # the work holds it until it is done
+
+    def _finish(self, entry) -> None:
+        i, shard, work = entry
+        work.wait()
+        self.mains[i].grad.add_(shard)
+
+    def reduce(self) -> None:
+        """After the last microbatch: every bucket's grads summed into this rank's slices and averaged."""
+        if self.level == 1:
+            for b in self.layout.buckets:
+                comm.reduce_scatter_flat(self.grad_flat[b.start:b.start + b.padded_numel], self.group)
+        else:
+            while self._pending:
+                self._finish(self._pending.pop(0))
+            if any(self._ready):
+                raise RuntimeError("a bucket's grads were not all produced by backward")
+        replicas = grad_divisor(self.groups.par)
+        for main in self.mains:
+            main.grad.div_(replicas)
+        self._sum_partial_grads()
+
+    def _sum_partial_grads(self) -> None:
+        """The slices of TP-partial grads summed over TP, the embedding-group copies over that group."""
+        partial = [g for name, g in self.named_grads() if getattr(self.params[name], "tp_partial_grad", False)]
+        if partial and self.groups.tp is not None:
+            flat = torch.cat(partial)
+            comm.all_reduce(flat, self.groups.tp)
+            offset = 0
+            for g in partial:
+                g.copy_(flat[offset:offset + g.numel()])
+                offset += g.numel()
+        for main, b in zip(self.mains, self.layout.buckets):
+            if getattr(self.params[b.names[0]], "shared_embedding", False) and self.groups.embed is not None:
+                comm.all_reduce(main.grad, self.groups.embed)
+
+    def pieces(self) -> list[tuple[Piece, int]]:
+        """(piece, its bucket) of every parameter part this rank owns."""
+        return [(piece, i) for i, b in enumerate(self.layout.buckets) for piece in b.pieces(self.rank)]
+
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, the reduced grad of its part this rank owns: a flat view of a slice)."""
+        return [(piece.name, self.mains[i].grad[piece.shard_offset:piece.shard_offset + piece.numel])
+                for piece, i in self.pieces()]
+
+    # -- parameters ----------------------------------------------------------------------------
+    def gather(self) -> None:
+        """Every rank's updated slices into every bucket: the parameters whole again."""
+        self.gather_into(self.flat)
+
+    def gather_into(self, flat: torch.Tensor) -> None:
+        """Every rank's slices of `flat` (laid out as this buffer) all-gathered into it, in place."""
+        for b in self.layout.buckets:   # one at a time: each bucket is a view of the one flat tensor
+            comm.all_gather_flat(flat[b.start:b.start + b.padded_numel], self.group)
+
+
+class DistributedOptimizer:
+    """AdamW (MiniMind's hyper-parameters, `training.make_optimizer`) over this rank's slices of
+    the parameters of `model`; the step's parts are called by `training.step` (`reduce_grads`,
+    the grad norm over `named_grads`, `step`, `zero_grad`). `param_groups` and `state` are the
+    inner AdamW's (the train task sets the learning rate there)."""
+
+    def __init__(self, model: nn.Module, groups: ProcessGroups, *, lr: float, weight_decay: float = 0.01,
+                 bucket_numel: int | None = None):
+        level = groups.par.zero
+        if level not in (1, 2):
+            raise ValueError(f"a distributed optimizer shards at --zero 1 or 2; got zero={level}")
+        by_key: dict = {}
+        for name, p in model.named_parameters():
+            by_key.setdefault((reduction_group(groups, name), p.dtype), []).append((name, p))
+        self.buffers = [FlatBuffer(named, group, level=level, bucket_numel=bucket_numel, groups=groups)
+                        for (group, _), named in by_key.items()]
+        self.inner = torch.optim.AdamW([m for b in self.buffers for m in b.mains], lr=lr,
+                                       weight_decay=weight_decay, foreach=False)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def register_step_post_hook(self, hook):
+        return self.inner.register_step_post_hook(hook)
+
+    def reduce_grads(self) -> None:
+        for b in self.buffers:
+            b.reduce()
+
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        return [item for b in self.buffers for item in b.named_grads()]
+
+    def grads_by_group(self) -> list[tuple[object, list[tuple[str, torch.Tensor]]]]:
+        """(reduction group, this rank's (name, grad part)) of every buffer: the grad norm sums the
+        squares of a group's parts over that group."""
+        return [(b.group, b.named_grads()) for b in self.buffers]
+
+    def main_grads(self) -> list[torch.Tensor]:
+        """Every slice's grad (unscaling and clipping scale these)."""
+        return [m.grad for b in self.buffers for m in b.mains]
+
+    def step(self) -> None:
+        self.inner.step()
+        for b in self.buffers:
+            b.gather()
+
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's AdamW states whole (as the replicated optimizer holds them: exp_avg and
+        exp_avg_sq shaped like the parameter, the step counter), gathered from the slices; {} before
+        the first step. Collective over the reduction groups (a checkpoint's save)."""
+        if not self.inner.state:
+            return {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b in self.buffers:
+            step = self.inner.state[b.mains[0]]["step"]
+            for key in ("exp_avg", "exp_avg_sq"):
+                whole = torch.zeros_like(b.flat)                                         # [numel padded]
+                for main, bucket in zip(b.mains, b.layout.buckets):
+                    whole[slice(*bucket.shard_range(b.rank))].copy_(self.inner.state[main][key])
+                b.gather_into(whole)
+                for name in b.params:
+                    out.setdefault(name, {"step": step.clone()})[key] = b.view(whole, name).clone()
+        return out
+
+    def slice_states(self, states: dict[str, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+        """The inner AdamW's state (by its parameter index) from every parameter's whole states
+        (`param_states`' form, as a checkpoint holds them): each rank keeps its slices."""
+        out, index = {}, 0
+        for b in self.buffers:
+            whole = {key: torch.zeros_like(b.flat) for key in ("exp_avg", "exp_avg_sq")}   # [numel padded]
+            for name in b.params:
+                for key, flat in whole.items():
+                    b.view(flat, name).copy_(states[name][key])
+            step = states[next(iter(b.params))]["step"]
+            for bucket in b.layout.buckets:
+                mine = slice(*bucket.shard_range(b.rank))
+                out[index] = {"step": step.clone(), **{key: flat[mine].clone() for key, flat in whole.items()}}
+                index += 1
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the slices (the buffers are kept: `set_to_none` is accepted for torch's signature)."""
+        del set_to_none
+        for b in self.buffers:
+            b.zero_grad()

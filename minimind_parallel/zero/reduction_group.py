@@ -1,0 +1,16 @@
+"""Over which process group a parameter's gradient is reduced and its optimizer state sharded.
+
+Dense parameters are replicated over DP and CP, so they are sharded over the DP x CP group
+(`ProcessGroups.dp_cp`). Every sharded component (the distributed optimizer's buffers, the grad
+norm over the shards) asks this function, so a parameter replicated over another group (expert
+weights over the expert-data-parallel group) changes this one place.
+"""
+from __future__ import annotations
+
+from ..groups import ProcessGroups
+
+
+def reduction_group(groups: ProcessGroups, name: str):
+    """The group over which parameter `name` (as named on its stage) is replicated: DP x CP."""
+    del name   # every dense parameter is replicated over the same ranks
+    return groups.dp_cp

@@ -1,0 +1,317 @@
+"""Sharded data parallelism (--zero 1 and 2, the distributed optimizer) gives the dense model's
+numbers: logits, loss, the grad of every slice a rank owns, several AdamW steps (parameters
+all-gathered), at dp2 and dp4, with TP (SP, async, VP), PP, CP, tied embeddings and gradient
+accumulation; the global grad norm over the slices counts every parameter once (float64, a
+clipped step); each rank's AdamW states are its slices only; the bucket layout covers every
+parameter once. The layouts of one world size run in one `run_ranks` launch."""
+import pytest
+import torch
+
+from distributed import run_ranks
+from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
+from minimind_parallel.checkpoint import load_checkpoint, save_checkpoint
+from minimind_parallel.data.batches import dp_rows, random_batch
+from minimind_parallel.loss_normalisation import equal_replicas_mean
+from minimind_parallel.memory import MemoryMeter, estimate_step_memory, predict_memory
+from minimind_parallel.model import MiniMindForCausalLM
+from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, unwrap, wrap_data_parallel
+from minimind_parallel.validation import compare_with_dense, dense_slice, failures, format_report
+from minimind_parallel.zero import DistributedOptimizer, plan_buffer
+from minimind_parallel.zero.fully_shard import local, whole
+from test_cli import assert_refused_before_launch
+from test_train import corpus, data_args  # noqa: F401  (the fixture)
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
+SMALL_BUCKETS = 0.01   # MiB: about 2600 float32 elements, so every layout has several buckets
+SP_ASYNC_VP = dict(sequence_parallel=True, async_communication=True, vocab_parallel=True)
+
+# name -> (layout, options of compare_with_dense)
+VALIDATE = {
+    "dp2 zero1": (dict(dp=2, zero=1), dict()),
+    "dp2 zero2 tied accumulation": (dict(dp=2, zero=2), dict(tied=True, num_microbatches=2)),
+    "cp2 zero1": (dict(cp=2, zero=1), dict()),
+    "dp4 zero1 tied": (dict(dp=4, zero=1), dict(tied=True)),
+    "dp4 zero2": (dict(dp=4, zero=2), dict()),
+    "dp2 tp2 sp async vp zero1": (dict(dp=2, tp=2, zero=1, **SP_ASYNC_VP), dict()),
+    "dp2 tp2 sp zero2 tied": (dict(dp=2, tp=2, zero=2, sequence_parallel=True), dict(tied=True)),
+    "dp2 pp2 zero1 tied": (dict(dp=2, pp=2, zero=1), dict(tied=True, micro_batch_size=1, num_microbatches=4)),
+    "dp2 pp2 zero2 tied": (dict(dp=2, pp=2, zero=2), dict(tied=True, micro_batch_size=1, num_microbatches=4)),
+    "dp2 cp2 zero2": (dict(dp=2, cp=2, zero=2), dict()),
+    "dp2 zero3 tied": (dict(dp=2, zero=3), dict(tied=True)),
+    "dp4 zero3": (dict(dp=4, zero=3), dict()),
+    "dp2 cp2 zero3": (dict(dp=2, cp=2, zero=3), dict()),
+}
+# name -> (layout, tied, microbatches): a clipped float64 step against the dense one
+CLIP = {
+    "dp2 zero2 clip": (dict(dp=2, zero=2), False, 2),
+    "dp2 tp2 zero1 tied clip": (dict(dp=2, tp=2, zero=1), True, 1),     # replicated embedding: TP rank 0 only
+    "dp2 pp2 zero2 tied clip": (dict(dp=2, pp=2, zero=2), True, 2),     # tied copies on two stages: once
+    "dp2 zero3 tied clip": (dict(dp=2, zero=3), True, 2),               # FSDP2's shards
+}
+
+
+def _validate(par: ParallelConfig, opts: dict):
+    opts = dict(opts)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=opts.pop("tied", False))
+    return compare_with_dense(config, par, ProcessGroups.build(par), seq_len=16,
+                              micro_batch_size=opts.pop("micro_batch_size", 2), optimizer_steps=3, seed=7,
+                              bucket_size_mb=SMALL_BUCKETS, **opts)
+
+
+def _clip(par: ParallelConfig, tied: bool, microbatches: int):
+    """A float64 step clipped at a tenth of the norm: (norm, dense norm, worst param error, AdamW
+    state elements on this rank, elements of the rank's slices, elements of its parameters)."""
+    groups = ProcessGroups.build(par)
+    torch.manual_seed(0)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=tied)
+    dense = MiniMindForCausalLM(config).double()
+    model = wrap_data_parallel(build_parallel_model(config, par, groups, dense.state_dict(), dtype=torch.float64),
+                               groups)
+    optimizer = make_optimizer(model, 1e-2, groups, SMALL_BUCKETS)
+    assert isinstance(optimizer, DistributedOptimizer) == (par.zero < 3)
+    batch = random_batch(1, 4 * par.dp, 16, config.vocab_size)
+    dense(batch.input_ids, targets=batch.targets).loss.backward()
+    full = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")).item()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1 * full).item()
+    make_optimizer(dense, 1e-2).step()
+    stats = train_step(model, optimizer, groups, *dp_rows(batch, groups.dp_rank, par.dp),
+                       num_microbatches=microbatches, grad_clip=0.1 * full)
+    worst = max((whole(p.detach()) - dense_slice(name, dense.get_parameter(name).detach(), par, groups.tp_rank))
+                .abs().max().item() for name, p in unwrap(model).named_parameters())
+    states = sum(local(v).numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    slices = (sum(b.layout.shard_numel for b in optimizer.buffers) if par.zero < 3
+              else sum(local(p).numel() for p in model.parameters()))   # FSDP2: this rank's Shard(0) rows
+    return stats.grad_norm.item(), dense_norm, worst, states, slices, sum(p.numel() for p in model.parameters())
+
+
+MEMORY_CONFIG = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                               vocab_size=256, tie_word_embeddings=False, max_position_embeddings=256)
+# name -> (layout, microbatches, bucket MiB): a real step measured by the tracker
+MEMORY = {
+    "dp2 zero1 buckets": (dict(dp=2, zero=1), 1, SMALL_BUCKETS),
+    "dp2 zero1 one bucket accumulation": (dict(dp=2, zero=1), 2, 25.0),
+    "dp2 zero2 buckets": (dict(dp=2, zero=2), 1, SMALL_BUCKETS),
+}
+
+
+def _measure(par: ParallelConfig, microbatches: int, bucket_mb: float):
+    """One warm-up step, then the meter around one step (bfloat16, as tests/test_memory.py)."""
+    groups = ProcessGroups.build(par)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(MEMORY_CONFIG).state_dict()
+    model = wrap_data_parallel(build_parallel_model(MEMORY_CONFIG, par, groups, dense, dtype=torch.bfloat16), groups)
+    optimizer = make_optimizer(model, 1e-3, groups, bucket_mb)
+    ids, targets = random_batch(0, 2 * microbatches, 32, MEMORY_CONFIG.vocab_size)
+    train_step(model, optimizer, groups, ids, targets, num_microbatches=microbatches)
+    meter = MemoryMeter("cpu", model, optimizer)
+    with meter:
+        train_step(model, optimizer, groups, ids, targets, num_microbatches=microbatches)
+    return meter.report()
+
+
+def _cases(validate: list, clip: list, measure: list = ()) -> dict:
+    out = {name: _validate(ParallelConfig(**VALIDATE[name][0]), VALIDATE[name][1]) for name in validate}
+    out.update({name: _clip(ParallelConfig(**CLIP[name][0]), *CLIP[name][1:]) for name in clip})
+    out.update({name: _measure(ParallelConfig(**MEMORY[name][0]), *MEMORY[name][1:]) for name in measure})
+    return out
+
+
+def _of_world(table: dict, world: int) -> list[str]:
+    return [name for name, case in table.items() if ParallelConfig(**case[0]).world_size == world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_matches_dense_and_clips_over_the_slices(world):
+    validate, clip, measure = _of_world(VALIDATE, world), _of_world(CLIP, world), _of_world(MEMORY, world)
+    every = run_ranks(_cases, world, validate, clip, measure, timeout=900)
+    for name in measure:   # the real run's tracker, the estimate (fake tensors) and the model: the same bytes
+        real = max((rank[name] for rank in every), key=lambda r: r.peak_bytes)
+        par, microbatches, bucket = ParallelConfig(**MEMORY[name][0]), *MEMORY[name][1:]
+        kw = dict(seq_len=32, micro_batch_size=2, dtype=torch.bfloat16, num_microbatches=microbatches,
+                  bucket_size_mb=bucket)
+        estimate = estimate_step_memory(MEMORY_CONFIG, par, iters=1, **kw)
+        assert (real.peak_bytes, real.breakdown) == (estimate.peak_bytes, estimate.breakdown), name
+        if par.zero == 1:
+            model = predict_memory(MEMORY_CONFIG, par, **kw)
+            assert (model.peak_bytes, model.breakdown) == (real.peak_bytes, real.breakdown), (name, model.peak_at)
+    for name in validate:
+        rows = every[0][name]
+        items = {r.item for r in rows}
+        assert {"step 0 loss", "grad model.layers.1.self_attn.k_proj.weight",
+                "param model.layers.0.self_attn.q_proj.weight after 3 steps"} <= items, name
+        bad = failures(rows)
+        assert not bad, f"{name}\n" + format_report(bad)
+        first = [r for r in rows if r.item.startswith(("step 0", "grad"))]
+        assert max(r.rel_l2 for r in first) < 2e-6, f"{name}\n" + format_report(first)
+    for name in clip:
+        for norm, dense_norm, worst, states, slices, params in (rank[name] for rank in every):
+            assert norm == pytest.approx(dense_norm, rel=1e-12, abs=0), name
+            assert worst < 1e-12, name
+            # AdamW's exp_avg and exp_avg_sq of this rank's slices only: 2 x (padded buffer / W)
+            assert states == 2 * slices and slices * ParallelConfig(**CLIP[name][0]).dp < params + 64 * 2, name
+
+
+ESTIMATE_CONFIGS = {
+    "untied": MEMORY_CONFIG,
+    "tied": MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                           vocab_size=128, tie_word_embeddings=True, max_position_embeddings=256),
+}
+ESTIMATE_LAYOUTS = [  # (config, layout, microbatches, stage)
+    ("untied", dict(dp=4, zero=1), 1, 0),
+    ("untied", dict(dp=2, tp=2, zero=1, sequence_parallel=True, async_communication=True), 1, 0),
+    ("tied", dict(dp=2, tp=2, zero=1, **SP_ASYNC_VP), 1, 0),
+    ("tied", dict(dp=2, pp=2, zero=1), 4, 0),
+    ("tied", dict(dp=2, pp=2, zero=1), 4, 1),
+    ("untied", dict(cp=2, zero=1), 1, 0),
+    ("tied", dict(dp=2, zero=1), 3, 0),
+]
+
+
+def test_the_memory_model_of_zero1_is_the_estimate_to_the_byte():
+    """predict_memory under --zero 1 (memory/analytic/zero_sizes.py) against the tracker on fake
+    tensors, over TP (SP, async, VP), PP stages with tied copies, CP, accumulation, one bucket or
+    several; bfloat16, and float32 with small buckets."""
+    for (config, layout, microbatches, stage), dtype, bucket in (
+            [(case, torch.bfloat16, bucket) for case in ESTIMATE_LAYOUTS for bucket in (SMALL_BUCKETS, 25.0)]
+            + [(case, torch.float32, SMALL_BUCKETS) for case in ESTIMATE_LAYOUTS[1::2]]):
+        par = ParallelConfig(**layout)
+        kw = dict(seq_len=32, micro_batch_size=2, dtype=dtype, num_microbatches=microbatches, stage=stage,
+                  bucket_size_mb=bucket)
+        estimate = estimate_step_memory(ESTIMATE_CONFIGS[config], par, iters=1, **kw)
+        model = predict_memory(ESTIMATE_CONFIGS[config], par, **kw)
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
+            (config, layout, stage, dtype, bucket, model.peak_at)
+
+
+def test_zero1_keeps_a_quarter_of_the_optimizer_states_at_dp4():
+    """The done-when of the ZeRO work: at dp4 the AdamW states are a quarter of DDP's (the
+    padding of each bucket to a multiple of 4 and one step counter per slice aside), to the byte
+    of the model's prediction (the estimate's)."""
+    kw = dict(seq_len=32, micro_batch_size=2, dtype=torch.bfloat16)
+    ddp = estimate_step_memory(MEMORY_CONFIG, ParallelConfig(dp=4), iters=1, **kw).breakdown["optimizer"]
+    zero = estimate_step_memory(MEMORY_CONFIG, ParallelConfig(dp=4, zero=1), iters=1, **kw)
+    predicted = predict_memory(MEMORY_CONFIG, ParallelConfig(dp=4, zero=1), **kw).breakdown["optimizer"]
+    assert zero.breakdown["optimizer"] == predicted
+    params = sum(numel for numel in (p.numel() for p in MiniMindForCausalLM(MEMORY_CONFIG).parameters()))
+    assert ddp == 2 * 2 * params + 4 * len(list(MiniMindForCausalLM(MEMORY_CONFIG).parameters()))
+    assert 2 * 2 * params // 4 <= predicted - 4 <= 2 * 2 * (params + 3) // 4
+    assert zero.breakdown["grads"] == zero.breakdown["params"] - 2 * MEMORY_CONFIG.max_position_embeddings * \
+        MEMORY_CONFIG.head_dim * 2   # the grad buffer: the parameters' bytes (RoPE tables aside)
+
+
+def test_the_buckets_cover_every_parameter_once_and_pad_to_the_group():
+    sizes = [("a", 10, False), ("b", 7, False), ("embed", 12, True), ("c", 5, False)]
+    for world in (1, 2, 3, 4):
+        for bucket in (None, 1, 8, 100):
+            layout = plan_buffer(sizes, world, bucket)
+            assert all(b.padded_numel % world == 0 for b in layout.buckets)
+            assert [b.names for b in layout.buckets if "embed" in b.names] == [("embed",)]
+            owned = {name: [] for name, _, _ in sizes}
+            for rank in range(world):
+                offset = 0
+                for b in layout.buckets:
+                    for piece in b.pieces(rank):
+                        owned[piece.name].append((piece.lo, piece.hi))
+                    offset += b.shard_numel
+                assert offset == layout.shard_numel
+            for name, numel, _ in sizes:   # the ranks' parts tile [0, numel) without overlap
+                parts = sorted(owned[name])
+                assert parts[0][0] == 0 and parts[-1][1] == numel
+                assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), (name, world, bucket, parts)
+    assert len(plan_buffer(sizes, 2, None).buckets) == 3   # before, the embedding, after
+    assert [b.names for b in plan_buffer(sizes, 2, 8).buckets] == [("c",), ("embed",), ("b", "a")]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["validate", "--", "--zero", "1"],
+     "--zero 1 shards over the data-parallel x context-parallel ranks and needs dp_size x cp_size > 1; "
+     "got dp_size=1, cp_size=1"),
+    (["validate", "--tp_size", "2", "--", "--zero", "2"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
+    (["validate", "--", "--mode", "zero1"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
+    (["validate", "--dp_size", "2", "--", "--zero", "4"], "argument --zero: invalid choice: 4"),
+    (["validate", "--tp_size", "2", "--dp_size", "2", "--", "--zero", "3"],
+     "--zero 3 (FSDP2's fully_shard) is composed with data and context parallelism only, not with the project's "
+     "tensor or pipeline parallelism; got tp_size=2, pp_size=1"),
+    (["validate", "--pp_size", "2", "--dp_size", "2", "--", "--zero", "3"], "got tp_size=1, pp_size=2"),
+    (["benchmark", "--dp_size", "2", "--", "--modes", "zero3", "--num_hidden_layers", "1"],
+     "benchmark does not take --zero 3 (FSDP2's sharded parameters are checked by validate only"),
+    (["validate", "--dp_size", "2", "--", "--zero", "1", "--bucket_size_mb", "0"],
+     "bucket_size_mb must be > 0 MiB; got bucket_size_mb=0"),
+    (["benchmark", "--dp_size", "2", "--", "--modes", "zero2", "--bucket_size_mb", "-1", "--num_hidden_layers", "1"],
+     "bucket_size_mb must be > 0 MiB; got bucket_size_mb=-1"),
+], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "zero3_tp", "zero3_pp", "zero3_benchmark",
+                                 "bucket_zero", "benchmark_bucket"])
+def test_bad_zero_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
+    assert_refused_before_launch(argv, message, monkeypatch, capsys)
+
+
+# --- checkpoints: a zero1 dp4 run resumes at other zero levels, DP sizes and layouts ---------------
+
+CKPT_STEPS, CKPT_SAVE_AT = 4, 2
+
+
+def _ckpt_train(model, optimizer, groups, steps, config) -> list[float]:
+    """The global batch's loss of each step (None off the last stage); batch i is fixed."""
+    out = []
+    for i in steps:
+        batch = dp_rows(random_batch(100 + i, 8, 16, config.vocab_size), groups.dp_rank, groups.par.dp)
+        loss = train_step(model, optimizer, groups, *batch, num_microbatches=2, grad_clip=1.0).loss
+        out.append(None if loss is None else equal_replicas_mean(loss.clone(), groups).item())
+    return out
+
+
+def _ckpt_setup(par: ParallelConfig, seed: int):
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = wrap_data_parallel(build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict()),
+                               groups)
+    return groups, config, model, make_optimizer(model, 1e-2, groups, SMALL_BUCKETS)
+
+
+def _ckpt_save(save_dir: str):
+    """zero1 dp4: CKPT_SAVE_AT steps, a checkpoint, then the uninterrupted run's later losses."""
+    groups, config, model, optimizer = _ckpt_setup(ParallelConfig(dp=4, zero=1), seed=0)
+    _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT), config)
+    save_checkpoint(save_dir, CKPT_SAVE_AT, model=model, optimizer=optimizer, config=config, par=groups.par,
+                    groups=groups, extra={})
+    return _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
+
+
+def _ckpt_resume(save_dir: str, layouts: list[dict]):
+    """The checkpoint loaded onto each layout (another initialisation first), the later losses."""
+    out = []
+    for layout in layouts:
+        groups, config, model, optimizer = _ckpt_setup(ParallelConfig(**layout), seed=1)
+        load_checkpoint(save_dir, model=model, optimizer=optimizer, config=config, par=groups.par, groups=groups)
+        out.append(_ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config))
+    return out
+
+
+def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_and_zero2_tp2_dp2(tmp_path):
+    """The checkpoint holds whole states (gathered from the slices, placed by the plan): it loads at
+    any zero level and DP size, and the run continues at round-off (float32, 2 AdamW steps)."""
+    uninterrupted = run_ranks(_ckpt_save, 4, str(tmp_path))[0]
+    four = run_ranks(_ckpt_resume, 4, str(tmp_path), [dict(dp=2, tp=2, zero=2, sequence_parallel=True),
+                                                      dict(dp=4, zero=1)])[0]
+    two = run_ranks(_ckpt_resume, 2, str(tmp_path), [dict(dp=2), dict(dp=2, zero=2)])[0]
+    assert four[1] == uninterrupted            # the same layout: bit for bit
+    for resumed in (four[0], *two):
+        assert resumed == pytest.approx(uninterrupted, rel=1e-5, abs=0), (resumed, uninterrupted)
+    other_init = run_ranks(_ckpt_resume_nothing, 2)[0]
+    assert other_init != pytest.approx(uninterrupted, rel=1e-3, abs=0)   # the check can fail
+
+
+def _ckpt_resume_nothing():
+    """The later steps without the checkpoint: what a load that did nothing would give."""
+    groups, config, model, optimizer = _ckpt_setup(ParallelConfig(dp=2, zero=1), seed=1)
+    return _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
+
+
+@pytest.mark.parametrize("launcher_args,zero,message", [
+    ([], "1", "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
+    (["--dp_size", "2"], "3", "train does not take --zero 3"),
+], ids=["dp1", "zero3"])
+def test_bad_zero_input_to_train_is_one_line(corpus, launcher_args, zero, message, monkeypatch, capsys):  # noqa: F811
+    assert_refused_before_launch(["train", *launcher_args, "--", *data_args(corpus), "--zero", zero], message,
+                                 monkeypatch, capsys)
