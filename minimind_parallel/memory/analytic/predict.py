@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
-from ...pipeline_parallel.order import Schedule, schedule_order
+from ...pipeline_parallel.order import Schedule, posted, schedule_order
 from ..tracker import CATEGORIES
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
@@ -63,7 +63,11 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                     num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
     params = s.param_bytes + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
-    moments, in_flight = replay_schedule(s, schedule_order(par.pp, stage, num_microbatches, schedule))
+    order = schedule_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    if posted(order):
+        raise NotImplementedError(f"predict_memory: the {schedule} schedule's chunks and W steps are not modelled "
+                                  f"(gpipe and 1f1b are)")
+    moments, in_flight = replay_schedule(s, order)
     moments["optimizer"] = optimizer_step(s)
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
