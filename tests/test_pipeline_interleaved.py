@@ -91,7 +91,7 @@ def test_simulate_finds_a_deadlock_and_a_link_out_of_order():
     fine = _orders(2, 2, Schedule.ONE_F_ONE_B)
     with pytest.raises(ValueError, match="wait on each other forever: stage 0 at B0, stage 1 at F1"):
         simulate([[forward(0), backward(0), forward(1), backward(1)], [forward(0), forward(1), backward(0), backward(1)]], 2)
-    with pytest.raises(ValueError, match="delivers microbatch 0 chunk 0 first"):
+    with pytest.raises(ValueError, match="stage 0 sends stage 1 its messages in another order than it receives"):
         simulate([fine[0], [forward(1), forward(0), backward(0), backward(1)]], 2)
 
 
@@ -230,9 +230,15 @@ def _observed_steps(par, schedule, m):
     return " ".join(seen), expected, changes
 
 
+def _observed_cases(cases):
+    return [_observed_steps(*case) for case in cases]
+
+
 def test_each_stage_runs_its_order_and_w_computes_the_deferred_weight_grads():
-    for par, schedule, m in [(ParallelConfig(pp=2), ZB, 3), (ParallelConfig(pp=2, virtual_stages=2), INTERLEAVED, 4)]:
-        for seen, expected, changes in run_ranks(_observed_steps, 2, par, schedule, m):
+    cases = [(ParallelConfig(pp=2), ZB, 3), (ParallelConfig(pp=2, virtual_stages=2), INTERLEAVED, 4)]
+    per_rank = run_ranks(_observed_cases, 2, cases)
+    for k, (par, schedule, m) in enumerate(cases):
+        for seen, expected, changes in (r[k] for r in per_rank):
             assert seen == expected
             if schedule == ZB:
                 # B: the norm's weight grad (a reduction over tokens), never a linear's; W: the linear's only

@@ -26,8 +26,9 @@ orders -- 1F1B's steady state: stage p sends an activation down while stage p+1 
 actions receive before and send after on their own. The orders with chunks or W steps
 (interleaved, zb) post every send without waiting for it (`Action.posted`): a stage then waits
 only on the receives it needs, and `simulate` proves every stage's order finishes (no stage waits
-on a message its neighbour sends after waiting on it) and that each link's messages arrive in the
-order they are received.
+on a message its neighbour sends after waiting on it) and that between two stages the messages
+are received in the order they are sent (`check_pair_orders`: by issue order alone, whatever
+their kind).
 """
 from __future__ import annotations
 
@@ -250,8 +251,9 @@ def simulate(orders: list[list[Action]], pp: int, virtual_stages: int = 1, times
     neighbouring virtual stage), every link (stage -> stage, activation or grad) delivers in send
     order and must be received in that order. `times`: seconds of each Step (default 1 each; an
     order without W steps: B 2, the whole backward). -> per stage, [(start, end), ...] of its
-    actions. Raises ValueError when the stages would wait on each other forever or a link's next
-    message is not the one its receiver waits for."""
+    actions. Raises ValueError when the stages would wait on each other forever or two stages'
+    messages are received in another order than sent (check_pair_orders)."""
+    check_pair_orders(orders, pp, virtual_stages)
     has_w = any(a.step is Step.WEIGHT for o in orders for a in o)
     times = times or {Step.FORWARD: 1, Step.BACKWARD: 1 if has_w else 2, Step.WEIGHT: 1}
     last = pp * virtual_stages - 1
@@ -271,10 +273,7 @@ def simulate(orders: list[list[Action]], pp: int, virtual_stages: int = 1, times
                     queue = links.get((source, p, a.step))
                     if not queue:
                         break                                       # waits on a message
-                    unit, arrival = queue.popleft()
-                    if unit != a.unit:
-                        raise ValueError(f"stage {p} waits for {a} but the link from stage {source} delivers "
-                                         f"microbatch {unit[0]} chunk {unit[1]} first")
+                    arrival = queue.popleft()[1]              # the unit check_pair_orders proved
                     start = max(start, arrival)
                 end = start + times[a.step]
                 spans[p].append((start, end))
@@ -288,6 +287,31 @@ def simulate(orders: list[list[Action]], pp: int, virtual_stages: int = 1, times
             stuck = ", ".join(f"stage {p} at {orders[p][cursor[p]]}" for p in range(pp) if cursor[p] < len(orders[p]))
             raise ValueError(f"the stages' orders wait on each other forever: {stuck}")
     return spans
+
+
+def check_pair_orders(orders: list[list[Action]], pp: int, virtual_stages: int = 1) -> None:
+    """Raise ValueError unless, between every two stages, the messages one sends (activations and
+    grads together, in its order) are the ones the other receives, in its order: matching by issue
+    order alone (as NCCL does, ignoring tags) pairs them right too."""
+    last = pp * virtual_stages - 1
+    sent, received = {}, {}
+    for p, order in enumerate(orders):
+        for a in order:
+            vs = virtual_stage(a, pp, p)
+            if a.step is Step.FORWARD:
+                if vs > 0:
+                    received.setdefault(((vs - 1) % pp, p), []).append((a.step, a.microbatch, vs - 1))
+                if vs < last:
+                    sent.setdefault((p, (vs + 1) % pp), []).append((a.step, a.microbatch, vs))
+            elif a.step is Step.BACKWARD:
+                if vs < last:
+                    received.setdefault(((vs + 1) % pp, p), []).append((a.step, a.microbatch, vs + 1))
+                if vs > 0:
+                    sent.setdefault((p, (vs - 1) % pp), []).append((a.step, a.microbatch, vs))
+    for pair in sorted(set(sent) | set(received)):
+        if sent.get(pair, []) != received.get(pair, []):
+            raise ValueError(f"stage {pair[0]} sends stage {pair[1]} its messages in another order than it "
+                             f"receives them")
 
 
 def idle_share(spans: list[list]) -> list[float]:

@@ -218,8 +218,8 @@ def run_posted(stage: _Stage, order: list[Action]) -> None:
             else:
                 stage.weight(action.unit)
             sends = _settle(sends)
+        _settle(sends, wait=True)    # not on an error: a peer that failed would never receive
     finally:
-        _settle(sends, wait=True)
         if stage.weight_grads is not None:
             attach_weight_grad_store(stage.model, None)
 

@@ -14,6 +14,10 @@ from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import stage_sizes
 
 
+# the schedules whose orders the model replays (interleaved's chunks and zb's W steps are not modelled)
+MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+
+
 @dataclass
 class MemoryPrediction:
     peak_bytes: int
