@@ -23,8 +23,8 @@ import sys
 from minimind_parallel.files import atomic_path
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
-MODEL = ["--seq_len", "128", "--hidden_size", "256", "--num_attention_heads", "8", "--num_key_value_heads", "4",
-         "--vocab_size", "1024", "--micro_batch_size", "2", "--warmup_iters", "1", "--benchmark_iters", "3"]
+MODEL = ["--num_attention_heads", "8", "--num_key_value_heads", "4", "--micro_batch_size", "2", "--warmup_iters", "1",
+         "--benchmark_iters", "3"]
 
 
 def run_cell(pp: int, schedule: str, v: int, m: int, layers: int, out: str) -> dict:
@@ -62,10 +62,14 @@ def main() -> None:
     p.add_argument("--pp_size", type=int, default=2)
     p.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden_size", type=int, default=512)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--vocab_size", type=int, default=2048)
     p.add_argument("--out", default="results/pipeline_bubble")
     p.add_argument("--memory_microbatches", type=int, default=None, help="also each schedule's peak memory at this M")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    MODEL.extend(["--hidden_size", str(a.hidden_size), "--seq_len", str(a.seq_len), "--vocab_size", str(a.vocab_size)])
     rows = [run_cell(a.pp_size, s, v, m, a.layers, a.out) for m in a.microbatches for s, v in SCHEDULES]
     print("| schedule | M | step ms | not computing % per stage (profile) | schedule idle % per stage | "
           "formula bubble % | microbatches held per stage |")
