@@ -17,7 +17,7 @@ import torch
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.model import MiniMindForCausalLM
-from minimind_parallel.data.batches import dp_rows, random_batch
+from minimind_parallel.data.batches import dp_rows, random_batch, split_microbatches
 from minimind_parallel.pipeline_parallel import schedules
 from minimind_parallel.pipeline_parallel.order import (Schedule, Step, backward, check_order, forward, idle_share,
                                                        schedule_order, simulate, weight)
@@ -231,12 +231,28 @@ def _observed_steps(par, schedule, m):
 
 
 def _observed_cases(cases):
-    return [_observed_steps(*case) for case in cases]
+    return [_observed_steps(*case) for case in cases] + [_forward_only_loss(ParallelConfig(pp=2, virtual_stages=2))]
 
 
-def test_each_stage_runs_its_order_and_w_computes_the_deferred_weight_grads():
+def _forward_only_loss(par):
+    """Evaluation (held-out loss) through the chunks, no schedule: -> (loss, the dense loss) on the
+    last stage, None on the other."""
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(config)
+    model = build_parallel_model(config, par, groups, dense.state_dict())
+    ids, targets = random_batch(3, 8, 16, config.vocab_size)
+    out = schedules.forward_backward(model, groups, split_microbatches(ids, targets, 4), forward_only=True)
+    return None if out.loss is None else (out.loss, dense(ids, targets=targets).loss.detach())
+
+
+def test_each_stage_runs_its_order_and_w_computes_the_deferred_weight_grads_and_evaluation_runs_the_chunks():
     cases = [(ParallelConfig(pp=2), ZB, 3), (ParallelConfig(pp=2, virtual_stages=2), INTERLEAVED, 4)]
     per_rank = run_ranks(_observed_cases, 2, cases)
+    assert per_rank[0][-1] is None
+    loss, dense_loss = per_rank[1][-1]                   # forward-only through both chunks of each stage
+    assert torch.allclose(loss, dense_loss, rtol=1e-5, atol=0)
     for k, (par, schedule, m) in enumerate(cases):
         for seen, expected, changes in (r[k] for r in per_rank):
             assert seen == expected

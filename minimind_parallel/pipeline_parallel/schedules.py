@@ -261,14 +261,14 @@ def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list
     `loss_scale` (a float or 0-dim tensor) multiplies the loss before backward only (the replica's
     share of the global batch's targets, a float16 loss scale); `forward_context()` is entered
     around every forward (autocast for mixed precision), never around backward."""
-    order = schedule_order(groups.par.pp, groups.pp_rank, len(microbatches), schedule, groups.par.virtual_stages)
     stage = _Stage(model, groups, microbatches, collect_logits=collect_logits, loss_scale=loss_scale,
                    forward_context=forward_context)
     start = time.perf_counter()
-    if forward_only:
+    if forward_only:      # no schedule: every microbatch (chunk by chunk) through
         all_forwards(stage)
     else:
-        run_order(stage, order)
+        run_order(stage, schedule_order(groups.par.pp, groups.pp_rank, len(microbatches), schedule,
+                                        groups.par.virtual_stages))
     return stage.result(time.perf_counter() - start)
 
 
