@@ -124,6 +124,7 @@ class ParallelConfig:
     cp_comm_type: CPCommType = CPCommType.ALL_GATHER   # how attention crosses the CP group: all_gather | a2a | ring
     cp_load_balance: bool = True       # 2C chunks, rank i holding i and 2C-1-i (else C contiguous)
     zero: int = 0                      # sharded data parallelism over DP x CP: 1 optimizer states, 2 + grads
+    virtual_stages: int = 1            # model chunks per pipeline rank (interleaved 1F1B): rank p holds p, p+P, ..
 
     def __post_init__(self):
         # text (a test, a JSON config) becomes the member; an unknown name stays for check_layout to refuse
@@ -188,9 +189,7 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
     check_context_parallel(model, par)
     check_recompute(par)
     check_zero(par)
-    if model.num_hidden_layers % par.pp:
-        raise ConfigError(f"num_hidden_layers must be divisible by pp_size; "
-                          f"got num_hidden_layers={model.num_hidden_layers}, pp_size={par.pp}")
+    check_pipeline_chunks(model, par)
     if seq_len is not None:
         if seq_len < 2:
             raise ConfigError(f"seq_len must be >= 2 (the loss is shifted by one); got seq_len={seq_len}")
@@ -204,6 +203,22 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
             raise ConfigError(f"loss_chunks must be <= seq_len (a chunk of at least one position per sequence); "
                               f"got loss_chunks={par.loss_chunks}, seq_len={seq_len}")
         check_context_split(par, seq_len)
+
+
+def check_pipeline_chunks(model: MiniMindConfig, par: ParallelConfig) -> None:
+    """The layers cut into pp_size x virtual_stages equal chunks (one per stage without virtual stages)."""
+    v = par.virtual_stages
+    if v < 1:
+        raise ConfigError(f"virtual_stages must be >= 1; got virtual_stages={v}")
+    if v > 1 and par.pp == 1:
+        raise ConfigError(f"virtual_stages > 1 needs pipeline parallelism; got virtual_stages={v}, pp_size=1")
+    if v == 1 and model.num_hidden_layers % par.pp:
+        raise ConfigError(f"num_hidden_layers must be divisible by pp_size; "
+                          f"got num_hidden_layers={model.num_hidden_layers}, pp_size={par.pp}")
+    if model.num_hidden_layers % (par.pp * v):
+        raise ConfigError(f"num_hidden_layers must be divisible by pp_size x virtual_stages (one chunk of layers "
+                          f"per virtual stage); got num_hidden_layers={model.num_hidden_layers}, pp_size={par.pp}, "
+                          f"virtual_stages={v}")
 
 
 def check_recompute(par: ParallelConfig) -> None:

@@ -16,7 +16,7 @@ import torch
 from .config import (DTYPES, INFERENCE_ROPE_SCALING, ZERO_LEVELS, ConfigError, CPCommType, MiniMindConfig,
                      ParallelConfig, Recompute, check_layout)
 from .memory import predict_memory
-from .pipeline_parallel.order import Schedule
+from .pipeline_parallel.order import Schedule, check_schedule
 from .zero.buckets import DEFAULT_BUCKET_MB
 
 # What one CPU rank holds before any model: a Python process with torch and gloo (about 230 MiB
@@ -80,7 +80,7 @@ class Preset:
         """The layout of a run in this mode (`args` with its flags applied): the launcher's sizes, or
         with `replicas` every rank of the launcher's world a data-parallel replica."""
         par = parallel_config(launch, args)
-        return replace(par, tp=1, pp=1, cp=1, dp=par.world_size) if self.replicas else par
+        return replace(par, tp=1, pp=1, cp=1, dp=par.world_size, virtual_stages=1) if self.replicas else par
 
 
 SP_ASYNC = dict(sequence_parallel=True, async_communication=True)
@@ -185,7 +185,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared_sp_gather", action="store_true")
     p.add_argument("--vocab_parallel", action="store_true")
     p.add_argument("--pp_schedule", type=Schedule.parse, choices=Schedule.values(), default=Schedule.ONE_F_ONE_B,
-                   help="pipeline schedule over --num_microbatches (with one stage: gradient accumulation)")
+                   help="pipeline schedule over --num_microbatches (with one stage: gradient accumulation); "
+                        "interleaved: Megatron-LM's interleaved 1F1B over --virtual_stages chunks per stage; "
+                        "zb: ZB-H1, the weight grads deferred into the bubble")
+    p.add_argument("--virtual_stages", type=int, default=1,
+                   help="model chunks per pipeline stage (--pp_schedule interleaved): stage p holds chunks p, p+P, ..")
     p.add_argument("--recompute", type=Recompute.parse, choices=Recompute.values(), default=Recompute.NONE,
                    help="selective: lean norms, GQA without copies, SwiGLU recompute; full: also checkpoint "
                         "every block (keep its input only)")
@@ -249,7 +253,8 @@ def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = Non
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
                           shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel,
                           cp_comm_type=args.cp_comm_type, cp_load_balance=args.cp_load_balance,
-                          recompute=args.recompute, loss_chunks=args.loss_chunks, zero=args.zero)
+                          recompute=args.recompute, loss_chunks=args.loss_chunks, zero=args.zero,
+                          virtual_stages=getattr(args, "virtual_stages", 1))
 
 
 def collective_timeout(launch) -> datetime.timedelta:
@@ -337,8 +342,11 @@ def check_float16_steps(dtype: str, steps: str | None) -> None:
 
 
 def check_run(args, par: ParallelConfig) -> None:
-    """One run's model and layout (`args` with a single num_hidden_layers and seq_len)."""
+    """One run's model and layout (`args` with a single num_hidden_layers and seq_len), and its
+    pipeline schedule over its microbatches."""
     check_layout(model_config(args), par, seq_len=args.seq_len)
+    if hasattr(args, "pp_schedule"):
+        check_schedule(args.pp_schedule, par, args.num_microbatches)
 
 
 def check_world(launch, world_size: int, dtype: str, *, kernels: bool = True) -> None:

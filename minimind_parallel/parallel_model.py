@@ -18,7 +18,10 @@ rsqrt, GQA attention without repeat_kv copies, SwiGLU recompute); `full` also ch
 block; `--loss_chunks K` computes the head and the loss over K token chunks.
 
 Under pipeline parallelism (P stages) a rank builds only its stage: layers
-[p*L/P, (p+1)*L/P), the embedding on stage 0, the final norm and lm_head on stage P-1. Which
+[p*L/P, (p+1)*L/P), the embedding on stage 0, the final norm and lm_head on stage P-1. With V
+virtual stages (interleaved 1F1B) it holds V chunks of L/(P V) layers, chunks p, p+P, .. of the
+P V, and a forward runs one chunk: the embedding before the first chunk (stage 0's chunk 0), the
+final norm and lm_head after the last (stage P-1's chunk V-1). Which
 layer holds each parameter (its style: `styles.build_layer`), which stage builds what, and which
 grads are partial over TP or shared between stages, is read from the parallel plan (`plan.py`).
 """
@@ -36,8 +39,9 @@ from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope
 from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, norm_with_recompute,
                         swiglu_linear)
 from .plan import (LAYER, grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage,
-                   stage_layers, stage_of)
+                   stage_chunks, stage_of)
 from .styles import build_layer
+from .tensor_parallel.deferred_wgrad import linear
 from .tensor_parallel import (column_parallel, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                               mark_partial_grad, scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
@@ -121,11 +125,11 @@ class ParallelBlock(nn.Module):
 
 
 class ParallelMiniMindModel(nn.Module):
-    """The layers `layers` (global indices) of the decoder, the embedding when `embedding` (the
+    """The layers of `chunks` (global indices, one range per model chunk) of the decoder, the embedding when `embedding` (the
     first pipeline stage) and the final norm when `final_norm` (the last). Under CP (`cp_group`)
     the rank holds the tokens of CP rank `cp_rank`."""
 
-    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, *, layers: range, embedding: bool,
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, *, chunks: list[range], embedding: bool,
                  final_norm: bool, cp_group=None, cp_rank: int = 0):
         super().__init__()
         self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
@@ -134,24 +138,28 @@ class ParallelMiniMindModel(nn.Module):
         self.par, self.cp_rank = par, cp_rank
         self.embed_tokens = build_layer("model.embed_tokens.weight", c, par, group) if embedding else None
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
-        self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group, cp_group) for i in layers})
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group, cp_group) for chunk in chunks for i in chunk})
+        self.chunks = [[str(i) for i in chunk] for chunk in chunks]   # this stage's model chunks, local order
         self.norm = build_layer("model.norm.weight", c, par, group) if final_norm else None
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, scaling=c.rope_scaling)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
 
-    def forward(self, input_ids=None, hidden_states=None):
-        """First stage: input_ids [B, S]; later stages: hidden_states [S/T, B, H] (SP) or [S, B, H]."""
-        if self.embed_tokens is not None:
+    def forward(self, input_ids=None, hidden_states=None, chunk: int = 0):
+        """Model chunk `chunk` of this stage (its only one without virtual stages). The first chunk
+        of the first stage: input_ids [B, S]; the others: hidden_states [S/T, B, H] (SP) or [S, B, H]."""
+        last_chunk = chunk == len(self.chunks) - 1
+        if self.embed_tokens is not None and chunk == 0:
             h = self.embed_tokens(input_ids.t())                     # [B, S] -> [S, B] -> [S, B, H]; VP+SP: [S/T, B, H]
             if self.sp and not self.vp:
                 h = scatter_to_sequence_parallel_region(h, self.group)  # [S, B, H] -> [S/T, B, H]
         else:
             h = hidden_states
         cos, sin, layout = self._rope(h.shape[0] * self.seq_shards)
-        for layer in self.layers.values():
+        for name in self.chunks[chunk]:
+            layer = self.layers[name]
             h = checkpoint_block(layer, h, cos, sin, layout) if self.checkpoint else layer(h, cos, sin, layout)
-        return self.norm(h) if self.norm is not None else h         # [S/T, B, H] (SP) or [S, B, H]
+        return self.norm(h) if self.norm is not None and last_chunk else h   # [S/T, B, H] (SP) or [S, B, H]
 
 
     def _rope(self, local: int):
@@ -181,16 +189,17 @@ class ParallelMiniMindForCausalLM(nn.Module):
         self.config, self.par, self.group = config, par, groups.tp
         stage, pp = groups.pp_rank, par.pp
         self.first, self.last = is_first_stage(stage), is_last_stage(stage, pp)
-        layers = stage_layers(config.num_hidden_layers, pp, stage)
+        chunks = stage_chunks(config.num_hidden_layers, pp, stage, par.virtual_stages)
 
         def holds(key: str) -> bool:
-            return stage_of(key, config.num_hidden_layers, pp) == stage
+            return stage_of(key, config.num_hidden_layers, pp, par.virtual_stages) == stage
 
-        self.model = ParallelMiniMindModel(config, par, groups.tp, layers=layers,
+        self.model = ParallelMiniMindModel(config, par, groups.tp, chunks=chunks,
                                            embedding=holds("model.embed_tokens.weight"),
                                            final_norm=holds("model.norm.weight"), cp_group=groups.cp,
                                            cp_rank=groups.cp_rank)
         self.lm_head = build_layer("lm_head.weight", config, par, groups.tp) if holds("lm_head.weight") else None
+        self.weight_grad_store = None   # a zero-bubble schedule's, for the replicated head (deferred_wgrad)
         if config.tie_word_embeddings and self.model.embed_tokens is not None and self.lm_head is not None:
             self.model.embed_tokens.weight = self.lm_head.weight
         self._mark_grads()
@@ -204,14 +213,14 @@ class ParallelMiniMindForCausalLM(nn.Module):
             if grad_is_shared_over_stages(name, self.config, self.par):
                 mark_shared_embedding(param)
 
-    def forward(self, input_ids=None, targets=None, hidden_states=None):
+    def forward(self, input_ids=None, targets=None, hidden_states=None, chunk: int = 0):
         """targets: the next token of every position (`data.batches`), -100 where none; the loss
         runs over all S positions. Under CP ids and targets are this rank's [B, S/C] tokens
         (`data.batches.cp_tokens`), the logits too, and the loss is the mean over its targets
         (the schedule weights it by its share of the targets of every CP rank)."""
-        h = self.model(input_ids, hidden_states)
-        if not self.last:
-            return h                                                 # to the next stage
+        h = self.model(input_ids, hidden_states, chunk)
+        if not self.last or chunk < self.par.virtual_stages - 1:
+            return h                                                 # to the next (virtual) stage
         if targets is not None and self.par.loss_chunks > 1:         # the logits never exist whole
             return CausalLMOutput(logits=None, loss=self._chunked_loss(h, targets.t()))
         if self.par.vocab_parallel:
@@ -219,7 +228,7 @@ class ParallelMiniMindForCausalLM(nn.Module):
         else:
             if self.par.sequence_parallel:                           # replicated head: bwd keeps own slice
                 h = gather_from_sequence_parallel_region(h, self.group, grad_is_partial=False)
-            logits = self.lm_head(h)                                 # [S, B, V]
+            logits = linear(h, self.lm_head.weight, None, self.weight_grad_store)   # [S, B, V]
         loss = None
         if targets is not None:
             y = targets.t()                                          # [B, S] -> [S, B], as the logits

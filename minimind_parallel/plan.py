@@ -17,7 +17,8 @@ disagree.
     partial      when the gradient on one TP rank is a part of the full one, summed over TP by
                  `training.finalize_grads`: NEVER; UNDER_SP (a norm that runs on sequence
                  shards); WHEN_TP (q_norm/k_norm: each rank normalises only its own heads)
-    owner        LAYER: the stage of its layer (contiguous L/P layers per stage); FIRST / LAST stage
+    owner        LAYER: the stage of its layer (contiguous L/P layers per stage; with V virtual
+                 stages, chunks of L/(P V) layers, chunk c on stage c mod P); FIRST / LAST stage
     tied         the embedding / lm_head pair that --tie_word_embeddings makes one weight: one
                  Parameter within a stage, two copies summed over the embedding group across stages
 """
@@ -149,17 +150,32 @@ def is_last_stage(stage: int, pp: int) -> bool:
     return stage == pp - 1
 
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """The contiguous global layer indices of stage `stage` (num_layers % pp == 0, see check_layout)."""
-    per_stage = num_layers // pp
-    return range(stage * per_stage, (stage + 1) * per_stage)
+def chunk_layers(num_layers: int, pp: int, virtual_stages: int, chunk: int) -> range:
+    """The contiguous global layer indices of model chunk `chunk` of pp x virtual_stages (the
+    virtual stage `chunk`; num_layers % (pp * virtual_stages) == 0, see check_layout)."""
+    per_chunk = num_layers // (pp * virtual_stages)
+    return range(chunk * per_chunk, (chunk + 1) * per_chunk)
 
 
-def stage_of(key: str, num_layers: int, pp: int) -> int:
-    """The pipeline stage holding `key`. A tied lm_head is the last stage's copy."""
+def stage_chunks(num_layers: int, pp: int, stage: int, virtual_stages: int = 1) -> list[range]:
+    """The layers of each model chunk stage `stage` holds, its local chunk order: chunks stage,
+    stage + P, stage + 2P, .. (Megatron-LM's interleaved assignment; one chunk without virtual stages)."""
+    return [chunk_layers(num_layers, pp, virtual_stages, v * pp + stage) for v in range(virtual_stages)]
+
+
+def stage_layers(num_layers: int, pp: int, stage: int, virtual_stages: int = 1) -> list[int]:
+    """The global layer indices of stage `stage`, ascending: L/P contiguous ones without virtual
+    stages, else its chunks' (`stage_chunks`)."""
+    return [i for chunk in stage_chunks(num_layers, pp, stage, virtual_stages) for i in chunk]
+
+
+def stage_of(key: str, num_layers: int, pp: int, virtual_stages: int = 1) -> int:
+    """The pipeline stage holding `key`: the stage of its layer's chunk (chunk c on stage c mod P).
+    The embedding is on the first stage (the first chunk); a tied lm_head is the last stage's copy
+    (the last chunk, P x V - 1, is on stage P - 1)."""
     owner = plan_of(key).owner
     if owner is Owner.LAYER:
-        return int(_LAYER.match(key).group(1)) // (num_layers // pp)
+        return int(_LAYER.match(key).group(1)) // (num_layers // (pp * virtual_stages)) % pp
     return 0 if owner is Owner.FIRST else pp - 1
 
 
@@ -176,7 +192,7 @@ def stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0) -> 
     order (the optimizer's); a weight tied within the stage is listed once, under its first name."""
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     names = [e.pattern for e in PLAN if e.owner is Owner.FIRST and first]
-    names += [e.pattern.replace("*", str(i)) for i in stage_layers(c.num_hidden_layers, par.pp, stage)
+    names += [e.pattern.replace("*", str(i)) for i in stage_layers(c.num_hidden_layers, par.pp, stage, par.virtual_stages)
               for e in PLAN if e.owner is Owner.LAYER]
     names += [e.pattern for e in PLAN if e.owner is Owner.LAST and last]
     if c.tie_word_embeddings:

@@ -25,7 +25,7 @@ def shard_state_dict(dense: dict, par: ParallelConfig, tp_rank: int, pp_rank: in
     layers = num_layers_of(dense)
     out = {}
     for key, value in dense.items():
-        if par.pp > 1 and stage_of(key, layers, par.pp) != pp_rank:
+        if par.pp > 1 and stage_of(key, layers, par.pp, par.virtual_stages) != pp_rank:
             continue
         dim = tp_split_dim(key, par)
         out[key] = value.clone() if dim is None else value.chunk(par.tp, dim=dim)[tp_rank].clone()

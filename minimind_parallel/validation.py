@@ -199,7 +199,7 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
 def _perturb(model: nn.Module, name: str, config: MiniMindConfig, groups: ProcessGroups) -> None:
     """Add 1e-2 to TP rank 0's shard of parameter `name` on the stage that holds it (shows the
     checker fails)."""
-    if groups.tp_rank == 0 and stage_of(name, config.num_hidden_layers, groups.par.pp) == groups.pp_rank:
+    if groups.tp_rank == 0 and stage_of(name, config.num_hidden_layers, groups.par.pp, groups.par.virtual_stages) == groups.pp_rank:
         with torch.no_grad():
             dict(model.named_parameters())[name].add_(1e-2)
 

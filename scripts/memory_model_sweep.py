@@ -24,7 +24,7 @@ import torch
 from minimind_parallel import MiniMindConfig, ParallelConfig
 from minimind_parallel.config import CPCommType, Recompute
 from minimind_parallel.memory import estimate_step_memory, predict_memory
-from minimind_parallel.pipeline_parallel import Schedule
+from minimind_parallel.memory.analytic.predict import MODELLED_SCHEDULES
 
 
 def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = False):
@@ -48,7 +48,7 @@ def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = Fa
     bsz = rng.choice([1, 2])
     seqs = [s for s in (8, 16, 32, 64, 128) if s * bsz >= min_tokens_per_hidden * c.hidden_size] or [256]
     sizes = dict(seq_len=rng.choice(seqs), micro_batch_size=bsz, num_microbatches=rng.choice([1, 2, 3, 5]),
-                 schedule=rng.choice(list(Schedule)), dtype=rng.choice([torch.float32, torch.bfloat16]),
+                 schedule=rng.choice(list(MODELLED_SCHEDULES)), dtype=rng.choice([torch.float32, torch.bfloat16]),
                  stage=rng.randrange(pp))
     return c, par, sizes
 

@@ -72,6 +72,9 @@ class _Done:
     def wait(self):
         return True
 
+    def done(self) -> bool:
+        return True
+
 
 class _Release:
     """Waits, after a collective, until the backend has let go of our tensors -- only while an
@@ -119,6 +122,10 @@ class _Started:
 
     def __init__(self, works: list, release: _Release):
         self._works, self._release = works, release
+
+    def done(self) -> bool:
+        """Whether every work has finished (without waiting)."""
+        return all(w.is_completed() for w in self._works)
 
     def wait(self):
         with _observed():

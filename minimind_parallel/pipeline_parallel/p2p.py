@@ -10,6 +10,12 @@ deadlock-free: stage p sends an activation forward while stage p+1 sends a grad 
 neither waits for its own send before its receive is posted. Directions never share a pair's
 queue (activations only go down, grads only up), so matching is by order alone.
 The first and last stage have no neighbour on one side: those calls are no-ops returning None.
+
+Orders with model chunks or W steps (interleaved, zb) use `post_send` and `recv_posted`: the
+neighbours wrap round (stage P-1's chunk c feeds stage 0's chunk c+1), so activations and grads
+share a pair of ranks in both directions; each kind goes under its own tag, so each link (pair,
+kind) matches by order alone, and a send is posted without waiting (order.simulate checks that
+each link's messages are received in the order they are sent, and that no stage waits forever).
 """
 from __future__ import annotations
 
@@ -74,3 +80,28 @@ def send_backward_recv_forward(grad, groups: ProcessGroups, like: dict):
     if groups.is_first_stage:
         return None
     return _exchange(groups, like, send_prev=grad, recv_prev=True)[0]
+
+
+ACTIVATION_TAG, GRAD_TAG = 1, 2
+
+
+def _wrapped_peer(groups: ProcessGroups, step: int) -> int:
+    """The stage `step` (+1 / -1) from this one, round the ring of the pipeline's ranks."""
+    return groups.pp_ranks[(groups.pp_rank + step) % groups.par.pp]
+
+
+def post_send(x, groups: ProcessGroups, *, forward: bool):
+    """Post the send of an output activation to the next virtual stage (`forward`) or of an input
+    grad to the previous one; -> its handle (wait() once done(), or to finish)."""
+    peer = _wrapped_peer(groups, 1 if forward else -1)
+    return comm.send_recv(groups.pp, sends=[(x, peer)], tag=ACTIVATION_TAG if forward else GRAD_TAG,
+                          async_op=True, kind="send")
+
+
+def recv_posted(groups: ProcessGroups, like: dict, *, forward: bool):
+    """The input activation from the previous virtual stage (`forward`), or the grad of an output
+    from the next one [S/T, b, H]."""
+    buffer = torch.empty(**like)
+    peer = _wrapped_peer(groups, -1 if forward else 1)
+    comm.send_recv(groups.pp, recvs=[(buffer, peer)], tag=ACTIVATION_TAG if forward else GRAD_TAG, kind="recv")
+    return buffer

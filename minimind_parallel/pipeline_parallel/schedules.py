@@ -28,7 +28,8 @@ from ..groups import ProcessGroups
 from ..distributed.ranges import span
 from ..loss_normalisation import backward_loss, cp_loss_factor, microbatch_weights, replica_loss
 from . import p2p
-from .order import Action, Schedule, Step, schedule_order
+from ..tensor_parallel.deferred_wgrad import WeightGradStore, attach_weight_grad_store
+from .order import Action, Schedule, Step, forward, posted, schedule_order, virtual_stage
 
 
 @dataclass
@@ -68,21 +69,27 @@ class _Stage:
         self.like = dict(size=(seq, ids.shape[0], hidden), dtype=dtype, device=ids.device)  # [S/T, b, H]
         self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
         self.grad_scale = cp_loss_factor(par)    # grads are averaged over DP x CP but the CP ranks' losses add up
-        self.held: dict = {}        # microbatch -> (input, output), awaiting its backward
+        self.held: dict = {}        # (microbatch, chunk) -> (input, output), awaiting its backward
         self.losses, self.logits = [], []
         self.max_in_flight, self.busy = 0, 0.0
+        self.weight_grads: WeightGradStore | None = None   # a zero-bubble schedule's deferred wgrads
 
-    def forward(self, i: int, x):
-        """Microbatch i through this stage; x: the received activation (None on the first stage).
-        -> the output activation, or on the last stage the loss scaled by its share of the targets."""
+    def is_last(self, chunk: int) -> bool:
+        """Whether `chunk` of this stage is the model's last (its output is the loss)."""
+        return self.groups.is_last_stage and chunk == self.groups.par.virtual_stages - 1
+
+    def forward(self, i: int, x, chunk: int = 0):
+        """Microbatch i through model chunk `chunk` of this stage; x: the received activation (None
+        on the first chunk of the first stage). -> the output activation, or after the model's
+        last chunk the loss scaled by its share of the targets."""
         ids, targets = self.microbatches[i]
         if x is not None:
             x.requires_grad_()      # its grad is what this stage sends back
         start = time.perf_counter()
         with self._grad_sync(i), span("forward"), self.forward_context():
-            out = self.model(ids, targets, hidden_states=x)
+            out = self.model(ids, targets, hidden_states=x, **({"chunk": chunk} if chunk else {}))
         self.busy += time.perf_counter() - start
-        if not self.groups.is_last_stage:
+        if not self.is_last(chunk):
             return out
         loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
@@ -96,22 +103,32 @@ class _Stage:
             return self.model.no_sync()
         return nullcontext()
 
-    def hold(self, i: int, x, out) -> None:
-        self.held[i] = (x, out)
+    def hold(self, unit: tuple[int, int], x, out) -> None:
+        self.held[unit] = (x, out)
         self.max_in_flight = max(self.max_in_flight, len(self.held))
 
-    def backward(self, i: int, grad):
-        """Backward of held microbatch i; grad: of its output (None on the last stage, whose
-        output is the loss). -> the grad of its input activation (None on the first stage)."""
-        x, out = self.held.pop(i)
+    def backward(self, unit: tuple[int, int], grad):
+        """Backward of held (microbatch, chunk) `unit`; grad: of its output (None after the last
+        chunk, whose output is the loss). -> the grad of its input activation (None on the first
+        chunk of the first stage). With a WeightGradStore (zb) this is B: the linears' wgrads are
+        queued for the unit's W."""
+        x, out = self.held.pop(unit)
+        store = self.weight_grads
         start = time.perf_counter()
-        with span("backward"):
+        with span("backward"), (store.collecting(unit) if store is not None else nullcontext()):
             torch.autograd.backward(out, grad_tensors=grad)
         self.busy += time.perf_counter() - start
         if x is None:
             return None
         input_grad, x.grad = x.grad, None    # the input itself dies here, its grad goes upstream
         return input_grad
+
+    def weight(self, unit: tuple[int, int]) -> None:
+        """W of `unit`: the weight grads its B deferred."""
+        start = time.perf_counter()
+        with span("weight"):
+            self.weight_grads.run(unit)
+        self.busy += time.perf_counter() - start
 
     def send_forward(self, out) -> None:
         p2p.send_forward(out, self.groups)
@@ -134,7 +151,11 @@ def run_order(stage: _Stage, order: list[Action]) -> None:
     output; a backward receives its output's grad, runs and sends its input's grad. A paired
     action's send and the next action's receive are one exchange (order.py), whose result is
     that next action's input. Every received grad, sent input grad and finished output is
-    dropped as soon as it is dead: nothing of an earlier microbatch stays bound."""
+    dropped as soon as it is dead: nothing of an earlier microbatch stays bound. An order with
+    chunks or W steps runs with posted sends (`run_posted`)."""
+    if posted(order):
+        run_posted(stage, order)
+        return
     groups, like = stage.groups, stage.like
     inbox, received = None, False    # the next action's input, when a paired exchange brought it
     for action in order:
@@ -143,7 +164,7 @@ def run_order(stage: _Stage, order: list[Action]) -> None:
             x = inbox if received else p2p.recv_forward(groups, like)
             inbox = None
             out = stage.forward(i, x)
-            stage.hold(i, x, out)
+            stage.hold(action.unit, x, out)
             x = None                # held by the stage until its backward, which frees it
             if action.paired:       # the output goes down, the next backward's grad comes up
                 inbox = stage.send_forward_recv_backward(out)
@@ -153,7 +174,7 @@ def run_order(stage: _Stage, order: list[Action]) -> None:
         else:
             grad = inbox if received else p2p.recv_backward(groups, like)
             inbox = None
-            input_grad = stage.backward(i, grad)
+            input_grad = stage.backward(action.unit, grad)
             grad = None             # dead once backward has used it
             if action.paired:       # the input grad goes up, the next forward's activation comes down
                 inbox = p2p.send_backward_recv_forward(input_grad, groups, like)
@@ -163,11 +184,71 @@ def run_order(stage: _Stage, order: list[Action]) -> None:
         received = action.paired
 
 
+def run_posted(stage: _Stage, order: list[Action]) -> None:
+    """Execute an order with chunks (virtual stage chunk*P + p) or W steps. A forward waits for
+    its input from the previous virtual stage (stage p-1, or P-1 for chunk c > 0 of stage 0),
+    a backward for its output's grad from the next; every send is posted and not waited for
+    (p2p.post_send; order.simulate proves the orders finish so), its output deallocated once the
+    send is done. Under zb a WeightGradStore is handed to the model's linears for the step: B
+    queues their wgrads, W runs them."""
+    groups, like, pp = stage.groups, stage.like, stage.groups.par.pp
+    last = pp * groups.par.virtual_stages - 1
+    sends = []                              # [(handle, sent output or None)] not known done
+    if any(a.step is Step.WEIGHT for a in order):
+        stage.weight_grads = WeightGradStore()
+        attach_weight_grad_store(stage.model, stage.weight_grads)
+    try:
+        for action in order:
+            vs = virtual_stage(action, pp, groups.pp_rank)
+            if action.step is Step.FORWARD:
+                x = p2p.recv_posted(groups, like, forward=True) if vs > 0 else None
+                out = stage.forward(action.microbatch, x, action.chunk)
+                stage.hold(action.unit, x, out)
+                x = None
+                if vs < last:
+                    sends.append((p2p.post_send(out, groups, forward=True), out))
+                out = None
+            elif action.step is Step.BACKWARD:
+                grad = p2p.recv_posted(groups, like, forward=False) if vs < last else None
+                input_grad = stage.backward(action.unit, grad)
+                grad = None
+                if vs > 0:
+                    sends.append((p2p.post_send(input_grad, groups, forward=False), None))
+                input_grad = None
+            else:
+                stage.weight(action.unit)
+            sends = _settle(sends)
+        _settle(sends, wait=True)    # not on an error: a peer that failed would never receive
+    finally:
+        if stage.weight_grads is not None:
+            attach_weight_grad_store(stage.model, None)
+
+
+def _settle(sends: list, *, wait: bool = False) -> list:
+    """Complete the posted sends that are done (all of them with `wait`), deallocating each sent
+    output (`deallocate_output_tensor`) -> those still in flight."""
+    pending = []
+    for handle, out in sends:
+        if wait or handle.done():
+            handle.wait()
+            if out is not None:
+                deallocate_output_tensor(out)
+        else:
+            pending.append((handle, out))
+    return pending
+
+
 def all_forwards(stage: _Stage) -> None:
-    """Forward-only (evaluation): every microbatch through, nothing kept for backward."""
+    """Forward-only (evaluation): every microbatch through, nothing kept for backward; with
+    virtual stages chunk by chunk, each chunk's microbatches in turn (posted sends)."""
+    groups = stage.groups
     with torch.no_grad():
-        for i in range(len(stage.microbatches)):
-            stage.send_forward(stage.forward(i, p2p.recv_forward(stage.groups, stage.like)))
+        if groups.par.virtual_stages == 1:
+            for i in range(len(stage.microbatches)):
+                stage.send_forward(stage.forward(i, p2p.recv_forward(groups, stage.like)))
+            return
+        order = [forward(i, chunk=c) for c in range(groups.par.virtual_stages) for i in range(len(stage.microbatches))]
+        run_posted(stage, order)
 
 
 def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *,
@@ -180,18 +261,25 @@ def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list
     `loss_scale` (a float or 0-dim tensor) multiplies the loss before backward only (the replica's
     share of the global batch's targets, a float16 loss scale); `forward_context()` is entered
     around every forward (autocast for mixed precision), never around backward."""
-    order = schedule_order(groups.par.pp, groups.pp_rank, len(microbatches), schedule)
     stage = _Stage(model, groups, microbatches, collect_logits=collect_logits, loss_scale=loss_scale,
                    forward_context=forward_context)
     start = time.perf_counter()
-    if forward_only:
+    if forward_only:      # no schedule: every microbatch (chunk by chunk) through
         all_forwards(stage)
     else:
-        run_order(stage, order)
+        run_order(stage, schedule_order(groups.par.pp, groups.pp_rank, len(microbatches), schedule,
+                                        groups.par.virtual_stages))
     return stage.result(time.perf_counter() - start)
 
 
-def bubble_fraction(pp: int, num_microbatches: int) -> float:
-    """The idle share of every stage in GPipe and 1F1B with equal stage times: (P-1)/(M+P-1).
+def bubble_fraction(pp: int, num_microbatches: int, schedule: Schedule = Schedule.ONE_F_ONE_B,
+                    virtual_stages: int = 1) -> float:
+    """The idle share of every stage with equal stage times: GPipe and 1F1B (P-1)/(M+P-1);
+    interleaved (P-1)/(V M + P-1); ZB-H1 at T_F = T_B = T_W (P-1)/(3M + P-1).
     A measured counterpart per stage: 1 - StepResult.busy_s / StepResult.wall_s."""
-    return (pp - 1) / (num_microbatches + pp - 1)
+    p, m = pp, num_microbatches
+    if schedule == Schedule.INTERLEAVED:
+        return (p - 1) / (virtual_stages * m + p - 1)
+    if schedule == Schedule.ZERO_BUBBLE:
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)

@@ -36,7 +36,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "barrier", "
 # Asynchronous p2p batches that name their own ranges (context_parallel/ring.py): in flight from
 # their `comm:<kind>` issue to the end of the matching `wait:<kind>` (the n-th issue with the n-th wait).
 IN_FLIGHT = ("ring_kv", "ring_dkv")
-PHASES = ("forward", "backward", "finalize_grads", "optimizer")
+PHASES = ("forward", "backward", "weight", "finalize_grads", "optimizer")   # weight: a zero-bubble W
 WGRAD, DGRAD = "async_linear.wgrad", "async_linear.dgrad"
 
 # c10d operator (issued on the main thread) -> kind. Checked in order, by substring.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..files import atomic_path
 
-COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "finalize_grads": "#c7e9c0", "optimizer": "#dadaeb",
+COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "weight": "#fd8d3c", "finalize_grads": "#c7e9c0", "optimizer": "#dadaeb",
           "compute": "#636363", "wgrad": "#e6550d", "all_gather": "#3182bd", "reduce_scatter": "#31a354",
           "all_reduce": "#de2d26", "send_recv": "#756bb1", "barrier": "#969696", "broadcast": "#bcbddc",
           "all_to_all": "#fd8d3c", "ring_kv": "#8c6bb1", "ring_dkv": "#54278f"}

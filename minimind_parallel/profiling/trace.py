@@ -2,7 +2,7 @@
 
 Named ranges in the trace (open it in https://ui.perfetto.dev or chrome://tracing):
     step <k>                                  one train step (after a barrier)
-    forward / backward                        the pipeline schedule (pipeline_parallel/schedules.py)
+    forward / backward / weight               the pipeline schedule (pipeline_parallel/schedules.py; weight: zb's W)
     finalize_grads / optimizer                training.train_step
     block <i> forward / block <i> backward    hooks installed here, for the profiled steps only
     comm:<kind>, wait:<kind>                  every collective (distributed/comm.py)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..distributed import comm
 from .async_linear import linear_with_async_communication
+from .deferred_wgrad import linear
 from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region)
 
@@ -39,6 +40,7 @@ class ColumnParallelLinear(nn.Module):
         assert out_features % t == 0, f"out_features {out_features} not divisible by TP size {t}"
         self.group, self.sequence_parallel, self.async_communication = group, sequence_parallel, async_communication
         self.shared_input = shared_input
+        self.weight_grad_store = None   # a zero-bubble schedule's (deferred_wgrad.WeightGradStore)
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features // t, dtype=dtype)) if bias else None
 
@@ -56,14 +58,15 @@ def column_parallel(linears: list[ColumnParallelLinear], x: torch.Tensor) -> tup
     first = linears[0]
     if len(linears) > 1 and not first.shared_input:
         return tuple(y for l in linears for y in column_parallel([l], x))
-    group, sp = first.group, first.sequence_parallel
+    group, sp, store = first.group, first.sequence_parallel, first.weight_grad_store
     if first.async_communication and comm.group_size(group) > 1:
-        return linear_with_async_communication(x, [l.weight for l in linears], [l.bias for l in linears], group, sp)
+        return linear_with_async_communication(x, [l.weight for l in linears], [l.bias for l in linears], group, sp,
+                                               store)
     if sp:
         x = gather_from_sequence_parallel_region(x, group)  # [S/T, B, H] -> [S, B, H]; bwd reduce-scatter
     else:
         x = copy_to_tensor_parallel_region(x, group)        # identity; bwd all-reduce
-    return tuple(F.linear(x, l.weight, l.bias) for l in linears)
+    return tuple(linear(x, l.weight, l.bias, l.weight_grad_store) for l in linears)
 
 
 class RowParallelLinear(nn.Module):
@@ -78,6 +81,7 @@ class RowParallelLinear(nn.Module):
         t = comm.group_size(group)
         assert in_features % t == 0, f"in_features {in_features} not divisible by TP size {t}"
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight_grad_store = None   # a zero-bubble schedule's (deferred_wgrad.WeightGradStore)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         if self.bias is not None and sequence_parallel:
@@ -85,7 +89,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         """x: [..., N/T], this rank's slice of the input -> the summed output."""
-        return self.leave_region(F.linear(x, self.weight))              # partial sum over ranks
+        return self.leave_region(linear(x, self.weight, None, self.weight_grad_store))   # partial sum over ranks
 
     def leave_region(self, y):
         """This rank's partial product y = X W^T (made here, or by a fused Function such as

@@ -7,13 +7,17 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
-from ...pipeline_parallel.order import Schedule, schedule_order
+from ...pipeline_parallel.order import Schedule, posted, schedule_order
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import stage_sizes
 from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
+
+
+# the schedules whose orders the model replays (interleaved's chunks and zb's W steps are not modelled)
+MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
 
 @dataclass
@@ -72,7 +76,11 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     layout = zero_layout(c, par, stage, as_dtype(dtype), bucket_size_mb)
     stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
-    moments, in_flight = replay_schedule(s, schedule_order(par.pp, stage, num_microbatches, schedule))
+    order = schedule_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    if posted(order):
+        raise NotImplementedError(f"predict_memory: the {schedule} schedule's chunks and W steps are not modelled "
+                                  f"(gpipe and 1f1b are)")
+    moments, in_flight = replay_schedule(s, order)
     if layout is None:
         states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
         moments["optimizer"] = optimizer_step(s)

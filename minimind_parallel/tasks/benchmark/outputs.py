@@ -33,7 +33,7 @@ COLUMNS = ("kind", "mode", "swept", "value", "num_hidden_layers", "seq_len", "tp
            "global_batch", "sequence_parallel", "async_communication", "vocab_parallel", "estimate", "status",
            "peak_mib", *(f"{k}_mib" for k in BREAKDOWN), "predicted_mib", "deviation_mib", "deviation_pct",
            "step_ms", "tokens_per_s", "vs_mode", "delta_peak_mib", "delta_peak_pct", "delta_step_pct",
-           # pipeline cells: per stage (space-separated, stage 0 first), and the bubble (P-1)/(M+P-1)
+           # pipeline cells: per stage (space-separated, stage 0 first), and the schedule's bubble (bubble_fraction)
            "pp", "pp_schedule", "num_microbatches", "peak_mib_per_stage", "predicted_mib_per_stage", "in_flight_per_stage",
            "idle_pct_per_stage", "bubble_pct",
            # --estimate --device cuda: predicted torch.cuda.max_memory_allocated and its allocator terms
@@ -266,7 +266,7 @@ class Table:
         if r["idle_pct_per_stage"] is not None:
             line += (f"\n    {r['pp_schedule']} pp={r['pp']} M={r['num_microbatches']}: per stage peak MiB "
                      f"{r['peak_mib_per_stage'] or '-'} (predicted {r['predicted_mib_per_stage']}), microbatches held "
-                     f"{r['in_flight_per_stage']}, idle % {r['idle_pct_per_stage']} (bubble (P-1)/(M+P-1) = "
+                     f"{r['in_flight_per_stage']}, idle % {r['idle_pct_per_stage']} (the schedule's bubble = "
                      f"{fmt(r['bubble_pct'])}%)")
         elif r["predicted_mib_per_stage"] is not None and r["pp"] > 1:
             line += (f"\n    {r['pp_schedule']} pp={r['pp']} M={r['num_microbatches']}: per stage peak MiB "

@@ -138,10 +138,10 @@ def launch_cell(job: Job, run: CellRun, row: dict, paths, *, timeout: float | No
 def fill_pipeline(row: dict, result: dict, par) -> None:
     """Per stage (worst rank of each): peak MiB, microbatches of activations held, measured idle
     share (wall time not spent in forward/backward compute: the bubble plus p2p), beside the
-    bubble (P-1)/(M+P-1) of equal stages."""
+    bubble of equal stages (P-1)/(M+P-1); interleaved (P-1)/(VM+P-1); zb (P-1)/(3M+P-1)."""
     stages = [[r for r in result["per_rank"] if r["pp_rank"] == p] for p in range(par.pp)]
     peaks = [max((r["peak_bytes"] or 0) for r in ranks) / outputs.MIB for ranks in stages]
     row["peak_mib_per_stage"] = " ".join(f"{m:.2f}" for m in peaks) if result["peak_bytes"] is not None else None
     row["in_flight_per_stage"] = " ".join(str(max(r["max_in_flight"] for r in ranks)) for ranks in stages)
     row["idle_pct_per_stage"] = " ".join(f"{100 * max(r['idle'] for r in ranks):.1f}" for ranks in stages)
-    row["bubble_pct"] = 100 * bubble_fraction(par.pp, row["num_microbatches"])
+    row["bubble_pct"] = 100 * bubble_fraction(par.pp, row["num_microbatches"], row["pp_schedule"], par.virtual_stages)
