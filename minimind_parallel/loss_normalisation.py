@@ -41,12 +41,14 @@ and what is divided, in the loss (forward) and in the grads (backward):
                                         mean_r n_r (`token_sum`), / n
                                         (`world_token_mean`)
   MoE aux loss   the MoE layers' load-  each layer's over the tokens of one      1/M per microbatch (`aux_loss_weight`,
-  (one stage)    balancing loss         forward (a microbatch; under SP its      MiniMind's (loss + aux) / accumulation
-                                        statistics summed over TP: the           steps), added to the LM loss before
-                                        microbatch's), summed over layers;       backward; then as the LM loss (x C,
-                                        the reported aux: sum_i aux_i / M        DP share, averaged over DP x CP): over
-                                                                                 DP and CP the mean of the ranks' local
-                                                                                 aux losses (MiniMind's DDP variant)
+                 balancing loss         forward (a microbatch; under SP its      MiniMind's (loss + aux) / accumulation
+                                        statistics summed over TP: the           steps), then scaled as the LM loss (x C,
+                                        microbatch's), summed over layers;       DP share, loss scale); on the last stage
+                                        the reported aux: sum_i aux_i / M,       added to the LM loss, on an earlier one
+                                        summed over the stages (PP)              backward runs on it beside the output's
+                                                                                 grad; averaged over DP x CP: the mean of
+                                                                                 the ranks' local aux losses (MiniMind's
+                                                                                 DDP variant)
 
 The mean of the D replicas' means (no `dp_loss_share`; `equal_replicas_mean` for a reported
 loss) is the global mean only when every replica holds as many targets: the benchmark's, the

@@ -214,6 +214,10 @@ class ParallelMiniMindForCausalLM(nn.Module):
             if grad_is_shared_over_stages(name, self.config, self.par):
                 mark_shared_embedding(param)
 
+    def stage_aux_loss(self):
+        """This stage's MoE layers' aux loss of the last forward (None: a dense model)."""
+        return moe_aux_loss(self.model.layers)
+
     def forward(self, input_ids=None, targets=None, hidden_states=None):
         """targets: the next token of every position (`data.batches`), -100 where none; the loss
         runs over all S positions. Under CP ids and targets are this rank's [B, S/C] tokens
