@@ -80,7 +80,8 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True)
 class MiniMindConfig:
-    """MiniMind-3 (dense). Field names and defaults follow jingyaogong/minimind."""
+    """MiniMind-3, dense or mixture-of-experts (`use_moe`). Field names and defaults follow
+    jingyaogong/minimind (model/model_minimind.py, `MiniMindConfig`)."""
 
     hidden_size: int = 768
     num_hidden_layers: int = 8
@@ -97,12 +98,21 @@ class MiniMindConfig:
     flash_attn: bool = True
     hidden_act: str = "silu"
     rope_scaling: dict | None = None   # YaRN's parameters (INFERENCE_ROPE_SCALING) or None: plain RoPE
+    # mixture of experts (MiniMind's MOEFeedForward in every layer; unused unless use_moe)
+    use_moe: bool = False
+    num_experts: int = 4
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int | None = None   # default intermediate_size
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 5e-4
 
     def __post_init__(self):
         if self.head_dim is None and self.num_attention_heads > 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.intermediate_size is None:
             self.intermediate_size = math.ceil(self.hidden_size * math.pi / 64) * 64
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu' (MiniMind-3); got {self.hidden_act!r}")
 
@@ -186,10 +196,13 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         raise ConfigError("--async_communication needs tensor parallelism; got tp_size=1")
     if par.shared_sp_gather and not par.sequence_parallel:
         raise ConfigError("--shared_sp_gather shares the sequence-parallel all-gather and needs --sequence_parallel")
+    check_moe(model)
     check_context_parallel(model, par)
     check_recompute(par)
     check_zero(par)
     check_pipeline_chunks(model, par)
+    if model.use_moe and par.virtual_stages > 1:   # a stage's aux loss is its layers' of the last forward
+        raise ConfigError(f"--use_moe runs one model chunk per pipeline stage; got virtual_stages={par.virtual_stages}")
     if seq_len is not None:
         if seq_len < 2:
             raise ConfigError(f"seq_len must be >= 2 (the loss is shifted by one); got seq_len={seq_len}")
@@ -219,6 +232,28 @@ def check_pipeline_chunks(model: MiniMindConfig, par: ParallelConfig) -> None:
         raise ConfigError(f"num_hidden_layers must be divisible by pp_size x virtual_stages (one chunk of layers "
                           f"per virtual stage); got num_hidden_layers={model.num_hidden_layers}, pp_size={par.pp}, "
                           f"virtual_stages={v}")
+# the mixture-of-experts fields and their values when the model is dense (MiniMind's defaults)
+MOE_DEFAULTS = {"num_experts": 4, "num_experts_per_tok": 1, "norm_topk_prob": True, "router_aux_loss_coef": 5e-4}
+
+
+def check_moe(model: MiniMindConfig) -> None:
+    """The MoE fields: given only with use_moe; k of E experts per token; sizes >= 1."""
+    if not model.use_moe:
+        changed = [f"{k}={getattr(model, k)}" for k, v in MOE_DEFAULTS.items() if getattr(model, k) != v]
+        if model.moe_intermediate_size != model.intermediate_size:
+            changed.append(f"moe_intermediate_size={model.moe_intermediate_size}")
+        if changed:
+            raise ConfigError(f"mixture-of-experts fields need use_moe (--use_moe); got {', '.join(changed)} "
+                              f"with use_moe=False")
+        return
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if getattr(model, name) < 1:
+            raise ConfigError(f"{name} must be >= 1; got {name}={getattr(model, name)}")
+    if model.num_experts_per_tok > model.num_experts:
+        raise ConfigError(f"num_experts_per_tok must be <= num_experts (top-k of the experts); "
+                          f"got num_experts_per_tok={model.num_experts_per_tok}, num_experts={model.num_experts}")
+    if model.router_aux_loss_coef < 0:
+        raise ConfigError(f"router_aux_loss_coef must be >= 0; got router_aux_loss_coef={model.router_aux_loss_coef}")
 
 
 def check_recompute(par: ParallelConfig) -> None:

@@ -40,9 +40,15 @@ and what is divided, in the loss (forward) and in the grads (backward):
   held-out       this replica's rows    sum over batches and replicas of         no backward
                                         mean_r n_r (`token_sum`), / n
                                         (`world_token_mean`)
-  aux losses     (to come: expert       a row here: over which tokens its mean   how its backward is weighted (by the
-                 parallelism's load     runs and which group sums it, and a      token loss's weights, or per
-                 balancing)             function below                           microbatch) and reduced
+  MoE aux loss   the MoE layers' load-  each layer's over the tokens of one      1/M per microbatch (`aux_loss_weight`,
+                 balancing loss         forward (a microbatch; under SP its      MiniMind's (loss + aux) / accumulation
+                                        statistics summed over TP: the           steps), then scaled as the LM loss (x C,
+                                        microbatch's), summed over layers;       DP share, loss scale); on the last stage
+                                        the reported aux: sum_i aux_i / M,       added to the LM loss, on an earlier one
+                                        summed over the stages (PP)              backward runs on it beside the output's
+                                                                                 grad; averaged over DP x CP: the mean of
+                                                                                 the ranks' local aux losses (MiniMind's
+                                                                                 DDP variant)
 
 The mean of the D replicas' means (no `dp_loss_share`; `equal_replicas_mean` for a reported
 loss) is the global mean only when every replica holds as many targets: the benchmark's, the
@@ -88,6 +94,12 @@ def cp_loss_factor(par: ParallelConfig) -> int:
     """What a CP rank's loss is multiplied by before backward: C. The grads are averaged over
     DP x CP (`grad_divisor`), but the CP ranks' losses add up to the replica's."""
     return par.cp
+
+
+def aux_loss_weight(num_microbatches: int) -> float:
+    """What a microbatch's MoE aux loss is multiplied by before it joins the LM loss: 1/M, as
+    MiniMind's trainer divides (loss + aux_loss) by its accumulation steps."""
+    return 1.0 / num_microbatches
 
 
 def backward_loss(loss: torch.Tensor, loss_scale, cp_factor: int) -> torch.Tensor:

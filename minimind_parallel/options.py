@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import (DTYPES, INFERENCE_ROPE_SCALING, ZERO_LEVELS, ConfigError, CPCommType, MiniMindConfig,
-                     ParallelConfig, Recompute, check_layout)
+from .config import (DTYPES, INFERENCE_ROPE_SCALING, MOE_DEFAULTS, ZERO_LEVELS, ConfigError, CPCommType,
+                     MiniMindConfig, ParallelConfig, Recompute, check_layout)
 from .memory import predict_memory
 from .pipeline_parallel.order import Schedule, check_schedule
 from .zero.buckets import DEFAULT_BUCKET_MB
@@ -24,6 +24,8 @@ from .zero.buckets import DEFAULT_BUCKET_MB
 RANK_PROCESS_BYTES = 256 * 2**20
 
 TP_FLAGS = ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel")
+# The MoE fields (add_moe_args) and their defaults, MiniMind's: what a dense mode of a sweep runs with.
+MOE_FIELDS = {**MOE_DEFAULTS, "moe_intermediate_size": None}
 # The launcher's size of each model-parallel dimension, and what a mode that uses it is called.
 DIMENSIONS = (("tp", "tensor-parallel", "--tp_size"), ("pp", "pipeline-parallel", "--pp_size"),
               ("cp", "context-parallel", "--cp_size"))
@@ -38,7 +40,9 @@ class Preset:
     --cp); one it does not use must be 1 at the launcher. `replicas` instead spends every rank of
     the launcher's world on data parallelism whatever its sizes (DDP: a sweep compares it with the
     model-parallel modes on the same ranks). A mode without tensor parallelism turns the TP flags
-    (TP_FLAGS) off: flags given on the command line apply to the TP modes of a sweep."""
+    (TP_FLAGS) off: flags given on the command line apply to the TP modes of a sweep. Likewise a
+    dense mode (no --use_moe, neither given nor the mode's) sets the MoE fields (MOE_FIELDS) to
+    MiniMind's defaults: `--num_experts_per_tok 2` applies to the MoE modes of a sweep."""
 
     name: str
     tp: bool = False
@@ -69,10 +73,14 @@ class Preset:
         return None
 
     def apply(self, args) -> None:
-        """Turn this mode's flags on in `args`, the TP flags off when it has no tensor parallelism."""
+        """Turn this mode's flags on in `args`, the TP flags off when it has no tensor parallelism,
+        the MoE fields to their defaults when it is dense."""
         if not self.tp:
             for flag in TP_FLAGS:
                 setattr(args, flag, False)
+        if not (args.use_moe or self.flags.get("use_moe")):
+            for flag, value in MOE_FIELDS.items():
+                setattr(args, flag, value)
         for flag, value in self.flags.items():
             setattr(args, flag, value)
 
@@ -112,6 +120,10 @@ PRESETS = (
     Preset("tp_zero1", tp=True, flags=dict(zero=1)),
     Preset("tp_sp_async_zero1", tp=True, flags={**SP_ASYNC, "zero": 1}),
     Preset("tp_zero2", tp=True, flags=dict(zero=2)),
+    # MiniMind's mixture-of-experts model (--use_moe): router and experts whole on every TP rank
+    Preset("moe", flags=dict(use_moe=True)),
+    Preset("tp_moe", tp=True, flags=dict(use_moe=True)),
+    Preset("tp_sp_moe", tp=True, flags=dict(sequence_parallel=True, use_moe=True)),
 )
 MODES = {p.name: p for p in PRESETS}
 
@@ -176,6 +188,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie_word_embeddings", action=argparse.BooleanOptionalAction, default=False,
                    help="lm_head shares the embedding's matrix (MiniMind's default; train, export and generate "
                         "default to it, benchmark and validate to two matrices as the book's runs)")
+    add_moe_args(p)
     p.add_argument("--micro_batch_size", type=int, default=2)
     p.add_argument("--num_microbatches", type=int, default=1)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
@@ -206,6 +219,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="--zero: MiB of grads per reduce-scatter bucket")
     p.add_argument("--flash_attn", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=1234)
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    """MiniMind's mixture-of-experts fields (model/model_minimind.py), its defaults; used only with --use_moe."""
+    p.add_argument("--use_moe", action="store_true",
+                   help="MiniMind's MoE feed-forward in every layer (router, top-k of --num_experts SwiGLU experts)")
+    p.add_argument("--num_experts", type=int, default=4)
+    p.add_argument("--num_experts_per_tok", type=int, default=1)
+    p.add_argument("--moe_intermediate_size", type=int, default=None, help="each expert's width (default: "
+                   "the dense intermediate size)")
+    p.add_argument("--norm_topk_prob", action=argparse.BooleanOptionalAction, default=True,
+                   help="renormalise the top-k weights of each token to sum to 1")
+    p.add_argument("--router_aux_loss_coef", type=float, default=5e-4,
+                   help="the load-balancing loss's weight (added to the LM loss in training)")
 
 
 def apply_mode(args, mode: str | None) -> None:
@@ -244,7 +271,11 @@ def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
                           num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                           vocab_size=args.vocab_size, intermediate_size=args.intermediate_size,
                           tie_word_embeddings=args.tie_word_embeddings, flash_attn=args.flash_attn,
-                          rope_scaling=rope_scaling(args))
+                          rope_scaling=rope_scaling(args),
+                          use_moe=args.use_moe, num_experts=args.num_experts,
+                          num_experts_per_tok=args.num_experts_per_tok,
+                          moe_intermediate_size=args.moe_intermediate_size, norm_topk_prob=args.norm_topk_prob,
+                          router_aux_loss_coef=args.router_aux_loss_coef)
 
 
 def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = None) -> ParallelConfig:

@@ -24,9 +24,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data_parallel import unwrap
+from ..distributed import comm
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
-from ..loss_normalisation import backward_loss, cp_loss_factor, microbatch_weights, replica_loss
+from ..loss_normalisation import aux_loss_weight, backward_loss, cp_loss_factor, microbatch_weights, replica_loss
 from . import p2p
 from ..tensor_parallel.deferred_wgrad import WeightGradStore, attach_weight_grad_store
 from .order import Action, Schedule, Step, forward, posted, schedule_order, virtual_stage
@@ -39,6 +40,7 @@ class StepResult:
     max_in_flight: int = 0    # most microbatches forwarded and not yet backwarded (activations held)
     busy_s: float = 0.0       # seconds in forward/backward compute (the rest of wall_s is p2p wait;
     wall_s: float = 0.0       # on CUDA only meaningful with the benchmark's synchronisation)
+    aux_loss: torch.Tensor | None = None         # the MoE layers' aux loss, detached (last stage; None: dense)
 
 
 def deallocate_output_tensor(out: torch.Tensor) -> None:
@@ -70,7 +72,8 @@ class _Stage:
         self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
         self.grad_scale = cp_loss_factor(par)    # grads are averaged over DP x CP but the CP ranks' losses add up
         self.held: dict = {}        # (microbatch, chunk) -> (input, output), awaiting its backward
-        self.losses, self.logits = [], []
+        self.stage_aux: dict = {}   # microbatch -> this (not last) stage's MoE aux loss, scaled for backward
+        self.losses, self.logits, self.aux_losses = [], [], []
         self.max_in_flight, self.busy = 0, 0.0
         self.weight_grads: WeightGradStore | None = None   # a zero-bubble schedule's deferred wgrads
 
@@ -90,12 +93,30 @@ class _Stage:
             out = self.model(ids, targets, hidden_states=x, **({"chunk": chunk} if chunk else {}))
         self.busy += time.perf_counter() - start
         if not self.is_last(chunk):
+            self._hold_stage_aux(i)
             return out
         loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
+        if out.aux_loss is not None:          # what backward runs on: the LM loss + the aux loss
+            aux = out.aux_loss * aux_loss_weight(len(self.microbatches))
+            self.aux_losses.append(aux.detach())
+            loss = loss + aux
         if self.collect_logits and out.logits is not None:   # --loss_chunks: no whole logits
             self.logits.append(out.logits.detach())
         return backward_loss(loss, self.loss_scale, self.grad_scale)   # the reported loss is not scaled
+
+    def _hold_stage_aux(self, i: int) -> None:
+        """An earlier stage's MoE layers' aux loss of microbatch i (None: dense): backward runs on it
+        beside the output's grad, weighted and scaled as the last stage's loss (the aux loss of a
+        layer enters backward on the stage that holds it, as Megatron-LM's MoEAuxLossAutoScaler)."""
+        of = getattr(unwrap(self.model), "stage_aux_loss", None)
+        aux = of() if of is not None else None
+        if aux is None:
+            return
+        aux = aux * aux_loss_weight(len(self.microbatches))
+        self.aux_losses.append(aux.detach())
+        if torch.is_grad_enabled():
+            self.stage_aux[i] = backward_loss(aux, self.loss_scale, self.grad_scale)
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -113,10 +134,14 @@ class _Stage:
         chunk of the first stage). With a WeightGradStore (zb) this is B: the linears' wgrads are
         queued for the unit's W."""
         x, out = self.held.pop(unit)
+        aux = self.stage_aux.pop(unit[0], None)   # MoE runs one chunk per stage
         store = self.weight_grads
         start = time.perf_counter()
         with span("backward"), (store.collecting(unit) if store is not None else nullcontext()):
-            torch.autograd.backward(out, grad_tensors=grad)
+            if aux is None:
+                torch.autograd.backward(out, grad_tensors=grad)
+            else:                   # this stage's MoE aux loss joins the grad from the next stage
+                torch.autograd.backward([out, aux], grad_tensors=[grad, None])
         self.busy += time.perf_counter() - start
         if x is None:
             return None
@@ -143,7 +168,17 @@ class _Stage:
 
     def result(self, wall_s: float) -> StepResult:
         loss = replica_loss(self.losses, self.groups.cp)          # summed over M and the CP ranks' parts
-        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s)
+        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s, self._pipeline_aux())
+
+    def _pipeline_aux(self) -> torch.Tensor | None:
+        """The reported MoE aux loss, every stage's layers' summed onto the last stage (None: dense,
+        or off the last stage). Collective over PP for an MoE model."""
+        if not unwrap(self.model).config.use_moe:
+            return None
+        mine = torch.stack(self.aux_losses).sum() if self.aux_losses else torch.zeros((), device=self.like["device"])
+        if self.groups.pp is not None:
+            mine = comm.all_reduce(mine.double(), self.groups.pp).to(mine.dtype)
+        return mine if self.groups.is_last_stage else None
 
 
 def run_order(stage: _Stage, order: list[Action]) -> None:
