@@ -23,6 +23,7 @@ disagree.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -110,8 +111,11 @@ PLAN: tuple[ParamPlan, ...] = (
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_of(key: str) -> ParamPlan:
-    """The table entry of the state-dict key `key` (KeyError for a name the plan does not know)."""
+    """The table entry of the state-dict key `key` (KeyError for a name the plan does not know).
+    A pure function of the key and the table, remembered: the memory model asks it for every
+    parameter of every layout the planner weighs."""
     pattern = _LAYER.sub(LAYER, key, count=1)
     for entry in PLAN:
         if entry.pattern == pattern:
@@ -175,11 +179,12 @@ def stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0) -> 
     """The parameters of one rank of pipeline stage `stage` with their local shapes, in the model's
     order (the optimizer's); a weight tied within the stage is listed once, under its first name."""
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
-    names = [e.pattern for e in PLAN if e.owner is Owner.FIRST and first]
-    names += [e.pattern.replace("*", str(i)) for i in stage_layers(c.num_hidden_layers, par.pp, stage)
-              for e in PLAN if e.owner is Owner.LAYER]
-    names += [e.pattern for e in PLAN if e.owner is Owner.LAST and last]
+    entries = [(e.pattern, e) for e in PLAN if e.owner is Owner.FIRST and first]
+    entries += [(e.pattern.replace("*", str(i)), e) for i in stage_layers(c.num_hidden_layers, par.pp, stage)
+                for e in PLAN if e.owner is Owner.LAYER]
+    entries += [(e.pattern, e) for e in PLAN if e.owner is Owner.LAST and last]
     if c.tie_word_embeddings:
-        tied = [n for n in names if plan_of(n).tied]
-        names = [n for n in names if n not in tied[1:]]
-    return {n: local_shape(n, c, par) for n in names}
+        tied = [n for n, e in entries if e.tied]
+        entries = [(n, e) for n, e in entries if n not in tied[1:]]
+    shapes = {e.pattern: local_shape(e.pattern, c, par) for e in PLAN}   # every layer's entry shares its shape
+    return {n: shapes[e.pattern] for n, e in entries}
