@@ -17,7 +17,7 @@ from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enum
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
 from minimind_parallel.planning.ranking import workspace_bytes
 from minimind_parallel.planning.space import RULES
-from minimind_parallel.planning.time_model import Collective, block_matmul_params, stage_compute
+from minimind_parallel.planning.time_model import Collective, Op, block_matmul_params, stage_compute
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
 from test_cli import assert_refused_before_launch
 
@@ -99,10 +99,10 @@ SLOW = Hardware(name="test", source="hand-checked", gemm_flops=1e12, attention_f
 def test_a_collective_costs_its_ring_steps_latency_and_bytes():
     n = 1e6
     # all-reduce over 4: 2 x 3 steps, each a latency and a quarter of the bytes
-    assert Collective("all_reduce", n, 4).seconds(LINK) == pytest.approx(6 * (1e-5 + 0.25e6 / 1e9))
-    assert Collective("all_gather", n, 4).seconds(LINK) == pytest.approx(3 * (1e-5 + 0.25e6 / 1e9))
-    assert Collective("p2p", n, 2).seconds(LINK) == pytest.approx(1e-5 + 1e-3)
-    assert Collective("all_reduce", n, 1).seconds(LINK) == 0
+    assert Collective(Op.ALL_REDUCE, n, 4).seconds(LINK) == pytest.approx(6 * (1e-5 + 0.25e6 / 1e9))
+    assert Collective(Op.ALL_GATHER, n, 4).seconds(LINK) == pytest.approx(3 * (1e-5 + 0.25e6 / 1e9))
+    assert Collective(Op.P2P, n, 2).seconds(LINK) == pytest.approx(1e-5 + 1e-3)
+    assert Collective(Op.ALL_REDUCE, n, 1).seconds(LINK) == 0
 
 
 def test_the_forward_gemm_time_is_the_blocks_flops_at_the_rate():

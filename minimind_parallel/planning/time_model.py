@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import DTYPES, CPCommType, MiniMindConfig, Recompute
+from ..config import DTYPES, Choice, CPCommType, MiniMindConfig, Recompute
 from .hardware import Hardware, Link
 from .space import Candidate, Workload
 
@@ -42,19 +42,29 @@ ELEMENTWISE_PASSES_PER_BLOCK = 40
 ADAMW_ACCESSES = 12
 
 
+class Op(Choice):
+    """A collective's kind, as the time model costs it."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    P2P = "p2p"
+
+
 @dataclass(frozen=True)
 class Collective:
-    kind: str   # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
+    kind: Op
     nbytes: float
     ranks: int
 
     def seconds(self, link: Link) -> float:
         g = self.ranks
-        if self.kind == "p2p":
+        if self.kind == Op.P2P:
             return link.latency_s + self.nbytes / link.bandwidth
         if g <= 1:
             return 0.0
-        steps = 2 * (g - 1) if self.kind == "all_reduce" else g - 1
+        steps = 2 * (g - 1) if self.kind == Op.ALL_REDUCE else g - 1
         return steps * (link.latency_s + self.nbytes / (g * link.bandwidth))
 
 
@@ -124,14 +134,14 @@ def tensor_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[li
     n = k.micro_batch_size * w.seq_len / k.cp * c.hidden_size * DTYPES[w.dtype].itemsize   # [S/C, B, H] bytes
     column = 2 if k.shared_sp_gather else 5    # q k v gate up: one entry into the region each, or one per region
     if k.sequence_parallel:
-        fwd = [Collective("all_gather", n, k.tp)] * column + [Collective("reduce_scatter", n, k.tp)] * 2
-        overlap = [Collective("reduce_scatter", n, k.tp)] * column
-        rest = [Collective("all_gather", n, k.tp)] * 2
+        fwd = [Collective(Op.ALL_GATHER, n, k.tp)] * column + [Collective(Op.REDUCE_SCATTER, n, k.tp)] * 2
+        overlap = [Collective(Op.REDUCE_SCATTER, n, k.tp)] * column
+        rest = [Collective(Op.ALL_GATHER, n, k.tp)] * 2
         if k.async_communication:               # the backward re-gathers each column input
-            overlap = overlap + [Collective("all_gather", n, k.tp)] * column
+            overlap = overlap + [Collective(Op.ALL_GATHER, n, k.tp)] * column
     else:
-        fwd = [Collective("all_reduce", n, k.tp)] * 2
-        overlap, rest = [Collective("all_reduce", n, k.tp)] * column, []
+        fwd = [Collective(Op.ALL_REDUCE, n, k.tp)] * 2
+        overlap, rest = [Collective(Op.ALL_REDUCE, n, k.tp)] * column, []
     return fwd, overlap, rest
 
 
@@ -144,12 +154,12 @@ def context_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[l
     kv = 2 * tokens * c.num_key_value_heads * c.head_dim / k.tp * b      # this rank's K and V
     q = tokens * c.num_attention_heads * c.head_dim / k.tp * b
     if k.cp_comm_type == CPCommType.ALL_GATHER:
-        return [Collective("all_gather", kv * k.cp, k.cp)], [Collective("reduce_scatter", kv * k.cp, k.cp)]
+        return [Collective(Op.ALL_GATHER, kv * k.cp, k.cp)], [Collective(Op.REDUCE_SCATTER, kv * k.cp, k.cp)]
     if k.cp_comm_type == CPCommType.A2A:
-        each = [Collective("all_to_all", q, k.cp), Collective("all_to_all", kv / 2, k.cp),
-                Collective("all_to_all", kv / 2, k.cp), Collective("all_to_all", q, k.cp)]
+        each = [Collective(Op.ALL_TO_ALL, q, k.cp), Collective(Op.ALL_TO_ALL, kv / 2, k.cp),
+                Collective(Op.ALL_TO_ALL, kv / 2, k.cp), Collective(Op.ALL_TO_ALL, q, k.cp)]
         return each, each
-    return [Collective("p2p", kv, 2)] * (k.cp - 1), [Collective("p2p", 2 * kv, 2)] * (k.cp - 1)
+    return [Collective(Op.P2P, kv, 2)] * (k.cp - 1), [Collective(Op.P2P, 2 * kv, 2)] * (k.cp - 1)
 
 
 def seconds(coll: list, link: Link) -> float:
@@ -182,12 +192,12 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int) -> 
         cp = layers * (seconds(cf, cp_link) + seconds(cb, cp_link))
     # pipeline: each boundary's activation [S/C(/T), B, H] forward, its grad backward
     act = k.micro_batch_size * w.seq_len / k.cp * c.hidden_size * b / (k.tp if k.sequence_parallel else 1)
-    p2p = 2 * Collective("p2p", act, 2).seconds(pp_link) if k.pp > 1 else 0.0
+    p2p = 2 * Collective(Op.P2P, act, 2).seconds(pp_link) if k.pp > 1 else 0.0
     per_mb = fwd + bwd + tp + cp + p2p
     m, p = k.num_microbatches, k.pp
     t.compute, t.tp_exposed, t.cp_exposed, t.pp_p2p = m * (fwd + bwd), m * tp, m * cp, m * p2p
     t.bubble = (p - 1) * per_mb
-    grads = Collective("all_reduce", stage_params * b, k.dp * k.cp).seconds(dp_link)
+    grads = Collective(Op.ALL_REDUCE, stage_params * b, k.dp * k.cp).seconds(dp_link)
     t.dp_exposed = max(0.0, grads - m * bwd) if k.pp == 1 else grads
     t.optimizer = hw.dispatched(stage_params * ADAMW_ACCESSES * b / hw.memory_bandwidth,
                                 OPS_PER_PARAM_STEP * (layers * 11 + 2) * hw.op_overhead_s)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from ..config import DTYPES, ConfigError, MiniMindConfig, check_layout
+from ..config import ConfigError, MiniMindConfig, check_layout
 from ..files import atomic_path, check_directory
 from ..job import Job, LaunchOptions, TaskOptions
 from ..options import PRESETS, Parser, check_at_least, check_number, launcher_layout, program_name
@@ -32,6 +32,8 @@ from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
 from ..planning.space import DOMINATED, Candidate
+from .benchmark.command import BatchPolicy, Kind
+from .benchmark.outputs import Status
 from .export import check_single_process
 from .task import Task
 
@@ -193,17 +195,17 @@ def train_command(k: Candidate, args) -> str:
     return shlex.join([*PROGRAM, *argv])
 
 
-def cell_argv(k: Candidate, args, *, kind: str, device: str) -> list[str]:
+def cell_argv(k: Candidate, args, *, kind: Kind, device: str) -> list[str]:
     """The benchmark cell of layout `k` (its preset, sizes and flags; one row per DP replica's microbatch)."""
-    return ["benchmark", "--kind", kind, *launcher_argv(k, device, 1), "--", "--modes", benchmark_mode(k),
+    return ["benchmark", "--kind", str(kind), *launcher_argv(k, device, 1), "--", "--modes", benchmark_mode(k),
             *model_argv(args), "--seq_len", str(args.seq_len), "--micro_batch_size", str(k.micro_batch_size),
             "--num_microbatches", str(k.num_microbatches),
-            *(["--batch_policy", "fixed_per_rank"] if kind == "memory" else []), "--dtype", args.dtype, *flag_argv(k)]
+            *(["--batch_policy", str(BatchPolicy.FIXED_PER_RANK)] if kind == Kind.MEMORY else []), "--dtype", args.dtype, *flag_argv(k)]
 
 
 def estimate_command(k: Candidate, args, hw) -> str:
     cap = hw.cuda_capability or (9, 0)
-    argv = [*cell_argv(k, args, kind="memory", device="cuda"), "--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"]
+    argv = [*cell_argv(k, args, kind=Kind.MEMORY, device="cuda"), "--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"]
     return shlex.join([*PROGRAM, *argv])
 
 
@@ -343,7 +345,7 @@ def run_cell(argv: list[str], out_dir: str, name: str) -> dict:
             proc.terminate()
             proc.wait()
     if not os.path.exists(csv_path):
-        return {"status": "failed", "reason": (err or "").strip().splitlines()[-1:]}
+        return {"status": Status.FAILED, "reason": (err or "").strip().splitlines()[-1:]}
     with open(csv_path) as f:
         return next(csv.DictReader(f))
 
@@ -362,13 +364,13 @@ def validate(result, args) -> dict:
     for i, e in enumerate(chosen):
         k = e.candidate
         iters = ["--warmup_iters", "1", "--benchmark_iters", str(args.validate_iters)]
-        mem = run_cell([*cell_argv(k, args, kind="memory", device=device), *iters], out_dir, f"{i}_memory")
-        thr = run_cell([*cell_argv(k, args, kind="throughput", device=device), *iters], out_dir, f"{i}_throughput")
-        ok = mem.get("status") == "ok" and thr.get("status") == "ok"
+        mem = run_cell([*cell_argv(k, args, kind=Kind.MEMORY, device=device), *iters], out_dir, f"{i}_memory")
+        thr = run_cell([*cell_argv(k, args, kind=Kind.THROUGHPUT, device=device), *iters], out_dir, f"{i}_throughput")
+        ok = mem.get("status") == Status.OK and thr.get("status") == Status.OK
         row = {"layout": k.describe(), "predicted_peak_mib": e.peak_bytes / MIB, "predicted_step_ms": e.step_ms,
                "measured_peak_mib": float(mem["peak_mib"]) if ok else None,
                "measured_step_ms": float(thr["step_ms"]) if ok else None,
-               "status": "ok" if ok else f"memory {mem.get('status')}, throughput {thr.get('status')}"}
+               "status": Status.OK if ok else f"memory {mem.get('status')}, throughput {thr.get('status')}"}
         rows.append(row)
         if ok:
             err = 100 * (row["predicted_step_ms"] - row["measured_step_ms"]) / row["measured_step_ms"]
@@ -376,7 +378,7 @@ def validate(result, args) -> dict:
                   f"{row['predicted_step_ms']:>9.1f} {row['measured_step_ms']:>9.1f} {err:>+6.1f}%", flush=True)
         else:
             print(f"{row['layout']:<58} {row['status']}", flush=True)
-    done = [r for r in rows if r["status"] == "ok"]
+    done = [r for r in rows if r["status"] == Status.OK]
     summary = {"layouts": rows, "load_average": os.getloadavg()[0]}
     if len(done) >= 2:
         pred, meas = [r["predicted_step_ms"] for r in done], [r["measured_step_ms"] for r in done]
