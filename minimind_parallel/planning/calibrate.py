@@ -81,7 +81,8 @@ def link_rates(device: str) -> Link:
     backend = "nccl" if device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link")
-        mp.spawn(_link_rank, args=(os.path.join(tmp, "store"), backend, out), nprocs=2, join=True)
+        # daemonic: ended with this process on any ending (an interrupted calibration leaves nothing)
+        mp.spawn(_link_rank, args=(os.path.join(tmp, "store"), backend, out), nprocs=2, join=True, daemon=True)
         with open(out) as f:
             t_small, t_large = (float(v) for v in f.read().split())
     latency = t_small / 2
@@ -101,7 +102,8 @@ def calibrate(device: str, dtype: str = "float32") -> Hardware:
         torch.set_num_threads(threads)
     link = link_rates(device)
     name = f"calibrated {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
-    peak = CPU_DEFAULT.peak_flops if device == "cpu" else rates["gemm_flops"]
+    # the MFU's peak: the CPU default of training/metrics.py unless this core's GEMM is faster; a GPU's reached GEMM rate
+    peak = max(CPU_DEFAULT.peak_flops, rates["gemm_flops"]) if device == "cpu" else rates["gemm_flops"]
     return Hardware(name=name, source=f"plan --calibrate on this machine, {time.strftime('%Y-%m-%d %H:%M')}, "
                     f"{dtype}", peak_flops=peak, intra=link, inter=link, async_dispatch=device == "cuda",
                     memory_gib=(torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else None),

@@ -62,8 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab_size", type=int, default=6400)
     p.add_argument("--intermediate_size", type=int, default=None)
     p.add_argument("--tie_word_embeddings", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                   help="the parameters' and activations' dtype (the train commands use --precision pure)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the parameters' and activations' dtype (the train commands use --precision pure; float16 "
+                        "parameters cannot take AdamW steps)")
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--global_batch_size", type=int, default=16, help="rows per optimizer step over every replica")
     p.add_argument("--top", type=int, default=10, help="fitting layouts printed (the JSON has all)")
