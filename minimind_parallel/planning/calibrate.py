@@ -1,6 +1,6 @@
 """`calibrate`: this machine's rates for the time model, measured in well under a minute: a GEMM
-and causal attention of the book's block shapes, an elementwise pass (memory bandwidth), a tiny op
-(what each dispatched op costs beyond its work), and the all-reduce's latency and bandwidth
+and causal attention of the book's block shapes, an elementwise pass (memory bandwidth), a step of
+a model too small to compute anything (what each dispatched op costs beyond its work), and the all-reduce's latency and bandwidth
 between two ranks (gloo on CPU, NCCL on GPUs; two processes on one node, a FileStore rendezvous,
 both joined before it returns). One rank's threads: one on CPU, as the launcher gives each rank."""
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from ..config import DTYPES
+from ..config import DTYPES, MiniMindConfig
 from .hardware import CPU_DEFAULT, Hardware, Link
+from .time_model import OPS_PER_BLOCK
 
 SMALL, LARGE = 1, 4 * 2**20      # all-reduce elements (float32): the latency's, the bandwidth's
 
@@ -47,13 +48,28 @@ def compute_rates(device: str, dtype: torch.dtype, *, tokens: int = 1024, hidden
     big = torch.randn(8 * 2**20, device=device, dtype=dtype)
     other = torch.randn_like(big)
     add_s = _timed(lambda: big.add_(other), reps=10, device=device)
-    tiny = torch.ones(4, device=device, dtype=dtype)
-    ops = 200
-    op_s = _timed(lambda: [tiny.mul(1.0) for _ in range(ops)], reps=5, device=device) / ops
     b = big.element_size()
     return dict(gemm_flops=2 * tokens * hidden * inter / gemm_s,
                 attention_flops=2 * 2 * seq * seq * heads * head_dim / 2 / attn_s,   # causal: half of QK^T and PV
-                memory_bandwidth=3 * big.numel() * b / add_s, op_overhead_s=op_s)
+                memory_bandwidth=3 * big.numel() * b / add_s, op_overhead_s=op_overhead(device, dtype))
+
+
+def op_overhead(device: str, dtype: torch.dtype, layers: int = 4) -> float:
+    """What one dispatched op costs beyond its work, where it runs: a training step (forward,
+    backward) of a MiniMind model so small that its kernels take nothing, per op of its blocks
+    (time_model.OPS_PER_BLOCK each)."""
+    from ..model import MiniMindForCausalLM
+    config = MiniMindConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                            vocab_size=32)
+    model = MiniMindForCausalLM(config).to(device=device, dtype=dtype)
+    ids = torch.randint(0, 32, (1, 8), device=device)
+
+    def step():
+        logits = model(ids)
+        logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+        logits.float().sum().backward()
+
+    return _timed(step, reps=5, device=device) / (layers * OPS_PER_BLOCK)
 
 
 def _link_rank(rank: int, store_path: str, backend: str, out: str) -> None:
