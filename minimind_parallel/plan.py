@@ -31,6 +31,7 @@ disagree.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -150,8 +151,11 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_of(key: str) -> ParamPlan:
-    """The table entry of the state-dict key `key` (KeyError for a name the plan does not know)."""
+    """The table entry of the state-dict key `key` (KeyError for a name the plan does not know).
+    A pure function of the key and the table, remembered: the memory model asks it for every
+    parameter of every layout the planner weighs."""
     pattern = _EXPERT.sub(".mlp.experts.%.", _LAYER.sub(LAYER, key, count=1), count=1)
     for entry in PLAN:
         if entry.pattern == pattern:
@@ -234,13 +238,14 @@ def stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0,
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     experts = range(c.num_experts) if experts is None else experts
     rows = [e for e in PLAN if e.applies(c)]
-    names = [e.pattern for e in rows if e.owner is Owner.FIRST and first]
+    entries = [(e.pattern, e) for e in rows if e.owner is Owner.FIRST and first]
     for i in stage_layers(c.num_hidden_layers, par.pp, stage, par.virtual_stages):
-        layer = [e.pattern.replace("*", str(i)) for e in rows if e.owner is Owner.LAYER]
-        names += [n for n in layer if "%" not in n]
-        names += [n.replace("%", str(x)) for x in experts for n in layer if "%" in n]   # expert by expert
-    names += [e.pattern for e in rows if e.owner is Owner.LAST and last]
+        layer = [(e.pattern.replace("*", str(i)), e) for e in rows if e.owner is Owner.LAYER]
+        entries += [(n, e) for n, e in layer if "%" not in n]
+        entries += [(n.replace("%", str(x)), e) for x in experts for n, e in layer if "%" in n]   # expert by expert
+    entries += [(e.pattern, e) for e in rows if e.owner is Owner.LAST and last]
     if c.tie_word_embeddings:
-        tied = [n for n in names if plan_of(n).tied]
-        names = [n for n in names if n not in tied[1:]]
-    return {n: local_shape(n, c, par) for n in names}
+        tied = [n for n, e in entries if e.tied]
+        entries = [(n, e) for n, e in entries if n not in tied[1:]]
+    shapes = {e.pattern: local_shape(e.pattern, c, par) for e in rows}   # every layer's entry shares its shape
+    return {n: shapes[e.pattern] for n, e in entries}

@@ -1,3 +1,221 @@
+"""The planner: its candidate space against check_layout, its memory against predict_memory, its
+time model's pieces on hand-checked numbers, its JSON and the commands in it, its calibration file
+and its bad input. All in this process: no ranks."""
+import csv
+import json
+import math
+import shlex
+from dataclasses import replace
+
+import pytest
+import torch
+
+from minimind_parallel import cli
+from minimind_parallel.config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
+from minimind_parallel.memory import predict_memory
+from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enumerate_layouts, plan, step_time
+from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
+from minimind_parallel.planning.ranking import workspace_bytes
+from minimind_parallel.planning.space import RULES
+from minimind_parallel.planning.time_model import Collective, Op, block_matmul_params, stage_compute
+from minimind_parallel.tasks.benchmark.checks import check_benchmark
+from test_cli import assert_refused_before_launch
+
+TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=128, tie_word_embeddings=False)
+WORK = Workload(model=TINY, seq_len=32, global_batch_size=8, world_size=4)
+TINY_ARGS = ["--hidden_size", "64", "--num_hidden_layers", "4", "--num_attention_heads", "4",
+             "--num_key_value_heads", "2", "--vocab_size", "128", "--seq_len", "32", "--global_batch_size", "8"]
+
+
+def test_every_layout_passes_check_layout_and_every_cut_names_a_real_constraint():
+    valid, cuts = enumerate_layouts(WORK)
+    assert len(valid) > 100 and cuts
+    for k in valid:
+        check_layout(TINY, k.parallel, seq_len=WORK.seq_len)
+        assert k.tp * k.pp * k.cp * k.dp == WORK.world_size
+        assert k.dp * k.num_microbatches * k.micro_batch_size == WORK.global_batch_size
+    for cut in cuts:
+        a = {f: getattr(cut.candidate, f) for f in ("tp", "pp", "cp", "dp")}
+        rule = next((r for r in (rule.check(WORK, a) for rule in RULES) if r), None)
+        if rule is not None:
+            assert cut.reason == rule
+            continue
+        with pytest.raises(ConfigError) as e:
+            check_layout(TINY, cut.candidate.parallel, seq_len=WORK.seq_len)
+        assert str(e.value) == cut.reason
+    # every rank grid check_layout admits (plain flags) is in the space
+    grids = {(k.tp, k.pp, k.cp, k.dp) for k in valid}
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 4):
+            for cp in (1, 2, 4):
+                if WORK.world_size % (tp * pp * cp):
+                    continue
+                par = ParallelConfig(tp=tp, pp=pp, cp=cp, dp=WORK.world_size // (tp * pp * cp))
+                try:
+                    check_layout(TINY, par, seq_len=WORK.seq_len)
+                except ConfigError:
+                    assert (tp, pp, cp, par.dp) not in grids
+                    continue
+                assert (tp, pp, cp, par.dp) in grids
+    names = {c.constraint for c in cuts}
+    assert "num_key_value_heads must be divisible by tp_size" in names   # tp 4 > 2 kv heads
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_predicted_peak_is_predict_memory_and_on_cuda_the_workspaces(device):
+    hw = GPU_PROFILES["H100"]
+    result = plan(WORK, hw, device=device, budget_bytes=2**40)
+    entries = result.fitting
+    assert len(entries) == len(enumerate_layouts(WORK)[0])
+    for e in entries[::max(1, len(entries) // 25)]:
+        k = e.candidate
+        pred = predict_memory(TINY, k.parallel, seq_len=WORK.seq_len, micro_batch_size=k.micro_batch_size,
+                              dtype=torch.bfloat16, device=device, num_microbatches=k.num_microbatches,
+                              schedule=k.pp_schedule)
+        extra = workspace_bytes(hw) if device == "cuda" else 0
+        assert e.peak_bytes == pred.peak_bytes + extra
+    assert [e.tokens_per_s for e in entries] == sorted((e.tokens_per_s for e in entries), reverse=True)
+
+
+def test_a_budget_cuts_the_layouts_over_it_by_their_peak():
+    everything = plan(WORK, GPU_PROFILES["H100"], device="cuda", budget_bytes=2**40).fitting
+    peaks = sorted(e.peak_bytes for e in everything)
+    budget = peaks[len(peaks) // 2]
+    result = plan(WORK, GPU_PROFILES["H100"], device="cuda", budget_bytes=budget)
+    assert result.fitting and result.over_budget
+    assert all(e.peak_bytes <= budget for e in result.fitting) and all(e.peak_bytes > budget for e in result.over_budget)
+    assert len(result.fitting) + len(result.over_budget) == len(everything)
+
+
+# ---------------------------------------------------------------- the time model's pieces
+
+LINK = Link(latency_s=1e-5, bandwidth=1e9)
+SLOW = Hardware(name="test", source="hand-checked", gemm_flops=1e12, attention_flops=5e11, memory_bandwidth=1e11,
+                op_overhead_s=0.0, peak_flops=2e12, intra=LINK, inter=Link(latency_s=1e-4, bandwidth=1e8),
+                async_dispatch=False)
+
+
+def test_a_collective_costs_its_ring_steps_latency_and_bytes():
+    n = 1e6
+    # all-reduce over 4: 2 x 3 steps, each a latency and a quarter of the bytes
+    assert Collective(Op.ALL_REDUCE, n, 4).seconds(LINK) == pytest.approx(6 * (1e-5 + 0.25e6 / 1e9))
+    assert Collective(Op.ALL_GATHER, n, 4).seconds(LINK) == pytest.approx(3 * (1e-5 + 0.25e6 / 1e9))
+    assert Collective(Op.P2P, n, 2).seconds(LINK) == pytest.approx(1e-5 + 1e-3)
+    assert Collective(Op.ALL_REDUCE, n, 1).seconds(LINK) == 0
+
+
+def test_the_forward_gemm_time_is_the_blocks_flops_at_the_rate():
+    k = Candidate(tp=2, micro_batch_size=2)
+    hw = replace(SLOW, attention_flops=math.inf, memory_bandwidth=math.inf)
+    fwd, bwd = stage_compute(TINY, k, WORK, hw, last=False)
+    per_block = 64 * (2 * 64 + 2 * 32) + 3 * 64 * TINY.intermediate_size   # q, o + k, v + gate, up, down
+    assert block_matmul_params(TINY) == per_block
+    assert fwd == pytest.approx(4 * 2 * (2 * 32) * per_block / 2 / 1e12)     # layers x 2 FLOPs x tokens x params / T
+    assert bwd == pytest.approx(2 * fwd)
+
+
+def test_the_bubble_is_p_minus_1_microbatch_times_and_overlaps_hide_communication():
+    hw = replace(SLOW, intra=Link(latency_s=0.0, bandwidth=math.inf))
+    k = Candidate(pp=4, dp=1, num_microbatches=4, micro_batch_size=2)
+    t = step_time(k, replace(WORK, world_size=4), hw, stage_params=1000)
+    assert t.bubble == pytest.approx(3 / 4 * t.compute)      # (P - 1) / M of the compute: (4 - 1) / 4
+    sync = Candidate(tp=2, dp=2, sequence_parallel=True, micro_batch_size=2)
+    a = step_time(sync, WORK, SLOW, stage_params=1000)
+    b = step_time(replace(sync, async_communication=True), WORK, SLOW, stage_params=1000)
+    assert a.tp_exposed > 0 and b.compute == a.compute
+    # async: the backward's reduce-scatters hide behind the weight grads (its re-gathers are added):
+    # with weight grads slower than the reduce-scatters, only the re-gathers are left
+    slow_gemm = replace(SLOW, gemm_flops=1e6)
+    a, b = (step_time(x, WORK, slow_gemm, stage_params=1000) for x in (sync, replace(sync, async_communication=True)))
+    assert b.tp_exposed < a.tp_exposed
+    # ring: each K/V pass hides behind a block of attention; with attention free it is all exposed
+    ring = Candidate(cp=4, dp=1, cp_comm_type="ring", micro_batch_size=8)
+    free = replace(SLOW, attention_flops=1e20, gemm_flops=1e20, memory_bandwidth=1e20)
+    r, r_free = (step_time(ring, WORK, hw, stage_params=1000) for hw in (SLOW, free))
+    assert r_free.cp_exposed > r.cp_exposed
+
+
+def test_a_group_wider_than_a_node_takes_the_slower_link():
+    two_nodes = replace(WORK, nnodes=2)
+    k = Candidate(tp=4, micro_batch_size=8)
+    inside, across = (step_time(k, w, SLOW, stage_params=1000) for w in (WORK, two_nodes))
+    assert across.tp_exposed > inside.tp_exposed > 0
+
+
+# ---------------------------------------------------------------- the task
+
+def run_plan(tmp_path, *extra):
+    out = tmp_path / "plan.json"
+    code = cli.main(["plan", "--", "--world_size", "4", "--device", "cuda", "--device_memory_gib", "24",
+                     *TINY_ARGS, "--output_json", str(out), *extra])
+    return code, out
+
+
+def test_the_json_has_every_field_and_its_commands_run(tmp_path, capsys):
+    code, out = run_plan(tmp_path)
+    printed = capsys.readouterr().out
+    assert code == 0 and (tmp_path / "plan.png").stat().st_size > 0
+    data = json.loads(out.read_text())
+    layouts = data["layouts"]
+    assert layouts and data["candidates"] == len(layouts) + sum(c["layouts"] for c in data["cut"])
+    for row in layouts:
+        assert {"tp", "pp", "cp", "dp", "ep", "zero", "flags", "predicted_peak_mib", "predicted_step_ms",
+                "train_command", "estimate_command"} <= set(row)
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == 4 and row["ep"] == 1 and row["zero"] == 0
+    assert [r["predicted_step_ms"] for r in layouts] == sorted(r["predicted_step_ms"] for r in layouts)
+    assert "cut:" in printed and "num_key_value_heads must be divisible by tp_size" in printed
+    for row in layouts[:: max(1, len(layouts) // 20)]:
+        for key in ("train_command", "estimate_command"):
+            argv = shlex.split(row[key])[3:]                      # after `python -m evaluation.parallel`
+            launch, args = cli.parse(argv)
+            assert launch.tp_size == row["tp"] and launch.pp_size == row["pp"] and launch.dp_size == row["dp"]
+            assert launch.cp_size == row["cp"]
+        job = cli.resolve(shlex.split(row["estimate_command"])[3:])
+        (run,) = check_benchmark(job)
+        assert (run.par.tp, run.par.pp, run.par.cp, run.par.dp) == (row["tp"], row["pp"], row["cp"], row["dp"])
+        assert run.sizes["micro_batch_size"] == row["flags"]["micro_batch_size"]
+    # the first layout's estimate: the allocator-level peak of the same cell, within 1 % of the plan's
+    first = layouts[0]
+    csv_path = tmp_path / "estimate.csv"
+    assert cli.main([*shlex.split(first["estimate_command"])[3:], "--output_csv", str(csv_path)]) == 0
+    (cell,) = list(csv.DictReader(open(csv_path)))
+    assert abs(float(cell["cuda_allocated_mib"]) - first["predicted_peak_mib"]) <= 0.01 * first["predicted_peak_mib"]
+
+
+def test_a_calibration_file_round_trips_and_its_rates_are_the_plans(tmp_path, capsys):
+    path = tmp_path / "calibration.json"
+    save_calibration(SLOW, str(path))
+    assert load_calibration(str(path)) == SLOW
+    code, out = run_plan(tmp_path, "--calibration", str(path))
+    assert code == 0
+    assert Hardware.from_json(json.loads(out.read_text())["hardware"]) == SLOW
+
+
+BAD = [
+    ([], "plan needs --world_size N"),
+    (["--world_size", "4", "--nnodes", "3"], "world_size must be divisible by nnodes; got world_size=4, nnodes=3"),
+    (["--world_size", "4", "--gpu", "Z80"], "unknown --gpu 'Z80'"),
+    (["--world_size", "4", "--device", "cpu"], "--device cpu needs --device_memory_gib G"),
+    (["--world_size", "4", "--device_memory_gib", "0"], "device_memory_gib must be > 0 GiB"),
+    (["--world_size", "4", "--global_batch_size", "0"], "global_batch_size must be >= 1"),
+    (["--world_size", "4", "--num_attention_heads", "6"], "num_attention_heads must be divisible by num_key_value_heads"),
+    (["--calibrate"], "--calibrate writes the rates it measures to --calibration FILE"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_input_is_one_line(argv, message, monkeypatch, capsys, tmp_path):
+    assert_refused_before_launch(["plan", "--", *argv, "--output_json", str(tmp_path / "p.json")], message,
+                                 monkeypatch, capsys)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_an_earlier_plan_is_not_replaced(tmp_path, monkeypatch, capsys):
+    (tmp_path / "plan.json").write_text("mine")
+    assert_refused_before_launch(["plan", "--", "--world_size", "4", *TINY_ARGS, "--output_json",
+                                  str(tmp_path / "plan.json")], "already exists; pass --overwrite", monkeypatch, capsys)
+    assert (tmp_path / "plan.json").read_text() == "mine"
 
 
 # ---------------------------------------------------------------- --validate's statistics and choice

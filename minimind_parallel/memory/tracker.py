@@ -56,6 +56,24 @@ def _describe(func, out) -> str:
     return f"{func.__name__} -> {' '.join(shapes)}"
 
 
+# Ops that only answer a question about a tensor: the autograd engine asks every tensor's device
+# (prim.device, dispatched to the mode for fake tensors), more often than all other ops together.
+_METADATA_QUERIES = frozenset({torch.ops.prim.device.default})
+
+
+def _tensors(tree):
+    """The tensors among an op's arguments or outputs: a tensor, or nested tuples / lists / dicts
+    of them (what aten ops take and return; `tree_flatten`'s leaves, without its generality)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
 class StorageTracker(TorchDispatchMode):
     """`with StorageTracker() as t: ...` then `t.report()`. Register known storages with `mark`."""
 
@@ -157,13 +175,15 @@ class StorageTracker(TorchDispatchMode):
     # -- the mode ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in _METADATA_QUERIES:   # a question about a tensor (its device): no storage made or touched
+            return out
         foreign = set()
         with self._lock:
             if self.detail:
                 self._op = _describe(func, out)
             for is_input, tree in ((True, (args, kwargs)), (False, out)):
-                for t in tree_flatten(tree)[0]:
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                for t in _tensors(tree):
+                    if t.device.type != "meta":
                         self._see(t, is_input=is_input, foreign=foreign)
             self._update_peak()
         return out

@@ -4,11 +4,11 @@ runs); registering one is a line here. The launcher and the worker know tasks on
 from __future__ import annotations
 
 from ..config import ConfigError
-from . import benchmark, export, generate, sft, train, validate
+from . import benchmark, export, generate, plan, sft, train, validate
 from .task import Task
 
 TASKS: dict[str, Task] = {t.name: t for t in (validate.TASK, benchmark.TASK, train.TASK, sft.TASK, export.TASK,
-                                         generate.TASK)}
+                                         generate.TASK, plan.TASK)}
 
 
 def get(name: str) -> Task:

@@ -11,6 +11,7 @@ block holds its input (`StageSizes.block`); its backward re-makes the rest
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -28,7 +29,9 @@ def numel(shape) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class StageSizes:
-    """The sizes every moment of one stage's step is a sum of (bytes, unless a count or a flag)."""
+    """The sizes every moment of one stage's step is a sum of (bytes, unless a count or a flag).
+    Frozen, so each derived size is computed once (`cached_property`): the schedule's replay reads
+    them at every moment."""
 
     par: ParallelConfig
     b: int                     # bytes per element of the model dtype
@@ -53,18 +56,18 @@ class StageSizes:
     chunk_len: int = 0         # CP: tokens of one sequence chunk (context_parallel.ContextLayout)
     cp_rank: int = 0           # CP: this rank's place in the CP group (which chunks it holds)
 
-    @property
+    @cached_property
     def param_bytes(self) -> int:
         return self.b * sum(numel(s) for s in self.shapes.values())
 
-    @property
+    @cached_property
     def block(self) -> int:
         """One block's activations of one microbatch, held to its backward (full: its input)."""
         if self.par.recompute == Recompute.FULL:
             return self.kinds["block.checkpoint_input"]
         return sum(v for k, v in self.kinds.items() if k.startswith("block."))
 
-    @property
+    @cached_property
     def gate_up_input(self) -> int:
         """The share of a block's column-parallel inputs ("block.column_input") that gate_proj and
         up_proj save: two of five under basic SP (one gather per linear), else half."""
@@ -73,7 +76,7 @@ class StageSizes:
         column = self.kinds["block.column_input"]
         return column * 2 // 5 if basic_sp else column // 2
 
-    @property
+    @cached_property
     def recomputed(self) -> int:
         """--recompute full: what a block's re-run forward saves again, alive in its backward
         (kept by the checkpoint's own saved-tensor hooks: temporaries to the tracker)."""
@@ -83,23 +86,23 @@ class StageSizes:
         return (sum(v for k, v in self.kinds.items() if k.startswith("block.") and k != "block.checkpoint_input")
                 - self.kinds["block.checkpoint_input"])
 
-    @property
+    @cached_property
     def batch(self) -> int:
         """Alive all step, on every stage: the ids and targets [M*B, S] (split into microbatches
         there) and the microbatches' loss weights (fp32 [M])."""
         return 16 * self.n * self.mb + 4 * self.mb
 
-    @property
+    @cached_property
     def loss_scalar(self) -> int:
         """The last stage keeps one loss per forward (the report)."""
         return 4 if (self.par.vocab_parallel or self.par.loss_chunks > 1) else self.b
 
-    @property
+    @cached_property
     def weight(self) -> int:
         """The loss weight cast to the loss dtype, saved by the scaling (nothing when fp32)."""
         return self.loss_scalar if self.loss_scalar != 4 else 0
 
-    @property
+    @cached_property
     def held_temps(self) -> int:
         """Not saved for backward, so temporaries to the tracker: the received input (the first
         norm saves its fp32 copy instead) and the sent output, deallocated to one element."""
@@ -109,13 +112,13 @@ class StageSizes:
         sent = self.cp_scaled_loss if self.last else b
         return (b * self.nn * self.hid if not self.first and upcast_only else 0) + sent
 
-    @property
+    @cached_property
     def cp_scaled_loss(self) -> int:
         """The last stage under CP: the loss scaled by cp for backward (the schedule's grad_scale),
         held until its backward."""
         return self.loss_scalar if self.last and self.par.cp > 1 else 0
 
-    @property
+    @cached_property
     def held(self) -> int:
         """What one microbatch keeps from the end of its forward to its backward."""
         k = self.kinds
@@ -126,31 +129,31 @@ class StageSizes:
             held += k["model.final_norm"] + k["model.head_input"] + k["model.logits_loss"] + self.weight
         return held
 
-    @property
+    @cached_property
     def mlp_out(self) -> int:
         """One [N, I/T] tensor of the MLP."""
         return self.b * self.n * self.inter
 
-    @property
+    @cached_property
     def mlp_w_grad(self) -> int:
         """down_proj's weight grad [H, I/T]."""
         return self.b * self.hid * self.inter
 
-    @property
+    @cached_property
     def head_w_grad(self) -> int:
         return self.b * self.vocab * self.hid if self.last else 0
 
-    @property
+    @cached_property
     def head_grads(self) -> int:
         """The grads the head's backward leaves: the final norm's, and lm_head's unless tied here."""
         return self.b * self.hid + (0 if self.tied_here else self.head_w_grad) if self.last else 0
 
-    @property
+    @cached_property
     def waiting(self) -> int:
         """A tied weight's grad waits in autograd's buffer for the embedding's contribution."""
         return self.head_w_grad if self.tied_here else 0
 
-    @property
+    @cached_property
     def ddp_buckets(self) -> int:
         """DDP's flat gradient buckets (no DDP under a pipeline, nor under --zero)."""
         return self.param_bytes if self.par.dp * self.par.cp > 1 and self.par.pp == 1 and not self.par.zero else 0

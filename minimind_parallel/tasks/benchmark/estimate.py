@@ -24,7 +24,7 @@ def estimate_cell(job: Job, run: CellRun, row: dict) -> None:
     config, par = model_config(run.args), run.par
     try:
         cp_ranks = range(1 if par.cp_load_balance else par.cp)
-        reports = [max((memory.estimate_step_memory(config, par, iters=2, stage=p, cp_rank=r, **run.sizes)
+        reports = [max((memory.estimate_step_memory(config, par, iters=1, stage=p, cp_rank=r, **run.sizes)
                         for r in cp_ranks), key=lambda r: r.peak_bytes) for p in range(par.pp)]
         worst = max(reports, key=lambda r: r.peak_bytes)
         outputs.fill_memory(row, worst.peak_bytes, worst.breakdown)

@@ -1,0 +1,22 @@
+"""Which layout fits a set of devices and which is fastest: every valid layout of the project's
+dimensions, its per-rank peak from the analytic memory model and its step time from a stated,
+calibrated time model, ranked by predicted tokens/s (docs/planning.md).
+
+    space.py        the candidate space as data: one table of dimensions, every layout of it and
+                    why each one cut was cut (check_layout's constraint, or the planner's own)
+    hardware.py     the rates the time model reads (`Hardware`), built-in GPU profiles with their
+                    sources, the calibration file
+    time_model.py   `step_time`: GEMM / attention FLOPs, elementwise bytes, each collective's bytes
+                    over its group's link, the overlaps, the pipeline bubble
+    ranking.py      `plan`: each candidate's memory (analytic; allocator workspaces on CUDA) and
+                    time, the fitting ones ranked, the others with why
+    calibrate.py    `calibrate`: this machine's rates, measured
+    agreement.py    predicted against measured: MAPE, Spearman's rank correlation
+"""
+from .hardware import GPU_PROFILES, Hardware, Link
+from .ranking import Plan, PlanEntry, plan
+from .space import Candidate, Workload, enumerate_layouts
+from .time_model import StepTime, step_time
+
+__all__ = ["Candidate", "GPU_PROFILES", "Hardware", "Link", "Plan", "PlanEntry", "StepTime", "Workload",
+           "enumerate_layouts", "plan", "step_time"]

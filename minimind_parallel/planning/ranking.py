@@ -1,0 +1,86 @@
+"""`plan`: every layout of the space with its predicted per-rank peak (the analytic model; on
+CUDA plus the cuBLAS workspaces the allocator holds, memory/allocator.py) and step time
+(time_model.py), the fitting ones ranked by predicted tokens/s, the others with why they were cut."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import DTYPES
+from ..memory import predict_memory
+from ..memory.allocator import CudaSetup
+from ..pipeline_parallel.order import Schedule
+from .hardware import Hardware
+from .space import Candidate, Cut, Workload, enumerate_layouts
+from .time_model import StepTime, step_time
+
+MIB = 2**20
+
+
+@dataclass
+class PlanEntry:
+    candidate: Candidate
+    peak_bytes: int
+    breakdown: dict           # CATEGORIES -> bytes at the peak (+ "workspaces" on CUDA)
+    time: StepTime
+    tokens_per_s: float
+    mfu: float
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * self.time.total
+
+
+@dataclass
+class Plan:
+    workload: Workload
+    hardware: Hardware
+    budget_bytes: int
+    fitting: list[PlanEntry] = field(default_factory=list)     # ranked, fastest first
+    over_budget: list[PlanEntry] = field(default_factory=list)
+    cuts: list[Cut] = field(default_factory=list)
+
+    @property
+    def candidates(self) -> int:
+        return len(self.fitting) + len(self.over_budget) + len(self.cuts)
+
+
+def model_flops_per_token(w: Workload) -> float:
+    """6 N + the causal attention (forward + backward), the MFU's numerator per token."""
+    from ..training.metrics import model_flops_per_token as flops
+    return flops(w.model, w.seq_len)
+
+
+def workspace_bytes(hw: Hardware) -> int:
+    """What the CUDA allocator holds beyond the tensors that the planner adds: the cuBLAS workspaces
+    of the GPU generation (memory/allocator.py's CudaSetup, this process's environment variables)."""
+    return sum(CudaSetup.from_env(capability=hw.cuda_capability or (9, 0)).workspaces())
+
+
+def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_token: float) -> PlanEntry:
+    pred = predict_memory(w.model, k.parallel, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
+                          dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
+                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B)
+    breakdown = dict(pred.breakdown)
+    peak = pred.peak_bytes
+    if device == "cuda":
+        breakdown["workspaces"] = workspace_bytes(hw)
+        peak += breakdown["workspaces"]
+    params = pred.breakdown["params"] // DTYPES[w.dtype].itemsize
+    t = step_time(k, w, hw, stage_params=params)
+    tokens_per_s = w.global_batch_size * w.seq_len / t.total
+    mfu = flops_per_token * tokens_per_s / (w.world_size * hw.peak_flops)
+    return PlanEntry(candidate=k, peak_bytes=peak, breakdown=breakdown, time=t, tokens_per_s=tokens_per_s, mfu=mfu)
+
+
+def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int) -> Plan:
+    """Every layout of the space (space.enumerate_layouts), each that passes its constraints
+    predicted; the ones within `budget_bytes` per rank ranked by tokens/s."""
+    valid, cuts = enumerate_layouts(w)
+    result = Plan(workload=w, hardware=hw, budget_bytes=budget_bytes, cuts=cuts)
+    flops = model_flops_per_token(w)
+    for k in valid:
+        e = evaluate(k, w, hw, device, flops)
+        (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
+    result.fitting.sort(key=lambda e: (-e.tokens_per_s, e.peak_bytes))
+    result.over_budget.sort(key=lambda e: e.peak_bytes)
+    return result

@@ -1,0 +1,398 @@
+"""`plan`: which layout fits the devices and which is fastest, no ranks launched.
+
+    python -m evaluation.parallel plan -- --world_size 8 --device cuda --device_memory_gib 24 \\
+        --hidden_size 768 --num_hidden_layers 32 --seq_len 2048 --global_batch_size 16 --output_json plan.json
+
+Every layout of the space (planning/space.py: the dimensions and check_layout's constraints) with
+its predicted per-rank peak (the analytic memory model; on CUDA plus the cuBLAS workspaces) and
+step time (planning/time_model.py, at a GPU profile's or a calibration file's rates); prints the
+fitting ones ranked by predicted tokens/s and why the others were cut, writes the JSON (each
+layout's train command and the `benchmark --estimate` command of its cell) and a PNG of predicted
+memory against time with the budget line. `--calibrate` measures this machine's rates instead
+(planning/calibrate.py) and writes them to --calibration.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+
+from ..config import ConfigError, MiniMindConfig, check_layout
+from ..files import atomic_path, check_directory
+from ..job import Job, LaunchOptions, TaskOptions
+from ..options import PRESETS, Parser, check_at_least, check_number, launcher_layout, program_name
+from ..planning import GPU_PROFILES, Workload, plan
+from ..planning.agreement import mape, spearman
+from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
+from ..planning.space import DOMINATED, Candidate
+from .benchmark.command import BatchPolicy, Kind
+from .benchmark.outputs import Status
+from .export import check_single_process
+from .task import Task
+
+GIB, MIB = 2**30, 2**20
+# how the commands of a layout start (from the repository root, as README's commands)
+PROGRAM = ("python", "-m", "evaluation.parallel")
+# the corpus and tokenizer of README's Train section, which a train command reads
+TRAIN_DATA = ("--data_path", "data/stdlib.jsonl", "--tokenizer_path", "data/tokenizer")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="plan", description="rank every layout that fits the devices by predicted tokens/s (no ranks)")
+    p.add_argument("--world_size", type=int, default=None, help="ranks (one device each)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are spread over (equally)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--device_memory_gib", type=float, default=None,
+                   help="memory per device (default: the --gpu profile's; required on CPU)")
+    p.add_argument("--gpu", default=None, help=f"built-in rates of a GPU: {', '.join(GPU_PROFILES)} (default H100)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="rates measured by plan --calibrate (instead of --gpu); with --calibrate: where they go")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's rates into --calibration")
+    p.add_argument("--hidden_size", type=int, default=768)
+    p.add_argument("--num_hidden_layers", type=int, default=8)
+    p.add_argument("--num_attention_heads", type=int, default=8)
+    p.add_argument("--num_key_value_heads", type=int, default=4)
+    p.add_argument("--vocab_size", type=int, default=6400)
+    p.add_argument("--intermediate_size", type=int, default=None)
+    p.add_argument("--tie_word_embeddings", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the parameters' and activations' dtype (the train commands use --precision pure; float16 "
+                        "parameters cannot take AdamW steps)")
+    p.add_argument("--seq_len", type=int, default=2048)
+    p.add_argument("--global_batch_size", type=int, default=16, help="rows per optimizer step over every replica")
+    p.add_argument("--top", type=int, default=10, help="fitting layouts printed (the JSON has all)")
+    p.add_argument("--output_json", default=None, help="default results/plan_<time>.json")
+    p.add_argument("--output_plot", default=None, help="default: beside the JSON (PNG)")
+    p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier plan")
+    p.add_argument("--validate", type=int, default=0, metavar="K",
+                   help="run the top K and K random fitting layouts as real benchmark cells here (memory and "
+                        "throughput) and report predicted against measured")
+    p.add_argument("--validate_iters", type=int, default=3, help="measured steps of each validation cell")
+    p.add_argument("--seed", type=int, default=0, help="which random layouts --validate draws")
+    return p
+
+
+def resolve(launch: LaunchOptions, args: argparse.Namespace, argv: tuple[str, ...]) -> Job:
+    if args.output_json is None:
+        args.output_json = os.path.join("results", f"plan_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}.json")
+    if args.output_plot is None:
+        args.output_plot = os.path.splitext(args.output_json)[0] + ".png"
+    return Job(launch=launch, task=TaskOptions.of(args), model=None, parallel=launcher_layout(launch), argv=argv)
+
+
+def model_of(args) -> MiniMindConfig:
+    return MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                          num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                          vocab_size=args.vocab_size, intermediate_size=args.intermediate_size,
+                          tie_word_embeddings=args.tie_word_embeddings)
+
+
+def workload_of(args) -> Workload:
+    return Workload(model=model_of(args), seq_len=args.seq_len, global_batch_size=args.global_batch_size,
+                    world_size=args.world_size, nnodes=args.nnodes, dtype=args.dtype)
+
+
+def hardware_of(args):
+    if args.calibration is not None and not args.calibrate:
+        return load_calibration(args.calibration)
+    if args.device == "cpu":
+        return CPU_DEFAULT
+    return gpu_profile(args.gpu or "H100")
+
+
+def budget_gib(args, hw) -> float:
+    return args.device_memory_gib if args.device_memory_gib is not None else hw.memory_gib
+
+
+def check(job: Job) -> None:
+    launch, args = job.launch, job.task
+    check_single_process(launch, "plan")
+    if args.calibrate:
+        if args.calibration is None:
+            raise ConfigError("--calibrate writes the rates it measures to --calibration FILE; got no --calibration")
+        check_new(args.calibration, args.overwrite, "--calibration")
+        return
+    if args.world_size is None:
+        raise ConfigError("plan needs --world_size N (the ranks to lay out)")
+    check_at_least(args, 1, ("world_size", "nnodes", "global_batch_size", "top", "num_hidden_layers", "validate_iters"))
+    check_at_least(args, 0, ("validate",))
+    if args.validate and args.nnodes > 1:
+        raise ConfigError(f"--validate runs its cells on this machine, one node; got --nnodes {args.nnodes}")
+    if args.world_size % args.nnodes:
+        raise ConfigError(f"world_size must be divisible by nnodes; got world_size={args.world_size}, "
+                          f"nnodes={args.nnodes}")
+    if args.gpu is not None and args.calibration is not None:
+        raise ConfigError(f"give --gpu or --calibration, not both; got --gpu {args.gpu}, --calibration {args.calibration}")
+    if args.gpu is not None and args.device != "cuda":
+        raise ConfigError(f"--gpu names a GPU's rates and needs --device cuda; got --device {args.device}")
+    hw = hardware_of(args)
+    check_number(args, "device_memory_gib", minimum=0.0, exclusive=True, unit=" GiB")
+    if budget_gib(args, hw) is None:
+        raise ConfigError(f"--device {args.device} needs --device_memory_gib G (memory per rank)")
+    check_layout(model_of(args), launcher_layout(launch), seq_len=args.seq_len)   # the model itself, on one rank
+    check_new(args.output_json, args.overwrite, "--output_json")
+    check_new(args.output_plot, args.overwrite, "--output_plot")
+
+
+def check_new(path: str, overwrite: bool, what: str) -> None:
+    """A user's earlier results are never replaced silently; the folder can be written."""
+    if os.path.exists(path) and not overwrite:
+        raise ConfigError(f"{what} {path} already exists; pass --overwrite to replace it")
+    check_directory(f"{what} {path}", os.path.dirname(os.path.abspath(path)))
+
+
+# ---------------------------------------------------------------- the commands of a layout
+
+def model_argv(args) -> list[str]:
+    argv = ["--hidden_size", args.hidden_size, "--num_hidden_layers", args.num_hidden_layers,
+            "--num_attention_heads", args.num_attention_heads, "--num_key_value_heads", args.num_key_value_heads,
+            "--vocab_size", args.vocab_size]
+    if args.intermediate_size is not None:
+        argv += ["--intermediate_size", args.intermediate_size]
+    argv.append("--tie_word_embeddings" if args.tie_word_embeddings else "--no-tie_word_embeddings")
+    return [str(a) for a in argv]
+
+
+def launcher_argv(k: Candidate, device: str, nnodes: int) -> list[str]:
+    argv = ["--tp_size", k.tp, "--pp_size", k.pp, "--dp_size", k.dp, "--device", device]
+    if k.cp > 1:
+        argv += ["--cp", "--cp_size", k.cp]
+    if nnodes > 1:
+        argv += ["--nnodes", nnodes, "--node_rank", 0]
+    return [str(a) for a in argv]
+
+
+def flag_argv(k: Candidate) -> list[str]:
+    argv = [f"--{name}" for name in ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel")
+            if getattr(k, name)]
+    argv += ["--recompute", str(k.recompute), "--loss_chunks", str(k.loss_chunks)]
+    if k.cp > 1:
+        argv += ["--cp_comm_type", str(k.cp_comm_type), "--cp_load_balance" if k.cp_load_balance else "--no-cp_load_balance"]
+    if k.pp > 1:
+        argv += ["--pp_schedule", str(k.pp_schedule)]
+    return argv
+
+
+def benchmark_mode(k: Candidate) -> str:
+    """The benchmark preset of the layout's model-parallel dimensions (options.PRESETS; none: ddp)."""
+    dims = (k.tp > 1, k.pp > 1, k.cp > 1)
+    if not any(dims):
+        return "ddp"
+    return next(p.name for p in PRESETS if not p.flags and not p.replicas and (p.tp, p.pp, p.cp) == dims)
+
+
+def train_command(k: Candidate, args) -> str:
+    argv = ["train", *launcher_argv(k, args.device, args.nnodes), "--", *TRAIN_DATA, *model_argv(args),
+            "--max_seq_len", str(args.seq_len), "--batch_size", str(k.micro_batch_size),
+            "--accumulation_steps", str(k.num_microbatches), "--dtype", args.dtype, "--precision", "pure",
+            *flag_argv(k)]
+    return shlex.join([*PROGRAM, *argv])
+
+
+def cell_argv(k: Candidate, args, *, kind: Kind, device: str) -> list[str]:
+    """The benchmark cell of layout `k` (its preset, sizes and flags; one row per DP replica's microbatch)."""
+    return ["benchmark", "--kind", str(kind), *launcher_argv(k, device, 1), "--", "--modes", benchmark_mode(k),
+            *model_argv(args), "--seq_len", str(args.seq_len), "--micro_batch_size", str(k.micro_batch_size),
+            "--num_microbatches", str(k.num_microbatches),
+            *(["--batch_policy", str(BatchPolicy.FIXED_PER_RANK)] if kind == Kind.MEMORY else []), "--dtype", args.dtype, *flag_argv(k)]
+
+
+def estimate_command(k: Candidate, args, hw) -> str:
+    cap = hw.cuda_capability or (9, 0)
+    argv = [*cell_argv(k, args, kind=Kind.MEMORY, device="cuda"), "--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"]
+    return shlex.join([*PROGRAM, *argv])
+
+
+# ---------------------------------------------------------------- outputs
+
+def layout_row(e, args, hw) -> dict:
+    k = e.candidate
+    return {"tp": k.tp, "pp": k.pp, "cp": k.cp, "dp": k.dp, "ep": k.ep, "zero": k.zero,
+            "flags": {n: (str(v) if not isinstance(v, (bool, int)) else v) for n, v in k.flags.items()},
+            "predicted_peak_mib": e.peak_bytes / MIB, "predicted_step_ms": e.step_ms,
+            "predicted_tokens_per_s": e.tokens_per_s, "predicted_mfu": e.mfu,
+            "breakdown_mib": {c: v / MIB for c, v in e.breakdown.items()}, "time_ms": e.time.as_ms(),
+            "train_command": train_command(k, args), "estimate_command": estimate_command(k, args, hw)}
+
+
+def cut_summary(result) -> list[dict]:
+    """Cut layouts by constraint (count and one example each); then those over the budget."""
+    groups = collections.OrderedDict()
+    for cut in result.cuts:
+        groups.setdefault(cut.constraint, []).append(cut)
+    rows = [{"constraint": name, "layouts": len(cuts), "example": cuts[0].candidate.describe(),
+             "reason": cuts[0].reason} for name, cuts in groups.items()]
+    if result.over_budget:
+        least = result.over_budget[0]
+        rows.append({"constraint": "predicted peak over the device memory", "layouts": len(result.over_budget),
+                     "example": least.candidate.describe(),
+                     "reason": f"the least over: {least.peak_bytes / GIB:.2f} GiB > {result.budget_bytes / GIB:.2f} "
+                               f"GiB by {(least.peak_bytes - result.budget_bytes) / GIB:.2f} GiB"})
+    return rows
+
+
+def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...], validation: dict | None) -> None:
+    out = {"command": [*program_name().split(), *argv],
+           "workload": {"world_size": args.world_size, "nnodes": args.nnodes, "device": args.device,
+                        "device_memory_gib": result.budget_bytes / GIB, "seq_len": args.seq_len,
+                        "global_batch_size": args.global_batch_size, "dtype": args.dtype,
+                        "model": model_argv(args)},
+           "hardware": hw.to_json(), "candidates": result.candidates, "seconds": seconds,
+           "layouts": [layout_row(e, args, hw) for e in result.fitting], "cut": cut_summary(result)}
+    if validation is not None:
+        out["validation"] = validation
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def write_plot(path: str, result) -> None:
+    """Predicted peak (GiB) against predicted step time, fitting and over-budget layouts, the budget line."""
+    import matplotlib  # here: slow to import, needed for the plot only
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for entries, label, color in ((result.fitting, "fits", "C0"), (result.over_budget, "over budget", "C3")):
+        if entries:
+            ax.scatter([e.step_ms for e in entries], [e.peak_bytes / GIB for e in entries], s=6, alpha=0.5,
+                       color=color, label=f"{label} ({len(entries)})")
+    if result.fitting:
+        best = result.fitting[0]
+        ax.scatter([best.step_ms], [best.peak_bytes / GIB], s=60, marker="*", color="k", label="ranked first")
+    ax.axhline(result.budget_bytes / GIB, color="k", ls="--", lw=1, label=f"budget {result.budget_bytes / GIB:.1f} GiB")
+    ax.set(xlabel="predicted step time (ms)", ylabel="predicted peak per rank (GiB)", xscale="log",
+           title=f"plan: {result.workload.world_size} ranks, {result.hardware.name}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def print_plan(result, args, hw, seconds: float) -> None:
+    w = result.workload
+    print(f"plan: {w.world_size} ranks on {w.nnodes} node(s), {args.device} {hw.name} ({hw.source}); "
+          f"{result.budget_bytes / GIB:.2f} GiB per rank; S={w.seq_len}, global batch {w.global_batch_size}, "
+          f"{args.dtype}")
+    print(f"plan: {result.candidates} layouts, {len(result.fitting)} fit, {len(result.over_budget)} over the "
+          f"memory, {len(result.cuts)} cut by a constraint ({seconds:.1f} s)")
+    head = (f"{'#':>3} {'layout':<58} {'peak GiB':>8} {'step ms':>9} {'tokens/s':>10} {'MFU':>6}  "
+            f"params/grads/optim/act/tmp GiB")
+    print(head)
+    print("-" * len(head))
+    for i, e in enumerate(result.fitting[:args.top], 1):
+        b = e.breakdown
+        parts = "/".join(f"{b[c] / GIB:.2f}" for c in ("params", "grads", "optimizer", "activations", "temporaries"))
+        if "workspaces" in b:
+            parts += f" +{b['workspaces'] / MIB:.0f} MiB ws"
+        print(f"{i:>3} {e.candidate.describe():<58} {e.peak_bytes / GIB:>8.2f} {e.step_ms:>9.2f} "
+              f"{e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {parts}")
+    if not result.fitting:
+        print("plan: no layout fits")
+    print("not enumerated (dominated): " + "; ".join(DOMINATED))
+    print("cut:")
+    for row in cut_summary(result):
+        values = row["reason"][len(row["constraint"]):].lstrip("; ")
+        print(f"  {row['layouts']:>5} x {row['constraint']} (e.g. {row['example']}{': ' + values if values else ''})")
+
+
+def launch_plan(job: Job) -> int:
+    args = job.task
+    if args.calibrate:
+        from ..planning.calibrate import calibrate
+        hw = calibrate(args.device, args.dtype)
+        save_calibration(hw, args.calibration)
+        print(f"plan: {hw.name}: GEMM {hw.gemm_flops / 1e9:.1f} GFLOP/s, attention "
+              f"{hw.attention_flops / 1e9:.1f} GFLOP/s, memory {hw.memory_bandwidth / 1e9:.2f} GB/s, op "
+              f"{1e6 * hw.op_overhead_s:.1f} us, link {1e6 * hw.intra.latency_s:.0f} us + "
+              f"{hw.intra.bandwidth / 1e9:.2f} GB/s; wrote {args.calibration}")
+        return 0
+    t0 = time.perf_counter()
+    hw = hardware_of(args)
+    result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB))
+    seconds = time.perf_counter() - t0
+    print_plan(result, args, hw, seconds)
+    validation = validate(result, args) if args.validate else None
+    write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
+    write_plot(args.output_plot, result)
+    print(f"plan: wrote {args.output_json}, {args.output_plot}")
+    return 0
+
+
+# ---------------------------------------------------------------- --validate: predicted against measured
+
+def validation_layouts(result, k: int, seed: int) -> list:
+    """The top k fitting layouts and k others drawn at random from the rest."""
+    top, rest = result.fitting[:k], result.fitting[k:]
+    return top + random.Random(seed).sample(rest, min(k, len(rest)))
+
+
+def run_cell(argv: list[str], out_dir: str, name: str) -> dict:
+    """One benchmark cell as its own command (its ranks launched by the benchmark); -> its CSV row."""
+    csv_path = os.path.join(out_dir, f"{name}.csv")
+    cmd = [sys.executable, "-m", "evaluation.parallel", *argv, "--output_csv", csv_path]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate()
+    finally:
+        if proc.poll() is None:   # interrupted: the benchmark ends its ranks on SIGTERM
+            proc.terminate()
+            proc.wait()
+    if not os.path.exists(csv_path):
+        return {"status": Status.FAILED, "reason": (err or "").strip().splitlines()[-1:]}
+    with open(csv_path) as f:
+        return next(csv.DictReader(f))
+
+
+def validate(result, args) -> dict:
+    """Each chosen layout's memory cell (the measured peak against the prediction: exact on CPU) and
+    throughput cell (the measured step time against the predicted); MAPE and Spearman over them."""
+    chosen = validation_layouts(result, args.validate, args.seed)
+    out_dir = os.path.splitext(args.output_json)[0] + "_validate"
+    os.makedirs(out_dir, exist_ok=True)
+    device = args.device
+    rows = []
+    print(f"plan: validating {len(chosen)} layouts as benchmark cells on this machine ({device}), results in {out_dir}")
+    head = f"{'layout':<58} {'pred MiB':>10} {'meas MiB':>10} {'pred ms':>9} {'meas ms':>9} {'error':>7}"
+    print(head)
+    for i, e in enumerate(chosen):
+        k = e.candidate
+        iters = ["--warmup_iters", "1", "--benchmark_iters", str(args.validate_iters)]
+        mem = run_cell([*cell_argv(k, args, kind=Kind.MEMORY, device=device), *iters], out_dir, f"{i}_memory")
+        thr = run_cell([*cell_argv(k, args, kind=Kind.THROUGHPUT, device=device), *iters], out_dir, f"{i}_throughput")
+        ok = mem.get("status") == Status.OK and thr.get("status") == Status.OK
+        row = {"layout": k.describe(), "predicted_peak_mib": e.peak_bytes / MIB, "predicted_step_ms": e.step_ms,
+               "measured_peak_mib": float(mem["peak_mib"]) if ok else None,
+               "measured_step_ms": float(thr["step_ms"]) if ok else None,
+               "status": Status.OK if ok else f"memory {mem.get('status')}, throughput {thr.get('status')}"}
+        rows.append(row)
+        if ok:
+            err = 100 * (row["predicted_step_ms"] - row["measured_step_ms"]) / row["measured_step_ms"]
+            print(f"{row['layout']:<58} {row['predicted_peak_mib']:>10.2f} {row['measured_peak_mib']:>10.2f} "
+                  f"{row['predicted_step_ms']:>9.1f} {row['measured_step_ms']:>9.1f} {err:>+6.1f}%", flush=True)
+        else:
+            print(f"{row['layout']:<58} {row['status']}", flush=True)
+    done = [r for r in rows if r["status"] == Status.OK]
+    summary = {"layouts": rows, "load_average": os.getloadavg()[0]}
+    if len(done) >= 2:
+        pred, meas = [r["predicted_step_ms"] for r in done], [r["measured_step_ms"] for r in done]
+        summary.update(time_mape_pct=mape(pred, meas), spearman=spearman(pred, meas),
+                       memory_max_abs_diff_mib=max(abs(r["predicted_peak_mib"] - r["measured_peak_mib"]) for r in done))
+        print(f"plan: time MAPE {summary['time_mape_pct']:.1f}%, Spearman {summary['spearman']:.3f} over {len(done)} "
+              f"layouts; memory: largest |predicted - measured| {summary['memory_max_abs_diff_mib']:.3f} MiB "
+              f"(load average {summary['load_average']:.1f})")
+    return summary
+
+
+def run_rank(job: Job, device) -> int:
+    raise RuntimeError("plan runs in the launcher process; it starts no ranks")
+
+
+TASK = Task(name="plan", parser=parser, resolve=resolve, check=check, launch=launch_plan, run_rank=run_rank)
