@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
 from ..config import ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
+from ..memory.analytic.predict import MODELLED_SCHEDULES
 from ..pipeline_parallel.order import Schedule
 
 
@@ -132,7 +133,8 @@ DIMENSIONS = (
     # only with pp > 1); a pipeline: every count >= pp that splits the replica's rows evenly
     Dimension("num_microbatches", lambda w, c: [m for m in divisors(max(1, _rows_per_replica(w, c))) if m >= c["pp"]],
               lambda c: c["pp"] > 1),
-    Dimension("pp_schedule", lambda w, c: list(Schedule), lambda c: c["pp"] > 1),
+    # the schedules whose memory the analytic model replays (interleaved and zb are measured, not modelled)
+    Dimension("pp_schedule", lambda w, c: list(MODELLED_SCHEDULES), lambda c: c["pp"] > 1),
 )
 
 
