@@ -98,12 +98,14 @@ class MiniMindConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """The rank grid dp x pp x cp x tp (TP fastest) and the tensor-parallel features."""
+    """The rank grid dp x pp x cp x tp (TP fastest) and the tensor-parallel features. Expert
+    parallelism (`ep`) adds no ranks: its groups are carved out of the DP x CP ranks (groups.py)."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
     dp: int = 1
+    ep: int = 1                     # expert-parallel ranks among the DP x CP ones (each holds num_experts / ep experts)
     sequence_parallel: bool = False
     async_communication: bool = False
     shared_sp_gather: bool = False
@@ -131,9 +133,10 @@ class ParallelConfig:
 
 def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | None = None) -> None:
     """Raise ConfigError naming the first broken constraint and its values."""
-    for name in ("tp", "pp", "cp", "dp"):
+    for name in ("tp", "pp", "cp", "dp", "ep"):
         if getattr(par, name) < 1:
             raise ConfigError(f"{name} size must be >= 1; got {name}={getattr(par, name)}")
+    check_expert_parallel(par)
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         if getattr(model, name) < 1:
             raise ConfigError(f"{name} must be >= 1; got {name}={getattr(model, name)}")
@@ -191,6 +194,18 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
             raise ConfigError(f"loss_chunks must be <= seq_len (a chunk of at least one position per sequence); "
                               f"got loss_chunks={par.loss_chunks}, seq_len={seq_len}")
         check_context_split(par, seq_len)
+
+
+def check_expert_parallel(par: ParallelConfig) -> None:
+    """The expert-parallel ranks are carved out of the DP x CP ranks (Megatron-LM's layout): ep
+    divides dp x cp."""
+    replicas = par.dp * par.cp
+    if par.ep > replicas:
+        raise ConfigError(f"ep_size must be <= dp_size x cp_size (the expert-parallel ranks are carved out of the "
+                          f"data- and context-parallel ones); got ep_size={par.ep}, dp_size={par.dp}, cp_size={par.cp}")
+    if replicas % par.ep:
+        raise ConfigError(f"ep_size must divide dp_size x cp_size (the expert-parallel ranks are carved out of the "
+                          f"data- and context-parallel ones); got ep_size={par.ep}, dp_size={par.dp}, cp_size={par.cp}")
 
 
 def check_recompute(par: ParallelConfig) -> None:

@@ -207,7 +207,7 @@ def mode_parallel(launch, args, mode: str | None) -> ParallelConfig:
 
 def launcher_layout(launch) -> ParallelConfig:
     """The launcher's sizes alone, for a task without the model arguments (export)."""
-    return ParallelConfig(tp=launch.tp_size, pp=launch.pp_size, cp=launch.cp_size, dp=launch.dp_size)
+    return ParallelConfig(tp=launch.tp_size, pp=launch.pp_size, cp=launch.cp_size, dp=launch.dp_size, ep=launch.ep_size)
 
 
 def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
@@ -219,7 +219,7 @@ def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
 
 def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = None) -> ParallelConfig:
     return ParallelConfig(tp=launch.tp_size if tp is None else tp, pp=launch.pp_size, cp=launch.cp_size,
-                          dp=launch.dp_size if dp is None else dp,
+                          dp=launch.dp_size if dp is None else dp, ep=launch.ep_size,
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
                           shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel,
                           cp_comm_type=args.cp_comm_type, cp_load_balance=args.cp_load_balance,

@@ -66,6 +66,13 @@ VALIDATE = [
     (["validate", "--", "--no_such_flag"], "unrecognized arguments: --no_such_flag"),
     (["validate", "--", "--tp_size", "2"], "unrecognized arguments: --tp_size 2"),
     (["validate", "--tp_size", "two", "--"], "invalid int value: 'two'"),
+    # expert parallelism: its ranks are carved out of the DP x CP ones
+    (["validate", "--ep_size", "0", "--"], "ep size must be >= 1; got ep=0"),
+    (["validate", "--ep_size", "2", "--"], "ep_size must be <= dp_size x cp_size (the expert-parallel ranks are "
+     "carved out of the data- and context-parallel ones); got ep_size=2, dp_size=1, cp_size=1"),
+    (["validate", "--ep_size", "2", "--dp_size", "3", "--"], "ep_size must divide dp_size x cp_size (the "
+     "expert-parallel ranks are carved out of the data- and context-parallel ones); got ep_size=2, dp_size=3, "
+     "cp_size=1"),
 ]
 
 LAUNCHER = [
