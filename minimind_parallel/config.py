@@ -64,6 +64,14 @@ class Recompute(Choice):
         return self != Recompute.NONE
 
 
+class MoEAuxLoss(Choice):
+    """Over which tokens a MoE layer's load-balancing loss counts the loads and mean scores
+    (`--moe_aux_loss`, see loss_normalisation.expert_statistics)."""
+
+    GLOBAL = "global"   # every token of the global batch: the dense model's aux loss on the whole batch
+    LOCAL = "local"     # each data-parallel replica's own tokens: MiniMind's trainer on each DDP rank
+
+
 class ConfigError(ValueError):
     """A size or flag constraint that a configuration breaks (one line, names the values)."""
 
@@ -114,11 +122,13 @@ class ParallelConfig:
     loss_chunks: int = 1            # lm_head + cross entropy over this many token chunks
     cp_comm_type: CPCommType = CPCommType.ALL_GATHER   # how attention crosses the CP group: all_gather | a2a | ring
     cp_load_balance: bool = True       # 2C chunks, rank i holding i and 2C-1-i (else C contiguous)
+    moe_aux_loss: MoEAuxLoss = MoEAuxLoss.GLOBAL   # the MoE aux loss over the global batch | each replica's tokens
 
     def __post_init__(self):
         # text (a test, a JSON config) becomes the member; an unknown name stays for check_layout to refuse
         self.recompute = Recompute.parse(self.recompute)
         self.cp_comm_type = CPCommType.parse(self.cp_comm_type)
+        self.moe_aux_loss = MoEAuxLoss.parse(self.moe_aux_loss)
 
     @property
     def world_size(self) -> int:
@@ -137,6 +147,8 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         if getattr(par, name) < 1:
             raise ConfigError(f"{name} size must be >= 1; got {name}={getattr(par, name)}")
     check_expert_parallel(par)
+    if par.moe_aux_loss not in MoEAuxLoss.values():
+        raise ConfigError(f"moe_aux_loss must be one of {', '.join(MoEAuxLoss.values())}; got {par.moe_aux_loss!r}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         if getattr(model, name) < 1:
             raise ConfigError(f"{name} must be >= 1; got {name}={getattr(model, name)}")

@@ -40,16 +40,23 @@ and what is divided, in the loss (forward) and in the grads (backward):
   held-out       this replica's rows    sum over batches and replicas of         no backward
                                         mean_r n_r (`token_sum`), / n
                                         (`world_token_mean`)
-  aux losses     (to come: expert       a row here: over which tokens its mean   how its backward is weighted (by the
-                 parallelism's load     runs and which group sums it, and a      token loss's weights, or per
-                 balancing)             function below                           microbatch) and reduced
+  MoE aux loss   a layer's routing of   E coef sum_e load_e mean_score_e, its    the aux loss x the microbatch's weight
+  (load          this rank's tokens     per-expert token counts and score sums   x `aux_loss_factor` (D x C global, C
+   balancing)                           summed over the token-holding ranks      local) x the token loss's scale
+                                        first (`expert_statistics`): global:     before backward: each rank's backward
+                                        DP x CP (the dense model's whole         sees its own tokens' scores only (the
+                                        batch); local (MiniMind's trainer):      sums' backward is the identity) and
+                                        CP, each replica's own tokens; and TP    the grad reductions add the ranks'
+                                        under SP (sequence shards)               parts (router: DP x CP, and TP under
+                                                                                 SP; experts: EDP)
 
 The mean of the D replicas' means (no `dp_loss_share`; `equal_replicas_mean` for a reported
 loss) is the global mean only when every replica holds as many targets: the benchmark's, the
 memory model's and validation's batches do (`data.batches.random_batch`, `broadcast_batch`),
 real padded rows do not.
 
-Who calls what: the model (`parallel_model`: `token_mean` under CP), the schedule
+Who calls what: the model (`parallel_model`: `token_mean` under CP; its MoE layers:
+`expert_statistics`), the schedule
 (`pipeline_parallel.schedules`: `microbatch_weights`, `cp_loss_factor`, `backward_loss`,
 `replica_loss`), the step (`training.step`: `dp_loss_share`; `finalize_grads`: `grad_divisor`),
 the held-out loss (`training.heldout`: `replica_targets`, `token_sum`, `world_token_mean`), the
@@ -61,10 +68,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .config import ParallelConfig
+from .config import MoEAuxLoss, ParallelConfig
 from .data.batches import count_targets
 from .distributed import comm
 from .groups import ProcessGroups
+from .tensor_parallel.mappings import reduce_from_tensor_parallel_region
 
 
 def token_mean(loss_sum: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -157,3 +165,25 @@ def world_token_mean(loss_sum: torch.Tensor | None, count: torch.Tensor, groups:
     comm.all_reduce(both, dist.group.WORLD)
     total, n = both.tolist()
     return total / max(n, 1.0), int(n)
+
+
+def expert_statistics(stats: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """A MoE layer's routing statistics of this rank's tokens (per-expert token counts and score
+    sums, the token count: any tensor of sums) -> the sums over the ranks whose tokens the aux loss
+    counts: global, every token of the batch (DP x CP); local, this replica's (CP); under SP the
+    TP ranks' sequence shards too. Forward all-reduce, backward identity: each rank's backward
+    reaches its own tokens' scores, the ranks' parts are added by the grad reductions
+    (`aux_loss_factor`). Collective over those groups."""
+    holders = groups.dp_cp if groups.par.moe_aux_loss == MoEAuxLoss.GLOBAL else groups.cp
+    stats = reduce_from_tensor_parallel_region(stats, holders)
+    if groups.par.sequence_parallel:
+        stats = reduce_from_tensor_parallel_region(stats, groups.tp)
+    return stats
+
+
+def aux_loss_factor(par: ParallelConfig) -> int:
+    """What a rank's MoE aux loss (one value on every rank it was summed over) is multiplied by
+    before backward, beside its microbatch's weight: the grads are averaged over DP x CP
+    (`grad_divisor`) but every rank holds part of the tokens whose aux loss it is: D x C when it
+    is the global batch's, C when the replica's (local)."""
+    return par.dp * par.cp if par.moe_aux_loss == MoEAuxLoss.GLOBAL else par.cp

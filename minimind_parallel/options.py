@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import DTYPES, ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
+from .config import DTYPES, ConfigError, CPCommType, MiniMindConfig, MoEAuxLoss, ParallelConfig, Recompute, check_layout
 from .memory import predict_memory
 from .pipeline_parallel.order import Schedule
 
@@ -187,6 +187,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context-parallel attention: gather K/V, all-to-all heads (Ulysses) or ring (p2p)")
     p.add_argument("--cp_load_balance", action=argparse.BooleanOptionalAction, default=True,
                    help="2C chunks, CP rank i holding chunks i and 2C-1-i (--no-cp_load_balance: C contiguous)")
+    p.add_argument("--moe_aux_loss", type=MoEAuxLoss.parse, choices=MoEAuxLoss.values(), default=MoEAuxLoss.GLOBAL,
+                   help="MoE load balancing over the global batch's tokens (the dense model's) or each data-parallel "
+                        "replica's own (MiniMind's trainer: each DDP rank's batch)")
     p.add_argument("--flash_attn", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=1234)
 
@@ -223,7 +226,7 @@ def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = Non
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
                           shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel,
                           cp_comm_type=args.cp_comm_type, cp_load_balance=args.cp_load_balance,
-                          recompute=args.recompute, loss_chunks=args.loss_chunks)
+                          recompute=args.recompute, loss_chunks=args.loss_chunks, moe_aux_loss=args.moe_aux_loss)
 
 
 def collective_timeout(launch) -> datetime.timedelta:
