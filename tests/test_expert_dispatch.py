@@ -105,3 +105,13 @@ def test_expert_groups_and_the_dispatch_on_four_ranks():
             r = result[case]
             assert r["counts"], (rank, case)
             assert max(r["y"], r["dx"], r["dw"]) < 1e-12, (rank, case, r)
+
+
+def test_each_ep_rank_holds_a_contiguous_slice_of_the_experts_by_their_global_names():
+    from minimind_parallel.moe.placement import expert_of, holds, local_experts
+    assert [list(local_experts(8, 4, r)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert expert_of("model.layers.3.mlp.experts.5.down_proj.weight") == 5
+    assert expert_of("model.layers.3.mlp.gate.weight") is None
+    assert holds("model.layers.0.mlp.experts.2.up_proj.weight", 4, 2, 1)
+    assert not holds("model.layers.0.mlp.experts.2.up_proj.weight", 4, 2, 0)
+    assert holds("model.layers.0.mlp.gate.weight", 4, 2, 0) and holds("model.norm.weight", 4, 2, 1)

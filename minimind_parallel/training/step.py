@@ -50,7 +50,7 @@ def build_parallel_model(config: MiniMindConfig, par: ParallelConfig, groups: Pr
                          *, dtype=torch.float32, device="cpu") -> nn.Module:
     """This rank's shard of its pipeline stage of the dense model (strict load: every key accounted for)."""
     model = ParallelMiniMindForCausalLM(config, par, groups)
-    model.load_state_dict(shard_state_dict(dense_state, par, groups.tp_rank, groups.pp_rank), strict=True)
+    model.load_state_dict(shard_state_dict(dense_state, par, groups.tp_rank, groups.pp_rank, groups.ep_rank), strict=True)
     return model.to(device=device, dtype=dtype)
 
 
