@@ -78,7 +78,8 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True)
 class MiniMindConfig:
-    """MiniMind-3 (dense). Field names and defaults follow jingyaogong/minimind."""
+    """MiniMind-3, dense or mixture-of-experts (`use_moe`). Field names and defaults follow
+    jingyaogong/minimind (model/model_minimind.py, `MiniMindConfig`)."""
 
     hidden_size: int = 768
     num_hidden_layers: int = 8
@@ -94,12 +95,21 @@ class MiniMindConfig:
     tie_word_embeddings: bool = True
     flash_attn: bool = True
     hidden_act: str = "silu"
+    # mixture of experts (MiniMind's MOEFeedForward in every layer; unused unless use_moe)
+    use_moe: bool = False
+    num_experts: int = 4
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int | None = None   # default intermediate_size
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 5e-4
 
     def __post_init__(self):
         if self.head_dim is None and self.num_attention_heads > 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.intermediate_size is None:
             self.intermediate_size = math.ceil(self.hidden_size * math.pi / 64) * 64
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu' (MiniMind-3); got {self.hidden_act!r}")
 
@@ -146,7 +156,6 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
     for name in ("tp", "pp", "cp", "dp", "ep"):
         if getattr(par, name) < 1:
             raise ConfigError(f"{name} size must be >= 1; got {name}={getattr(par, name)}")
-    check_expert_parallel(par)
     if par.moe_aux_loss not in MoEAuxLoss.values():
         raise ConfigError(f"moe_aux_loss must be one of {', '.join(MoEAuxLoss.values())}; got {par.moe_aux_loss!r}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
@@ -188,6 +197,11 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         raise ConfigError("--async_communication needs tensor parallelism; got tp_size=1")
     if par.shared_sp_gather and not par.sequence_parallel:
         raise ConfigError("--shared_sp_gather shares the sequence-parallel all-gather and needs --sequence_parallel")
+    check_moe(model)
+    check_expert_parallel(model, par)
+    if model.use_moe and par.pp > 1:
+        raise ConfigError(f"--use_moe runs on one pipeline stage for now (the aux loss of an earlier stage's "
+                          f"layers does not reach the last stage's backward); got pp_size={par.pp}")
     check_context_parallel(model, par)
     check_recompute(par)
     if model.num_hidden_layers % par.pp:
@@ -208,9 +222,14 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         check_context_split(par, seq_len)
 
 
-def check_expert_parallel(par: ParallelConfig) -> None:
+def check_expert_parallel(model: MiniMindConfig, par: ParallelConfig) -> None:
     """The expert-parallel ranks are carved out of the DP x CP ranks (Megatron-LM's layout): ep
-    divides dp x cp."""
+    divides dp x cp; a MoE model's experts split evenly over them."""
+    if par.ep > 1 and not model.use_moe:
+        raise ConfigError(f"--ep_size {par.ep} spreads the experts of a mixture-of-experts model and needs --use_moe")
+    if model.use_moe and model.num_experts >= 1 and model.num_experts % par.ep:
+        raise ConfigError(f"num_experts must be divisible by ep_size (each expert-parallel rank holds num_experts / "
+                          f"ep_size experts); got num_experts={model.num_experts}, ep_size={par.ep}")
     replicas = par.dp * par.cp
     if par.ep > replicas:
         raise ConfigError(f"ep_size must be <= dp_size x cp_size (the expert-parallel ranks are carved out of the "
@@ -218,6 +237,30 @@ def check_expert_parallel(par: ParallelConfig) -> None:
     if replicas % par.ep:
         raise ConfigError(f"ep_size must divide dp_size x cp_size (the expert-parallel ranks are carved out of the "
                           f"data- and context-parallel ones); got ep_size={par.ep}, dp_size={par.dp}, cp_size={par.cp}")
+
+
+# the mixture-of-experts fields and their values when the model is dense (MiniMind's defaults)
+MOE_DEFAULTS = {"num_experts": 4, "num_experts_per_tok": 1, "norm_topk_prob": True, "router_aux_loss_coef": 5e-4}
+
+
+def check_moe(model: MiniMindConfig) -> None:
+    """The MoE fields: given only with use_moe; k of E experts per token; sizes >= 1."""
+    if not model.use_moe:
+        changed = [f"{k}={getattr(model, k)}" for k, v in MOE_DEFAULTS.items() if getattr(model, k) != v]
+        if model.moe_intermediate_size != model.intermediate_size:
+            changed.append(f"moe_intermediate_size={model.moe_intermediate_size}")
+        if changed:
+            raise ConfigError(f"mixture-of-experts fields need use_moe (--use_moe); got {', '.join(changed)} "
+                              f"with use_moe=False")
+        return
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if getattr(model, name) < 1:
+            raise ConfigError(f"{name} must be >= 1; got {name}={getattr(model, name)}")
+    if model.num_experts_per_tok > model.num_experts:
+        raise ConfigError(f"num_experts_per_tok must be <= num_experts (top-k of the experts); "
+                          f"got num_experts_per_tok={model.num_experts_per_tok}, num_experts={model.num_experts}")
+    if model.router_aux_loss_coef < 0:
+        raise ConfigError(f"router_aux_loss_coef must be >= 0; got router_aux_loss_coef={model.router_aux_loss_coef}")
 
 
 def check_recompute(par: ParallelConfig) -> None:

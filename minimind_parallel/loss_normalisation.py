@@ -40,15 +40,16 @@ and what is divided, in the loss (forward) and in the grads (backward):
   held-out       this replica's rows    sum over batches and replicas of         no backward
                                         mean_r n_r (`token_sum`), / n
                                         (`world_token_mean`)
-  MoE aux loss   a layer's routing of   E coef sum_e load_e mean_score_e, its    the aux loss x the microbatch's weight
-  (load          this rank's tokens     per-expert token counts and score sums   x `aux_loss_factor` (D x C global, C
-   balancing)                           summed over the token-holding ranks      local) x the token loss's scale
-                                        first (`expert_statistics`): global:     before backward: each rank's backward
-                                        DP x CP (the dense model's whole         sees its own tokens' scores only (the
-                                        batch); local (MiniMind's trainer):      sums' backward is the identity) and
-                                        CP, each replica's own tokens; and TP    the grad reductions add the ranks'
-                                        under SP (sequence shards)               parts (router: DP x CP, and TP under
-                                                                                 SP; experts: EDP)
+  MoE aux loss   a layer's routing of   E coef sum_e load_e mean_score_e of the  1/M per microbatch (`aux_loss_weight`,
+  (load          one forward's tokens   per-expert token counts and score sums   MiniMind's (loss + aux) / accumulation
+   balancing)    (a microbatch)         summed over the token-holding ranks      steps) x `aux_loss_factor` (D global,
+                                        first (`expert_statistics`): global:     1 local), added to the LM loss before
+                                        DP x CP (the dense model's whole         backward, then as it (x C, the DP
+                                        batch); local (MiniMind's trainer):      share, averaged over DP x CP); each
+                                        CP, each replica's own tokens; TP        rank's backward reaches its own
+                                        under SP; summed over layers (every      tokens' scores only (the sums'
+                                        stage's: on its own stage's backward);   backward is the identity): the grad
+                                        reported: sum_i aux_i / M                reductions add the ranks' parts
 
 The mean of the D replicas' means (no `dp_loss_share`; `equal_replicas_mean` for a reported
 loss) is the global mean only when every replica holds as many targets: the benchmark's, the
@@ -96,6 +97,12 @@ def cp_loss_factor(par: ParallelConfig) -> int:
     """What a CP rank's loss is multiplied by before backward: C. The grads are averaged over
     DP x CP (`grad_divisor`), but the CP ranks' losses add up to the replica's."""
     return par.cp
+
+
+def aux_loss_weight(num_microbatches: int) -> float:
+    """What a microbatch's MoE aux loss is multiplied by before it joins the LM loss: 1/M, as
+    MiniMind's trainer divides (loss + aux_loss) by its accumulation steps."""
+    return 1.0 / num_microbatches
 
 
 def backward_loss(loss: torch.Tensor, loss_scale, cp_factor: int) -> torch.Tensor:
@@ -182,8 +189,9 @@ def expert_statistics(stats: torch.Tensor, groups: ProcessGroups) -> torch.Tenso
 
 
 def aux_loss_factor(par: ParallelConfig) -> int:
-    """What a rank's MoE aux loss (one value on every rank it was summed over) is multiplied by
-    before backward, beside its microbatch's weight: the grads are averaged over DP x CP
-    (`grad_divisor`) but every rank holds part of the tokens whose aux loss it is: D x C when it
-    is the global batch's, C when the replica's (local)."""
-    return par.dp * par.cp if par.moe_aux_loss == MoEAuxLoss.GLOBAL else par.cp
+    """What a rank's MoE aux loss (one value on every rank its statistics were summed over) is
+    multiplied by beside the LM loss's factors (x C, the DP share; the grads then averaged over
+    D x C, `grad_divisor`): every rank's backward reaches only its own tokens' scores, so the
+    ranks' parts must add up: D when the aux loss is the global batch's (summed over DP x CP;
+    x C already), 1 when it is each replica's (local: summed over CP)."""
+    return par.dp if par.moe_aux_loss == MoEAuxLoss.GLOBAL else 1

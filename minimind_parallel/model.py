@@ -15,12 +15,24 @@ from torch import nn
 
 from .config import ConfigError, MiniMindConfig
 from .data.batches import IGNORE_INDEX, shift_labels
+from .moe import MOEFeedForward
 
 
 @dataclass
 class CausalLMOutput:
+    """`loss`: the language-model loss (the mean over the targets); `aux_loss`: the MoE layers'
+    load-balancing loss summed over layers (None for a dense model; 0 outside training mode, as
+    MiniMind's). What training minimises is `objective` = loss + aux_loss, as MiniMind's trainer
+    (trainer/train_pretrain.py: `loss = res.loss + res.aux_loss`)."""
     logits: torch.Tensor
     loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+    @property
+    def objective(self) -> torch.Tensor | None:
+        if self.loss is None or self.aux_loss is None:
+            return self.loss
+        return self.loss + self.aux_loss
 
 
 class RMSNorm(nn.Module):
@@ -121,7 +133,7 @@ class MiniMindBlock(nn.Module):
         self.self_attn = Attention(c)
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.mlp = FeedForward(c)
+        self.mlp = MOEFeedForward(c) if c.use_moe else FeedForward(c)
 
     def forward(self, h, cos, sin):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -182,7 +194,14 @@ class MiniMindForCausalLM(nn.Module):
         hidden = self.model(input_ids)                          # [B, S, H]
         logits = self.lm_head(hidden[:, _keep_slice(logits_to_keep)])  # [B, S or kept, V]
         loss = next_token_cross_entropy(logits, targets) if targets is not None else None
-        return CausalLMOutput(logits=logits, loss=loss)
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=moe_aux_loss(self.model.layers))
+
+
+def moe_aux_loss(layers) -> torch.Tensor | None:
+    """The MoE layers' aux losses of the last forward, summed (MiniMind's MiniMindModel); None without MoE."""
+    layers = layers.values() if isinstance(layers, nn.ModuleDict) else layers
+    losses = [layer.mlp.aux_loss for layer in layers if isinstance(layer.mlp, MOEFeedForward)]
+    return torch.stack(losses).sum() if losses else None
 
 
 def check_attention_mask(attention_mask, input_ids) -> None:

@@ -167,6 +167,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie_word_embeddings", action=argparse.BooleanOptionalAction, default=False,
                    help="lm_head shares the embedding's matrix (MiniMind's default; train, export and generate "
                         "default to it, benchmark and validate to two matrices as the book's runs)")
+    add_moe_args(p)
     p.add_argument("--micro_batch_size", type=int, default=2)
     p.add_argument("--num_microbatches", type=int, default=1)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
@@ -194,6 +195,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1234)
 
 
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    """MiniMind's mixture-of-experts fields (model/model_minimind.py), its defaults; used only with --use_moe."""
+    p.add_argument("--use_moe", action="store_true",
+                   help="MiniMind's MoE feed-forward in every layer (router, top-k of --num_experts SwiGLU experts)")
+    p.add_argument("--num_experts", type=int, default=4)
+    p.add_argument("--num_experts_per_tok", type=int, default=1)
+    p.add_argument("--moe_intermediate_size", type=int, default=None, help="each expert's width (default: "
+                   "the dense intermediate size)")
+    p.add_argument("--norm_topk_prob", action=argparse.BooleanOptionalAction, default=True,
+                   help="renormalise the top-k weights of each token to sum to 1")
+    p.add_argument("--router_aux_loss_coef", type=float, default=5e-4,
+                   help="the load-balancing loss's weight (added to the LM loss in training)")
+
+
 def apply_mode(args, mode: str | None) -> None:
     """Set the flags of preset `mode` in `args`, a mutable namespace being resolved (Preset.apply;
     None: nothing). Presets are applied once, on the launcher's side: the ranks get the result."""
@@ -217,7 +232,11 @@ def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
     return MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=num_hidden_layers or args.num_hidden_layers,
                           num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                           vocab_size=args.vocab_size, intermediate_size=args.intermediate_size,
-                          tie_word_embeddings=args.tie_word_embeddings, flash_attn=args.flash_attn)
+                          tie_word_embeddings=args.tie_word_embeddings, flash_attn=args.flash_attn,
+                          use_moe=args.use_moe, num_experts=args.num_experts,
+                          num_experts_per_tok=args.num_experts_per_tok,
+                          moe_intermediate_size=args.moe_intermediate_size, norm_topk_prob=args.norm_topk_prob,
+                          router_aux_loss_coef=args.router_aux_loss_coef)
 
 
 def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = None) -> ParallelConfig:

@@ -32,12 +32,13 @@ from .context_parallel import ContextLayout, context_parallel_attention
 from .data.batches import IGNORE_INDEX
 from .groups import ProcessGroups
 from .loss_normalisation import token_mean
-from .model import CausalLMOutput, apply_rope, causal_attention, repeat_kv, rope_tables
+from .model import CausalLMOutput, apply_rope, causal_attention, moe_aux_loss, repeat_kv, rope_tables
+from .moe import MOEFeedForward, local_stats, summed_over
 from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, norm_with_recompute,
                         swiglu_linear)
 from .plan import (LAYER, grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage,
                    stage_layers, stage_of)
-from .styles import build_layer
+from .styles import build_layer, moe_linear
 from .tensor_parallel import (column_parallel, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                               mark_partial_grad, scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
@@ -97,13 +98,22 @@ class ParallelMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def parallel_moe(c: MiniMindConfig, par: ParallelConfig, group) -> MOEFeedForward:
+    """The MoE layer under TP: router and experts whole on every TP rank (the plan's ROUTER and
+    EXPERT styles). Without SP every TP rank routes the same [S, B, H] tokens (no TP collective);
+    under SP each routes its own [S/T, B, H] shard, and the aux loss's statistics are summed over
+    TP so it is the whole batch's."""
+    reduce = summed_over(group) if par.sequence_parallel else local_stats
+    return MOEFeedForward(c, linear=moe_linear(c, par, group), reduce_stats=reduce)
+
+
 class ParallelBlock(nn.Module):
     def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, cp_group=None):
         super().__init__()
         self.self_attn = ParallelAttention(c, par, group, cp_group)
         self.input_layernorm = build_layer(LAYER + "input_layernorm.weight", c, par, group)
         self.post_attention_layernorm = build_layer(LAYER + "post_attention_layernorm.weight", c, par, group)
-        self.mlp = ParallelMLP(c, par, group)
+        self.mlp = parallel_moe(c, par, group) if c.use_moe else ParallelMLP(c, par, group)
         self.norm_recompute = par.recompute == Recompute.SELECTIVE   # under `full` the checkpoint's hooks rule
 
     def forward(self, h, cos, sin, layout: ContextLayout | None = None):
@@ -212,8 +222,9 @@ class ParallelMiniMindForCausalLM(nn.Module):
         h = self.model(input_ids, hidden_states)
         if not self.last:
             return h                                                 # to the next stage
+        aux = moe_aux_loss(self.model.layers)                        # this stage's MoE layers'
         if targets is not None and self.par.loss_chunks > 1:         # the logits never exist whole
-            return CausalLMOutput(logits=None, loss=self._chunked_loss(h, targets.t()))
+            return CausalLMOutput(logits=None, loss=self._chunked_loss(h, targets.t()), aux_loss=aux)
         if self.par.vocab_parallel:
             logits = self.lm_head(h)                                 # enters the TP region: [S, B, V/T]
         else:
@@ -231,7 +242,7 @@ class ParallelMiniMindForCausalLM(nn.Module):
                 loss = token_mean(total, y)
             else:
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX)
-        return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss)
+        return CausalLMOutput(logits=logits.transpose(0, 1), loss=loss, aux_loss=aux)
 
 
     def _chunked_loss(self, h, y):

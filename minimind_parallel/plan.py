@@ -13,10 +13,17 @@ disagree.
     style        COLUMN: dim 0 (output features) split over TP;  ROW: dim 1 (input features);
                  VOCAB_EMBEDDING, VOCAB_HEAD: dim 0 (vocabulary rows) of the embedding / the
                  lm_head with --vocab_parallel, else replicated;
-                 NORM: a norm's weight, every TP rank holds all of it
+                 NORM: a norm's weight, every TP rank holds all of it;
+                 ROUTER: an MoE layer's gate [E, H]; EXPERT: one expert's SwiGLU weight -- both
+                 whole on every TP rank (expert-tensor-parallel size 1, as Megatron-LM's
+                 --expert-tensor-parallel-size 1): without SP every TP rank routes the same
+                 tokens through the same experts, under SP each its own sequence shard
+    model        which models have the row: ANY, DENSE (the SwiGLU MLP) or MOE (use_moe: the
+                 router and the experts, "%" in the pattern being the expert index)
     partial      when the gradient on one TP rank is a part of the full one, summed over TP by
                  `training.finalize_grads`: NEVER; UNDER_SP (a norm that runs on sequence
-                 shards); WHEN_TP (q_norm/k_norm: each rank normalises only its own heads)
+                 shards, and the router and experts, which then route only the shard's tokens);
+                 WHEN_TP (q_norm/k_norm: each rank normalises only its own heads)
     owner        LAYER: the stage of its layer (contiguous L/P layers per stage); FIRST / LAST stage
     tied         the embedding / lm_head pair that --tie_word_embeddings makes one weight: one
                  Parameter within a stage, two copies summed over the embedding group across stages
@@ -37,6 +44,14 @@ class Style(Enum):
     VOCAB_EMBEDDING = "vocab embedding"
     VOCAB_HEAD = "vocab head"
     NORM = "norm"
+    ROUTER = "router"
+    EXPERT = "expert"
+
+
+class Models(Enum):
+    ANY = "any model"
+    DENSE = "dense models"
+    MOE = "mixture-of-experts models"
 
 
 class Partial(Enum):
@@ -59,6 +74,11 @@ class ParamPlan:
     partial: Partial = Partial.NEVER
     owner: Owner = Owner.LAYER
     tied: bool = False
+    models: Models = Models.ANY
+
+    def applies(self, c: MiniMindConfig) -> bool:
+        """Whether a model of config `c` has this parameter."""
+        return self.models is Models.ANY or (self.models is Models.MOE) == c.use_moe
 
 
 def _q(c):  # [heads * d, H]
@@ -71,6 +91,14 @@ def _kv(c):  # [kv_heads * d, H]
 
 def _up(c):  # [I, H]
     return (c.intermediate_size, c.hidden_size)
+
+
+def _router(c):  # [E, H]
+    return (c.num_experts, c.hidden_size)
+
+
+def _expert_up(c):  # [I_moe, H]
+    return (c.moe_intermediate_size, c.hidden_size)
 
 
 def _vocab(c):  # [V, H]
@@ -86,6 +114,7 @@ def _head(c):
 
 
 LAYER = "model.layers.*."   # the key prefix of a parameter of any layer
+EXPERT = LAYER + "mlp.experts.%."   # the key prefix of a parameter of any expert of any layer
 # In the model's parameter order (the optimizer's): first stage, each layer, last stage.
 PLAN: tuple[ParamPlan, ...] = (
     ParamPlan(pattern="model.embed_tokens.weight", style=Style.VOCAB_EMBEDDING, shape=_vocab, owner=Owner.FIRST,
@@ -99,20 +128,30 @@ PLAN: tuple[ParamPlan, ...] = (
     ParamPlan(pattern=LAYER + "input_layernorm.weight", style=Style.NORM, shape=_hidden, partial=Partial.UNDER_SP),
     ParamPlan(pattern=LAYER + "post_attention_layernorm.weight", style=Style.NORM, shape=_hidden,
               partial=Partial.UNDER_SP),
-    ParamPlan(pattern=LAYER + "mlp.gate_proj.weight", style=Style.COLUMN, shape=_up),
-    ParamPlan(pattern=LAYER + "mlp.down_proj.weight", style=Style.ROW, shape=lambda c: _up(c)[::-1]),
-    ParamPlan(pattern=LAYER + "mlp.up_proj.weight", style=Style.COLUMN, shape=_up),
+    ParamPlan(pattern=LAYER + "mlp.gate_proj.weight", style=Style.COLUMN, shape=_up, models=Models.DENSE),
+    ParamPlan(pattern=LAYER + "mlp.down_proj.weight", style=Style.ROW, shape=lambda c: _up(c)[::-1],
+              models=Models.DENSE),
+    ParamPlan(pattern=LAYER + "mlp.up_proj.weight", style=Style.COLUMN, shape=_up, models=Models.DENSE),
+    ParamPlan(pattern=LAYER + "mlp.gate.weight", style=Style.ROUTER, shape=_router, partial=Partial.UNDER_SP,
+              models=Models.MOE),
+    ParamPlan(pattern=EXPERT + "gate_proj.weight", style=Style.EXPERT, shape=_expert_up, partial=Partial.UNDER_SP,
+              models=Models.MOE),
+    ParamPlan(pattern=EXPERT + "down_proj.weight", style=Style.EXPERT, shape=lambda c: _expert_up(c)[::-1],
+              partial=Partial.UNDER_SP, models=Models.MOE),
+    ParamPlan(pattern=EXPERT + "up_proj.weight", style=Style.EXPERT, shape=_expert_up, partial=Partial.UNDER_SP,
+              models=Models.MOE),
     ParamPlan(pattern="model.norm.weight", style=Style.NORM, shape=_hidden, partial=Partial.UNDER_SP,
               owner=Owner.LAST),
     ParamPlan(pattern="lm_head.weight", style=Style.VOCAB_HEAD, shape=_vocab, owner=Owner.LAST, tied=True),
 )
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 def plan_of(key: str) -> ParamPlan:
     """The table entry of the state-dict key `key` (KeyError for a name the plan does not know)."""
-    pattern = _LAYER.sub(LAYER, key, count=1)
+    pattern = _EXPERT.sub(".mlp.experts.%.", _LAYER.sub(LAYER, key, count=1), count=1)
     for entry in PLAN:
         if entry.pattern == pattern:
             return entry
@@ -171,14 +210,20 @@ def local_shape(key: str, c: MiniMindConfig, par: ParallelConfig) -> tuple[int, 
     return tuple(shape)
 
 
-def stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0) -> dict[str, tuple[int, ...]]:
+def stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0,
+                     experts: range | None = None) -> dict[str, tuple[int, ...]]:
     """The parameters of one rank of pipeline stage `stage` with their local shapes, in the model's
-    order (the optimizer's); a weight tied within the stage is listed once, under its first name."""
+    order (the optimizer's); a weight tied within the stage is listed once, under its first name.
+    `experts`: the MoE experts this rank holds (default all)."""
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
-    names = [e.pattern for e in PLAN if e.owner is Owner.FIRST and first]
-    names += [e.pattern.replace("*", str(i)) for i in stage_layers(c.num_hidden_layers, par.pp, stage)
-              for e in PLAN if e.owner is Owner.LAYER]
-    names += [e.pattern for e in PLAN if e.owner is Owner.LAST and last]
+    experts = range(c.num_experts) if experts is None else experts
+    rows = [e for e in PLAN if e.applies(c)]
+    names = [e.pattern for e in rows if e.owner is Owner.FIRST and first]
+    for i in stage_layers(c.num_hidden_layers, par.pp, stage):
+        layer = [e.pattern.replace("*", str(i)) for e in rows if e.owner is Owner.LAYER]
+        names += [n for n in layer if "%" not in n]
+        names += [n.replace("%", str(x)) for x in experts for n in layer if "%" in n]   # expert by expert
+    names += [e.pattern for e in rows if e.owner is Owner.LAST and last]
     if c.tie_word_embeddings:
         tied = [n for n in names if plan_of(n).tied]
         names = [n for n in names if n not in tied[1:]]

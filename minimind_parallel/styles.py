@@ -11,9 +11,11 @@ model asks `build_layer` for the module of each parameter and names no layer cla
     VOCAB_EMBEDDING  VocabParallelEmbedding [V/T, H] with --vocab_parallel, else nn.Embedding [V, H]
     VOCAB_HEAD       ColumnParallelLinear [V/T, H] with --vocab_parallel, else nn.Linear [V, H]
     NORM             MiniMind's RMSNorm, or the lean one under --recompute selective|full
+    ROUTER, EXPERT   nn.Linear of the dense shape: an MoE layer's gate and its experts' SwiGLU
+                     weights, whole on every TP rank (`moe.MOEFeedForward` builds them through
+                     `moe_linear`)
 
-A new kind of parameter (an expert's weight, a router) is a new row of the plan, with a new style
-and its builder here.
+A new kind of parameter is a new row of the plan, with a new style and its builder here.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Callable
 from torch import nn
 
 from .config import MiniMindConfig, ParallelConfig
-from .plan import Style, plan_of
+from .plan import LAYER, Style, plan_of
 from .recompute import make_rms_norm
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -56,6 +58,11 @@ def _vocab_head(shape, c, par, group):
     return nn.Linear(hidden, vocab, bias=False)
 
 
+def _whole_linear(shape, c, par, group):
+    out_features, in_features = shape
+    return nn.Linear(in_features, out_features, bias=False)
+
+
 def _norm(shape, c, par, group):
     (dim,) = shape
     return make_rms_norm(dim, c.rms_norm_eps, lean=par.recompute.lean)
@@ -67,6 +74,8 @@ LAYERS: dict[Style, Builder] = {
     Style.VOCAB_EMBEDDING: _vocab_embedding,
     Style.VOCAB_HEAD: _vocab_head,
     Style.NORM: _norm,
+    Style.ROUTER: _whole_linear,
+    Style.EXPERT: _whole_linear,
 }
 
 
@@ -76,3 +85,11 @@ def build_layer(key: str, c: MiniMindConfig, par: ParallelConfig, group) -> nn.M
     (`plan.local_shape`); the weights are filled by sharding a dense state dict (`sharding`)."""
     entry = plan_of(key)
     return LAYERS[entry.style](entry.shape(c), c, par, group)
+
+
+def moe_linear(c: MiniMindConfig, par: ParallelConfig, group):
+    """The `linear` builder an MoE layer (`moe.MOEFeedForward`) takes: its key below the layer
+    ("gate.weight", "experts.%.up_proj.weight") -> the plan's layer for it."""
+    def build(key: str, shape) -> nn.Module:
+        return build_layer(LAYER + "mlp." + key, c, par, group)
+    return build

@@ -104,7 +104,7 @@ class _Pair:
                                  forward_only=not self.backward, collect_logits=compare)
         rows = self._output_rows(step, out, ref) if compare and out.loss is not None else []
         if self.backward:
-            ref.loss.backward()
+            ref.objective.backward()                                    # the LM loss (+ the MoE aux loss)
             finalize_grads(self.model, self.groups)
         return rows
 
@@ -113,6 +113,9 @@ class _Pair:
         loss = equal_replicas_mean(out.loss.clone(), self.groups)     # the global batch's loss
         rtol = self.rtol if step == 0 else self.later_rtol
         rows = [Row(f"step {step} loss", *error(loss, ref.loss), self.atol, rtol)]
+        if ref.aux_loss is not None:
+            aux = equal_replicas_mean(out.aux_loss.clone(), self.groups)
+            rows.append(Row(f"step {step} aux loss", *error(aux, ref.aux_loss), self.atol, rtol))
         if not out.logits:   # --loss_chunks: the logits never exist whole (loss and grads still compared)
             return rows
         logits = torch.cat(out.logits)                                  # [M*b, S, V(/T)]

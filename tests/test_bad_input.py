@@ -68,11 +68,17 @@ VALIDATE = [
     (["validate", "--tp_size", "two", "--"], "invalid int value: 'two'"),
     # expert parallelism: its ranks are carved out of the DP x CP ones
     (["validate", "--ep_size", "0", "--"], "ep size must be >= 1; got ep=0"),
-    (["validate", "--ep_size", "2", "--"], "ep_size must be <= dp_size x cp_size (the expert-parallel ranks are "
+    (["validate", "--ep_size", "2", "--", "--use_moe"], "ep_size must be <= dp_size x cp_size (the expert-parallel ranks are "
      "carved out of the data- and context-parallel ones); got ep_size=2, dp_size=1, cp_size=1"),
-    (["validate", "--ep_size", "2", "--dp_size", "3", "--"], "ep_size must divide dp_size x cp_size (the "
+    (["validate", "--ep_size", "2", "--dp_size", "3", "--", "--use_moe"], "ep_size must divide dp_size x cp_size (the "
      "expert-parallel ranks are carved out of the data- and context-parallel ones); got ep_size=2, dp_size=3, "
      "cp_size=1"),
+    (["validate", "--ep_size", "2", "--dp_size", "2", "--"],
+     "--ep_size 2 spreads the experts of a mixture-of-experts model and needs --use_moe"),
+    (["validate", "--ep_size", "4", "--dp_size", "4", "--", "--use_moe", "--num_experts", "6"],
+     "num_experts must be divisible by ep_size (each expert-parallel rank holds num_experts / ep_size experts); "
+     "got num_experts=6, ep_size=4"),
+    (["validate", "--", "--moe_aux_loss", "batch"], "invalid choice: 'batch'"),
 ]
 
 LAUNCHER = [

@@ -25,7 +25,10 @@ from minimind_parallel.validation import dense_slice
 
 TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       vocab_size=128, max_position_embeddings=64)
-LAYOUTS = {
+TINY_MOE = replace(TINY, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+LAYOUTS = {  # "moe_" layouts run the mixture-of-experts model
+    "moe_single": ParallelConfig(),
+    "moe_tp2_sp": ParallelConfig(tp=2, sequence_parallel=True),
     "single": ParallelConfig(),
     "tp2": ParallelConfig(tp=2),
     "tp4_sp_vp": ParallelConfig(tp=4, sequence_parallel=True, vocab_parallel=True),
@@ -33,6 +36,10 @@ LAYOUTS = {
     "pp4": ParallelConfig(pp=4),
     "pp2_tp2_sp": ParallelConfig(pp=2, tp=2, sequence_parallel=True),
 }
+
+
+def _config(name):
+    return TINY_MOE if name.startswith("moe_") else TINY
 
 
 def _rank_model(config, par, stage, tp_rank):
@@ -57,7 +64,7 @@ def _dense_slice_by_style(key, dense, par, tp_rank):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_stage_builds_the_plans_parameters_at_its_local_shapes(name, tied):
-    par, config = LAYOUTS[name], replace(TINY, tie_word_embeddings=tied)
+    par, config = LAYOUTS[name], replace(_config(name), tie_word_embeddings=tied)
     for stage in range(par.pp):
         model = _rank_model(config, par, stage, 0)
         built = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -69,6 +76,8 @@ def test_every_stage_builds_the_plans_parameters_at_its_local_shapes(name, tied)
 
 # layout -> whether the norms are the lean ones (--recompute selective | full)
 LAYER_LAYOUTS = {
+    "moe_tp2_sp_async_selective": (ParallelConfig(tp=2, sequence_parallel=True, async_communication=True,
+                                                  recompute="selective"), True),
     "single": (ParallelConfig(), False),
     "tp2": (ParallelConfig(tp=2), False),
     "tp2_sp_async_shared_vp_selective": (ParallelConfig(tp=2, sequence_parallel=True, async_communication=True,
@@ -85,7 +94,7 @@ def _layer_the_style_names(style, par, lean):
     return {Style.COLUMN: ColumnParallelLinear, Style.ROW: RowParallelLinear,
             Style.VOCAB_EMBEDDING: VocabParallelEmbedding if par.vocab_parallel else nn.Embedding,
             Style.VOCAB_HEAD: ColumnParallelLinear if par.vocab_parallel else nn.Linear,
-            Style.NORM: LeanRMSNorm if lean else RMSNorm}[style]
+            Style.NORM: LeanRMSNorm if lean else RMSNorm, Style.ROUTER: nn.Linear, Style.EXPERT: nn.Linear}[style]
 
 
 def test_every_style_builds_a_layer():
@@ -98,7 +107,7 @@ def test_every_parameter_sits_in_the_layer_its_style_names(name, tied):
     """Each parameter has a plan row, and the module holding it is the layer the row's style
     names, with the layout's TP features: SP on every TP layer, the async linear and the shared
     all-gather on the column-parallel ones."""
-    (par, lean), config = LAYER_LAYOUTS[name], replace(TINY, tie_word_embeddings=tied)
+    (par, lean), config = LAYER_LAYOUTS[name], replace(_config(name), tie_word_embeddings=tied)
     for stage in range(par.pp):
         model = _rank_model(config, par, stage, 0)
         for key, _ in model.named_parameters():
@@ -114,15 +123,15 @@ def test_every_parameter_sits_in_the_layer_its_style_names(name, tied):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_shard_is_the_dense_slice_the_plan_names(name):
-    par = LAYOUTS[name]
+    par, config = LAYOUTS[name], replace(_config(name), tie_word_embeddings=False)
     torch.manual_seed(0)
-    dense = MiniMindForCausalLM(replace(TINY, tie_word_embeddings=False)).state_dict()
-    # the plan names every dense parameter, and its entries name nothing else
-    assert {plan_of(k).pattern for k in dense} == {e.pattern for e in PLAN}
+    dense = MiniMindForCausalLM(config).state_dict()
+    # the plan names every dense parameter, and its entries (those of this model) name nothing else
+    assert {plan_of(k).pattern for k in dense} == {e.pattern for e in PLAN if e.applies(config)}
     shards = []
     for stage in range(par.pp):
         for t in range(par.tp):
-            model = _rank_model(replace(TINY, tie_word_embeddings=False), par, stage, t)
+            model = _rank_model(config, par, stage, t)
             shard = shard_state_dict(dense, par, t, stage)
             model.load_state_dict(shard, strict=True)   # every key of the stage, at its shape
             for key, value in model.state_dict().items():
@@ -133,26 +142,29 @@ def test_every_shard_is_the_dense_slice_the_plan_names(name):
     assert sorted(back) == sorted(dense) and all(torch.equal(back[k], dense[k]) for k in dense)
 
 
-def _partial_grads(par):
+def _partial_grads(par, base):
     """Dense and parallel model from the same float64 weights, one backward on the same batch, no
     grad finalisation: which local grads differ from the dense slice, and what the plan says."""
     groups = ProcessGroups.build(par)
-    config = replace(TINY, tie_word_embeddings=False, num_hidden_layers=2)
+    config = replace(base, tie_word_embeddings=False, num_hidden_layers=2)
     torch.manual_seed(0)
     dense = MiniMindForCausalLM(config).double()
     model = build_parallel_model(config, par, groups, dense.state_dict(), dtype=torch.float64)
     ids, targets = random_batch(0, 2, 16, config.vocab_size)
-    dense(ids, targets=targets).loss.backward()
-    model(ids, targets).loss.backward()
+    dense(ids, targets=targets).objective.backward()     # the LM loss (+ the MoE aux loss)
+    model(ids, targets).objective.backward()
     grads = dict(dense.named_parameters())
     differs = {n: not torch.allclose(p.grad, dense_slice(n, grads[n].grad, par, groups.tp_rank), rtol=1e-9,
                                      atol=0) for n, p in model.named_parameters()}
     return differs, {n: grad_is_partial(n, par) for n in differs}
 
 
-@pytest.mark.parametrize("par", [ParallelConfig(tp=2), ParallelConfig(tp=2, sequence_parallel=True,
-                                                                   vocab_parallel=True)], ids=["tp2", "tp2_sp_vp"])
-def test_the_grads_the_plan_calls_partial_are_those_that_differ_from_dense(par):
-    for differs, partial in run_ranks(_partial_grads, par.tp, par):
+@pytest.mark.parametrize("par, base", [(ParallelConfig(tp=2), TINY),
+                                       (ParallelConfig(tp=2, sequence_parallel=True, vocab_parallel=True), TINY),
+                                       (ParallelConfig(tp=2), TINY_MOE),
+                                       (ParallelConfig(tp=2, sequence_parallel=True), TINY_MOE)],
+                         ids=["tp2", "tp2_sp_vp", "moe_tp2", "moe_tp2_sp"])
+def test_the_grads_the_plan_calls_partial_are_those_that_differ_from_dense(par, base):
+    for differs, partial in run_ranks(_partial_grads, par.tp, par, base):
         assert differs == partial
         assert any(partial.values())

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data_parallel import unwrap
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
-from ..loss_normalisation import backward_loss, cp_loss_factor, microbatch_weights, replica_loss
+from ..loss_normalisation import aux_loss_weight, backward_loss, cp_loss_factor, microbatch_weights, replica_loss
 from . import p2p
 from .order import Action, Schedule, Step, schedule_order
 
@@ -38,6 +38,7 @@ class StepResult:
     max_in_flight: int = 0    # most microbatches forwarded and not yet backwarded (activations held)
     busy_s: float = 0.0       # seconds in forward/backward compute (the rest of wall_s is p2p wait;
     wall_s: float = 0.0       # on CUDA only meaningful with the benchmark's synchronisation)
+    aux_loss: torch.Tensor | None = None         # the MoE layers' aux loss, detached (last stage; None: dense)
 
 
 def deallocate_output_tensor(out: torch.Tensor) -> None:
@@ -69,7 +70,7 @@ class _Stage:
         self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
         self.grad_scale = cp_loss_factor(par)    # grads are averaged over DP x CP but the CP ranks' losses add up
         self.held: dict = {}        # microbatch -> (input, output), awaiting its backward
-        self.losses, self.logits = [], []
+        self.losses, self.logits, self.aux_losses = [], [], []
         self.max_in_flight, self.busy = 0, 0.0
 
     def forward(self, i: int, x):
@@ -86,6 +87,10 @@ class _Stage:
             return out
         loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
+        if out.aux_loss is not None:          # what backward runs on: the LM loss + the aux loss
+            aux = out.aux_loss * aux_loss_weight(len(self.microbatches))
+            self.aux_losses.append(aux.detach())
+            loss = loss + aux
         if self.collect_logits and out.logits is not None:   # --loss_chunks: no whole logits
             self.logits.append(out.logits.detach())
         return backward_loss(loss, self.loss_scale, self.grad_scale)   # the reported loss is not scaled
@@ -126,7 +131,8 @@ class _Stage:
 
     def result(self, wall_s: float) -> StepResult:
         loss = replica_loss(self.losses, self.groups.cp)          # summed over M and the CP ranks' parts
-        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s)
+        aux = torch.stack(self.aux_losses).sum() if self.aux_losses else None
+        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s, aux)
 
 
 def run_order(stage: _Stage, order: list[Action]) -> None:

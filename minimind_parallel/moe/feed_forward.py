@@ -1,0 +1,64 @@
+"""MiniMind's `MOEFeedForward`, computed over tokens sorted by expert.
+
+    x [..., H] -> flat [N, H]
+    route: scores [N, E], weights / indices [N, k]                       (router.route)
+    sort:  the N*k (token, slot) pairs by expert (stable: by token within an expert)
+           tokens [N*k, H] (token t's row repeated for each of its k experts), counts [E]
+    dispatch -> this rank's experts' tokens [T, H], counts [E_local]    (dispatcher)
+    experts  -> [T, H]                                                   (experts.GroupedExperts)
+    combine  -> [N*k, H] back in sorted order                            (dispatcher)
+    y[t] += weight * out, per pair in expert order (MiniMind's index_add_ order) -> [..., H]
+
+The aux loss (training mode with router_aux_loss_coef > 0, as MiniMind's; 0 otherwise) is the
+load-balancing loss of the statistics of these N tokens after `reduce_stats` (the identity, or
+a sum over the groups that split the batch's tokens): `aux_loss.py`. Like MiniMind's module it
+is left in `self.aux_loss` after each forward, and the model sums the layers' after its forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import MiniMindConfig
+from .aux_loss import RouterStats, StatsReduction, load_balancing_loss, local_stats
+from .dispatcher import LocalDispatcher
+from .experts import GroupedExperts, LinearBuilder, plain_linear
+from .router import route, tokens_per_expert
+
+
+class MOEFeedForward(nn.Module):
+    """`gate` (Linear H -> E, no bias) and `experts` (`expert_ids`: all E by default; a rank's
+    slice under expert parallelism, with its `dispatcher`). `linear` builds each Linear from its
+    key below the layer and dense shape (the parallel model passes the plan's layers)."""
+
+    def __init__(self, c: MiniMindConfig, *, expert_ids: range | None = None, dispatcher=None,
+                 reduce_stats: StatsReduction = local_stats, linear: LinearBuilder = plain_linear):
+        super().__init__()
+        self.num_experts, self.top_k = c.num_experts, c.num_experts_per_tok
+        self.norm_topk_prob, self.coef = c.norm_topk_prob, c.router_aux_loss_coef
+        self.gate = linear("gate.weight", (c.num_experts, c.hidden_size))     # [E, H]
+        self.experts = GroupedExperts(c.hidden_size, c.moe_intermediate_size,
+                                      range(c.num_experts) if expert_ids is None else expert_ids, linear)
+        self.dispatcher = dispatcher or LocalDispatcher()
+        self.reduce_stats = reduce_stats
+        self.aux_loss = None
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])                                   # [N, H]
+        r = route(self.gate(flat), self.top_k, self.norm_topk_prob)
+        pairs = r.indices.reshape(-1)                                     # [N*k] expert of each (token, slot)
+        order = torch.argsort(pairs, stable=True)                         # [N*k] pairs sorted by expert
+        token_of = order // self.top_k                                    # [N*k] the token of each sorted pair
+        counts = tokens_per_expert(r.indices, self.num_experts)           # [E]
+        local, local_counts = self.dispatcher.dispatch(flat[token_of], counts)   # [T, H], [E_local]
+        out = self.dispatcher.combine(self.experts(local, local_counts))  # [N*k, H] sorted order
+        weighted = (out * r.weights.reshape(-1)[order, None]).to(flat.dtype)
+        y = torch.zeros_like(flat).index_add_(0, token_of, weighted)      # [N, H]
+        self.aux_loss = self._aux_loss(r.scores, counts)
+        return y.view(shape)
+
+    def _aux_loss(self, scores, counts):
+        if not (self.training and self.coef > 0):
+            return scores.new_zeros(())
+        return load_balancing_loss(self.reduce_stats(RouterStats.of(scores, counts)), self.coef)
