@@ -199,9 +199,6 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
         raise ConfigError("--shared_sp_gather shares the sequence-parallel all-gather and needs --sequence_parallel")
     check_moe(model)
     check_expert_parallel(model, par)
-    if model.use_moe and par.pp > 1:
-        raise ConfigError(f"--use_moe runs on one pipeline stage for now (the aux loss of an earlier stage's "
-                          f"layers does not reach the last stage's backward); got pp_size={par.pp}")
     check_context_parallel(model, par)
     check_recompute(par)
     if model.num_hidden_layers % par.pp:

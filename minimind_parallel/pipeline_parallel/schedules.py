@@ -26,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data_parallel import unwrap
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
-from ..loss_normalisation import aux_loss_weight, backward_loss, cp_loss_factor, microbatch_weights, replica_loss
+from ..distributed import comm
+from ..loss_normalisation import (aux_loss_factor, aux_loss_weight, backward_loss, cp_loss_factor, microbatch_weights,
+                                  replica_loss)
 from . import p2p
 from .order import Action, Schedule, Step, schedule_order
 
@@ -70,6 +72,8 @@ class _Stage:
         self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
         self.grad_scale = cp_loss_factor(par)    # grads are averaged over DP x CP but the CP ranks' losses add up
         self.held: dict = {}        # microbatch -> (input, output), awaiting its backward
+        self.aux_roots: dict = {}   # microbatch -> this stage's scaled MoE aux loss, backward beside its output
+        self.aux_scale = aux_loss_weight(len(microbatches)) * aux_loss_factor(par)
         self.losses, self.logits, self.aux_losses = [], [], []
         self.max_in_flight, self.busy = 0, 0.0
 
@@ -84,16 +88,25 @@ class _Stage:
             out = self.model(ids, targets, hidden_states=x)
         self.busy += time.perf_counter() - start
         if not self.groups.is_last_stage:
+            self._hold_aux_loss(i, unwrap(self.model).aux_loss())
             return out
         loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
         if out.aux_loss is not None:          # what backward runs on: the LM loss + the aux loss
-            aux = out.aux_loss * aux_loss_weight(len(self.microbatches))
-            self.aux_losses.append(aux.detach())
-            loss = loss + aux
+            self.aux_losses.append(out.aux_loss.detach() * aux_loss_weight(len(self.microbatches)))
+            loss = loss + out.aux_loss * self.aux_scale
         if self.collect_logits and out.logits is not None:   # --loss_chunks: no whole logits
             self.logits.append(out.logits.detach())
         return backward_loss(loss, self.loss_scale, self.grad_scale)   # the reported loss is not scaled
+
+    def _hold_aux_loss(self, i: int, aux) -> None:
+        """An earlier stage's MoE layers' aux loss (None: dense): its backward runs with the
+        stage's output's, scaled as the last stage scales its own (`loss_normalisation`)."""
+        if aux is None:
+            return
+        self.aux_losses.append(aux.detach() * aux_loss_weight(len(self.microbatches)))
+        if torch.is_grad_enabled() and aux.requires_grad:
+            self.aux_roots[i] = backward_loss(aux * self.aux_scale, self.loss_scale, self.grad_scale)
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -109,9 +122,13 @@ class _Stage:
         """Backward of held microbatch i; grad: of its output (None on the last stage, whose
         output is the loss). -> the grad of its input activation (None on the first stage)."""
         x, out = self.held.pop(i)
+        aux = self.aux_roots.pop(i, None)
         start = time.perf_counter()
         with span("backward"):
-            torch.autograd.backward(out, grad_tensors=grad)
+            if aux is None:
+                torch.autograd.backward(out, grad_tensors=grad)
+            else:                            # this stage's MoE aux loss too (its grad: 1, scaled in)
+                torch.autograd.backward([out, aux], grad_tensors=[grad, None])
         self.busy += time.perf_counter() - start
         if x is None:
             return None
@@ -131,8 +148,17 @@ class _Stage:
 
     def result(self, wall_s: float) -> StepResult:
         loss = replica_loss(self.losses, self.groups.cp)          # summed over M and the CP ranks' parts
-        aux = torch.stack(self.aux_losses).sum() if self.aux_losses else None
-        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s, aux)
+        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s, self._aux_loss())
+
+    def _aux_loss(self):
+        """The MoE aux loss of the step (the layers' of every stage, summed: collective over PP),
+        on the last stage; None for a dense model or another stage."""
+        if not self.aux_losses:
+            return None
+        aux = torch.stack(self.aux_losses).sum()
+        if self.groups.par.pp > 1:
+            aux = comm.all_reduce(aux, self.groups.pp)
+        return aux if self.groups.is_last_stage else None
 
 
 def run_order(stage: _Stage, order: list[Action]) -> None:
