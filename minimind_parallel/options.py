@@ -36,12 +36,17 @@ class Preset:
     --cp); one it does not use must be 1 at the launcher. `replicas` instead spends every rank of
     the launcher's world on data parallelism whatever its sizes (DDP: a sweep compares it with the
     model-parallel modes on the same ranks). A mode without tensor parallelism turns the TP flags
-    (TP_FLAGS) off: flags given on the command line apply to the TP modes of a sweep."""
+    (TP_FLAGS) off: flags given on the command line apply to the TP modes of a sweep.
+
+    `ep`: the mode spreads the experts of the MoE model it turns on over the launcher's
+    --ep_size (> 1) expert-parallel ranks, carved out of its DP x CP ranks; every other mode runs
+    with --ep_size 1 (each rank holds every expert), so a sweep compares them on the same ranks."""
 
     name: str
     tp: bool = False
     pp: bool = False
     cp: bool = False
+    ep: bool = False
     replicas: bool = False
     flags: dict[str, object] = field(default_factory=dict)
 
@@ -54,6 +59,8 @@ class Preset:
 
     def mismatch(self, launch) -> str | None:
         """What of the launcher's sizes is not this mode's (None: they are)."""
+        if self.ep and launch.ep_size == 1:
+            return f"mode {self.name} is expert-parallel and needs --ep_size > 1; got --ep_size 1"
         if self.replicas:
             return None
         if self.cp and not launch.cp:
@@ -78,6 +85,7 @@ class Preset:
         """The layout of a run in this mode (`args` with its flags applied): the launcher's sizes, or
         with `replicas` every rank of the launcher's world a data-parallel replica."""
         par = parallel_config(launch, args)
+        par = replace(par, ep=par.ep if self.ep else 1)
         return replace(par, tp=1, pp=1, cp=1, dp=par.world_size) if self.replicas else par
 
 
@@ -103,6 +111,10 @@ PRESETS = (
     Preset("tp_cp", tp=True, cp=True),
     Preset("pp_cp", pp=True, cp=True),
     Preset("tp_cp_pp", tp=True, cp=True, pp=True),
+    # MoE experts over --ep_size ranks of the DP x CP ones (the MoE model: --use_moe on)
+    Preset("ep", ep=True, flags=dict(use_moe=True)),
+    Preset("tp_ep", tp=True, ep=True, flags=dict(use_moe=True)),
+    Preset("ep_pp", pp=True, ep=True, flags=dict(use_moe=True)),
 )
 MODES = {p.name: p for p in PRESETS}
 

@@ -137,6 +137,10 @@ BENCHMARK = [
     (["--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", "--hidden_size", "24",
       "--num_attention_heads", "8", "--num_key_value_heads", "4"], "head_dim must be even"),
     (["--nnodes", "0", "--tp_size", "2", "--"], "nnodes must be >= 1"),
+    (["--dp_size", "2", "--", "--modes", "ddp", "ep"],
+     "mode ep is expert-parallel and needs --ep_size > 1; got --ep_size 1"),
+    (["--dp_size", "2", "--ep_size", "2", "--", "--modes", "ep", "--num_experts", "3"],
+     "num_experts must be divisible by ep_size"),
 ]
 
 

@@ -7,6 +7,7 @@ accumulation), cp2 x ep2 (ring) and tp2 x pp2 x ep2; MiniMind's per-replica aux 
 
 The layouts of one world size run in one `run_ranks` launch (the suite's time is mostly forking)."""
 import pytest
+import torch
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
@@ -63,3 +64,122 @@ def test_every_expert_parallel_layout_matches_the_dense_moe_model(world):
         assert not bad, f"{name}\n" + format_report(bad)
         first = [r for r in rows if r.item.startswith(("step 0", "grad"))]
         assert max(r.rel_l2 for r in first) < 2e-6, f"{name}\n" + format_report(first)
+
+
+# --- checkpoints: EP and non-EP layouts reshard into each other -------------------------------------
+
+CKPT_ROWS, CKPT_LR = 4, 1e-2
+
+
+def _ckpt_train(model, optimizer, groups, steps) -> list:
+    """The global batch's loss of each step (every replica's mean is of equal rows; None off the last stage)."""
+    from minimind_parallel.data.batches import dp_rows, random_batch
+    from minimind_parallel.loss_normalisation import equal_replicas_mean
+    from minimind_parallel.training import train_step
+    losses = []
+    for i in steps:
+        batch = dp_rows(random_batch(100 + i, CKPT_ROWS, 16, TINY_MOE["vocab_size"]), groups.dp_rank, groups.par.dp)
+        loss = train_step(model, optimizer, groups, *batch).loss
+        losses.append(None if loss is None else equal_replicas_mean(loss.clone(), groups).item())
+    return losses
+
+
+def _rank_state(model, optimizer, groups) -> dict:
+    """This rank's parameters and AdamW moments by name, with its TP rank (to slice the dense ones)."""
+    from minimind_parallel.training import unwrap
+    params = dict(unwrap(model).named_parameters())
+    return {"tp_rank": groups.tp_rank, "param": {n: p.detach().clone() for n, p in params.items()},
+            "exp_avg": {n: optimizer.state[p]["exp_avg"].clone() for n, p in params.items()}}
+
+
+def _save_and_reshard(save_dir, layouts):
+    """Train 2 steps on layouts[0] and save; continue 2 steps; then every other layout loads the
+    checkpoint and takes the same 2 steps. -> per layout: this rank's state after loading, losses."""
+    import torch
+    from minimind_parallel.checkpoint import load_checkpoint, save_checkpoint
+    from minimind_parallel.model import MiniMindForCausalLM
+    from minimind_parallel.training import build_parallel_model, make_optimizer, wrap_data_parallel
+    config = MiniMindConfig(**TINY_MOE)
+    out = {}
+    for i, par in enumerate(layouts):
+        groups = ProcessGroups.build(par)
+        torch.manual_seed(i)
+        model = wrap_data_parallel(build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict()),
+                                   groups)
+        optimizer = make_optimizer(model, CKPT_LR)
+        if i == 0:
+            _ckpt_train(model, optimizer, groups, range(2))
+            save_checkpoint(save_dir, 2, model=model, optimizer=optimizer, config=config, par=par, groups=groups,
+                            extra={})
+        else:
+            load_checkpoint(save_dir, model=model, optimizer=optimizer, config=config, par=par, groups=groups)
+        out[i] = (_rank_state(model, optimizer, groups), _ckpt_train(model, optimizer, groups, range(2, 4)))
+    return out
+
+
+def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(tmp_path):
+    from minimind_parallel.checkpoint.placement import checkpoint_key
+    from minimind_parallel.validation import dense_slice
+    config = MiniMindConfig(**TINY_MOE)
+    layouts = [ParallelConfig(dp=4, ep=4), ParallelConfig(dp=2, tp=2, sequence_parallel=True),
+               ParallelConfig(dp=4, ep=2), ParallelConfig(dp=2, pp=2, ep=2)]
+    results = run_ranks(_save_and_reshard, 4, str(tmp_path), layouts, timeout=1200)
+    saved = {what: {n: t for r in results for n, t in r[0][0][what].items()} for what in ("param", "exp_avg")}
+    assert len([n for n in saved["param"] if ".experts." in n]) == 2 * 4 * 3   # layers x experts x weights
+    saved_losses = [l for r in results for l in [r[0][1]] if l[0] is not None][0]
+    for i in range(1, len(layouts)):
+        par = layouts[i]
+        for r in results:
+            state, losses = r[i]
+            for what in ("param", "exp_avg"):
+                for name, t in state[what].items():
+                    dense = saved[what][checkpoint_key(name, config)]   # a tied lm_head copy: the embedding's
+                    assert torch.equal(t, dense_slice(name, dense, par, state["tp_rank"])), (i, what, name)
+            if losses[0] is not None:   # the same two steps after loading: the global batch's loss
+                assert losses == pytest.approx(saved_losses, rel=2e-5, abs=0), (i, losses, saved_losses)
+
+
+# --- collectives of one MoE block, counted from the real calls ----------------------------------------
+
+def _block_collectives():
+    """One MoE block on dp2 x ep2 (global aux loss): the c10d calls of its forward and backward, with the
+    shapes that size them. -> (forward calls, backward calls, N tokens, M tokens received)."""
+    from minimind_parallel.model import MiniMindForCausalLM
+    from minimind_parallel.profiling.collectives import CollectiveLog
+    from minimind_parallel.training import build_parallel_model
+    par = ParallelConfig(dp=2, ep=2)
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY_MOE)
+    torch.manual_seed(0)
+    model = build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict())
+    block = model.model.layers["0"]
+    received = []
+    dispatch = block.mlp.dispatcher.dispatch
+
+    def counted(tokens, counts):
+        out = dispatch(tokens, counts)
+        received.append(out[0].shape[0])
+        return out
+    block.mlp.dispatcher.dispatch = counted
+    torch.manual_seed(1 + groups.rank)
+    s, b = 16, 2
+    h = torch.randn(s, b, config.hidden_size, requires_grad=True)
+    cos, sin, layout = model.model._rope(s)
+    with CollectiveLog() as fwd:
+        y = block(h, cos, sin, layout)
+    with CollectiveLog() as bwd:
+        y.backward(torch.randn_like(y))
+    return fwd.calls, bwd.calls, s * b, received[0]
+
+
+def test_a_moe_blocks_collectives_are_the_count_exchange_and_two_all_to_alls_each_way():
+    """The README's table: forward the count exchange (E int64), the tokens (N k rows of H), their
+    way back (M rows received, sent back), one all-reduce of the aux statistics (2E + 1 floats);
+    backward the two token all-to-alls reversed, nothing else."""
+    E, k, H, b = TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"], TINY_MOE["hidden_size"], 4
+    results = run_ranks(_block_collectives, 2)
+    assert sum(r[3] for r in results) == sum(r[2] for r in results) * k    # dropless: every routed token
+    for fwd, bwd, n, m in results:
+        assert fwd == [("all_to_all", 8 * E), ("all_to_all", n * k * H * b), ("all_to_all", m * H * b),
+                       ("all_reduce", (2 * E + 1) * 4)], fwd
+        assert sorted(bwd) == sorted([("all_to_all", n * k * H * b), ("all_to_all", m * H * b)]), bwd
