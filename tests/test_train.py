@@ -22,7 +22,7 @@ from minimind_parallel import cli, launcher, tasks
 from minimind_parallel.checkpoint import latest_checkpoint, read_dense_state
 from minimind_parallel.config import MiniMindConfig
 from minimind_parallel.data.tokenizer import train_tokenizer
-from minimind_parallel.training.metrics import curves, model_flops_per_token
+from minimind_parallel.training.metrics import curves, format_line, model_flops_per_token
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.tasks.train import Run, RunStopped
 from test_cli import assert_refused_before_launch
@@ -351,3 +351,17 @@ def test_a_new_run_over_an_earlier_runs_checkpoints_launches_only_with_overwrite
     launched = []
     monkeypatch.setattr(launcher, "run_torchrun", lambda launch, world, argv, **k: launched.append(world) or 0)
     assert cli.main([*argv, "--overwrite"]) == 0 and launched == [1]
+
+
+def test_the_moe_model_trains_under_tp2_with_sequence_parallelism_logging_its_aux_loss(corpus, tmp_path):
+    train_in_ranks(["--tp_size", "2"], data_args(corpus, use_moe=True, num_experts=4, num_experts_per_tok=2,
+                                                 sequence_parallel=True, max_steps=4, log_interval=2,
+                                                 out_dir=tmp_path, save_dir=tmp_path / "ckpt", save_interval=4))
+    lines = records(tmp_path, "train")
+    assert [r["step"] for r in lines] == [2, 4]
+    # MiniMind's aux loss at its default coefficient: coef x (E sum_e load_e mean_score_e), about coef x k
+    assert all(0 < r["aux_loss"] < 5e-4 * 2 * 4 for r in lines)
+    assert "| aux loss " in format_line(lines[0])
+    config, state = read_dense_state(latest_checkpoint(str(tmp_path / "ckpt")))
+    assert config.use_moe and config.num_experts_per_tok == 2
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in state and "model.layers.1.mlp.gate.weight" in state

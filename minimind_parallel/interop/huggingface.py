@@ -11,6 +11,12 @@ as `save_pretrained` does for a tied model (`lm_head.weight` is re-tied on load)
 puts bos first (`data.tokenizer.bos_first`), so `tokenizer(text)` gives the ids a pretraining row
 starts with, and `generate` on them continues as ours does; every file is mode 0644.
 
+The mixture-of-experts model (`use_moe`) is transformers' Qwen3-MoE (`Qwen3MoeForCausalLM`:
+softmax router, top-k, renormalised when `norm_topk_prob`, SwiGLU experts, every layer sparse:
+`decoder_sparse_step` 1, no `mlp_only_layers`), its weights under the same per-expert names
+(`mlp.gate.weight`, `mlp.experts.{e}.{gate,up,down}_proj.weight`), the names of Qwen3-MoE's
+released checkpoints, which transformers 5 fuses into its 3-D expert tensors on load.
+
 The folder is written beside `out_dir` under a temporary name and renamed into place, so an
 interrupted export never leaves a half-written folder; an existing non-empty folder is refused
 unless `overwrite`.
@@ -60,8 +66,18 @@ def qwen3_config_dict(config: MiniMindConfig, *, dtype: torch.dtype = torch.floa
         # transformers 4.x reads `torch_dtype`, 5.x `dtype`.
         "torch_dtype": _dtype_name(dtype), "dtype": _dtype_name(dtype),
     }
+    if c.use_moe:
+        out |= qwen3_moe_fields(c)
     ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     return out | {k: v for k, v in ids.items() if v is not None}
+
+
+def qwen3_moe_fields(c: MiniMindConfig) -> dict:
+    """What makes the Qwen3 config a Qwen3-MoE one: every layer an MoE layer of MiniMind's experts."""
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok, "moe_intermediate_size": c.moe_intermediate_size,
+            "norm_topk_prob": c.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": False}
 
 
 def generation_config_dict(*, bos_token_id: int, eos_token_id: int, pad_token_id: int) -> dict:

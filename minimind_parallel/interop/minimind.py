@@ -2,13 +2,15 @@
 
 jingyaogong/minimind's trainer (trainer/trainer_utils.py, `lm_checkpoint`) saves
 `model.state_dict()` with every tensor cast to half precision and moved to the CPU, under
-`{save_dir}/{weight}_{hidden_size}.pth` (e.g. `pretrain_768.pth`). With tied word embeddings the
+`{save_dir}/{weight}_{hidden_size}.pth` (e.g. `pretrain_768.pth`), `{weight}_{hidden_size}_moe.pth`
+for the mixture-of-experts model (`use_moe`). With tied word embeddings the
 state dict names the one matrix twice, `model.embed_tokens.weight` and `lm_head.weight`, and the
 file holds both (two equal half-precision copies); the RoPE tables are non-persistent buffers and
 are not in it. The keys are the dense model's (`minimind_parallel/model.py`).
 
 Here every key of the dense model must be present with its exact shape and no other key may be,
-so a file of another size is refused with one line naming the first key that differs. Whether the
+so a file of another size is refused with one line naming the first key that differs (a dense
+file for the MoE model, or an MoE file for the dense one, is named as such). Whether the
 file is tied is read from it (the two shared keys hold equal tensors) and must agree with the
 model's `tie_word_embeddings`: MiniMind's strict `load_state_dict` into its tied default class
 accepts an untied file without a word (the last of the two keys wins), with wrong logits.
@@ -27,11 +29,12 @@ from ..model import MiniMindForCausalLM
 EMBED_KEY, HEAD_KEY = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def minimind_weight_name(weight: str, hidden_size: int) -> str:
-    """MiniMind's file name for a weight kind and width: ("pretrain", 768) -> "pretrain_768.pth"."""
+def minimind_weight_name(weight: str, hidden_size: int, use_moe: bool = False) -> str:
+    """MiniMind's file name for a weight kind and width: ("pretrain", 768) -> "pretrain_768.pth";
+    the MoE model's "pretrain_768_moe.pth"."""
     if not weight or os.sep in weight:
         raise ConfigError(f"weight name must be a non-empty file-name prefix such as 'pretrain'; got {weight!r}")
-    return f"{weight}_{hidden_size}.pth"
+    return f"{weight}_{hidden_size}{'_moe' if use_moe else ''}.pth"
 
 
 def expected_shapes(config: MiniMindConfig) -> dict[str, torch.Size]:
@@ -42,8 +45,24 @@ def expected_shapes(config: MiniMindConfig) -> dict[str, torch.Size]:
 
 
 def _describe(c: MiniMindConfig) -> str:
+    moe = f", num_experts={c.num_experts}" if c.use_moe else ""
     return (f"hidden_size={c.hidden_size}, num_hidden_layers={c.num_hidden_layers}, "
-            f"vocab_size={c.vocab_size}, tie_word_embeddings={c.tie_word_embeddings}")
+            f"vocab_size={c.vocab_size}, tie_word_embeddings={c.tie_word_embeddings}, use_moe={c.use_moe}{moe}")
+
+
+_DENSE_MLP, _ROUTER = ".mlp.gate_proj.weight", ".mlp.gate.weight"
+
+
+def check_moe_kind(state: Mapping[str, torch.Tensor], config: MiniMindConfig, source: str) -> None:
+    """ConfigError when `state` is a dense model and `config` the MoE one, or the other way round."""
+    dense = next((k for k in state if k.endswith(_DENSE_MLP)), None)
+    moe = next((k for k in state if k.endswith(_ROUTER)), None)
+    if config.use_moe and dense is not None and moe is None:
+        raise ConfigError(f"{source} holds a dense model ({dense}, no router) but --use_moe builds the "
+                          f"mixture-of-experts model; drop --use_moe")
+    if not config.use_moe and moe is not None:
+        raise ConfigError(f"{source} holds a mixture-of-experts model ({moe}) but the model is dense; "
+                          f"pass --use_moe (and its --num_experts)")
 
 
 def _and_more(items: list) -> str:
@@ -61,6 +80,7 @@ def check_dense_state(state: Mapping[str, torch.Tensor], config: MiniMindConfig,
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise ConfigError(f"{source}: {key} is a {type(value).__name__}, not a tensor")
+    check_moe_kind(state, config, source)
     wrong = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k])]
     missing = [k for k in want if k not in state]
     unknown = sorted(k for k in state if k not in want)
@@ -187,7 +207,7 @@ def save_minimind_state_dict(dense_state: Mapping[str, torch.Tensor], path: str,
     refused unless `overwrite`."""
     if os.path.isdir(path):
         raise ConfigError(f"{path} is a directory; MiniMind weights are one file such as "
-                          f"{minimind_weight_name('pretrain', config.hidden_size if config else 768)}")
+                          f"{minimind_weight_name('pretrain', config.hidden_size if config else 768, bool(config and config.use_moe))}")
     if os.path.exists(path) and not overwrite:
         raise ConfigError(f"{path} already exists; pass --overwrite to replace it")
     if config is not None:

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, MiniMindConfig
 from ..files import check_directory
 from ..interop import dense_state_dict, export_hf, minimind_weight_name, save_minimind_state_dict
 from ..interop.huggingface import EXPORT_DTYPES, check_export_folder, load_export_tokenizer
@@ -43,10 +43,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def minimind_path(args, hidden_size: int) -> str:
-    """--out, or MiniMind's file name in --out when it is a folder."""
+def minimind_path(args, config: MiniMindConfig) -> str:
+    """--out, or MiniMind's file name in --out when it is a folder ({weight}_{hidden}[_moe].pth)."""
     if os.path.isdir(args.out):
-        return os.path.join(args.out, minimind_weight_name(args.weight, hidden_size))
+        return os.path.join(args.out, minimind_weight_name(args.weight, config.hidden_size, config.use_moe))
     return args.out
 
 
@@ -80,8 +80,8 @@ def check(job: Job) -> None:
         if args.dtype is not None or args.tokenizer_path is not None:
             raise ConfigError(f"--format minimind writes MiniMind's half-precision .pth (no tokenizer); got "
                               f"--dtype {args.dtype}, --tokenizer_path {args.tokenizer_path}")
-        minimind_weight_name(args.weight, config.hidden_size)
-        path = minimind_path(args, config.hidden_size)
+        minimind_weight_name(args.weight, config.hidden_size, config.use_moe)
+        path = minimind_path(args, config)
         if os.path.exists(path) and not args.overwrite:
             raise ConfigError(f"{path} already exists; pass --overwrite to replace it")
     else:
@@ -109,7 +109,7 @@ def launch_export(job: Job) -> int:
     args = job.task
     config, dense = read_source(args, None)
     if args.format == "minimind":
-        out = save_minimind_state_dict(dense, minimind_path(args, config.hidden_size), config=config,
+        out = save_minimind_state_dict(dense, minimind_path(args, config), config=config,
                                        overwrite=args.overwrite)
     else:
         out = export_hf(dense, config, args.out, tokenizer_dir=args.tokenizer_path, overwrite=args.overwrite,

@@ -294,6 +294,7 @@ class Interval:
     data_s: float = 0.0
     loss_sum: torch.Tensor | None = None   # this replica's sum of per-token losses (last stage)
     targets: torch.Tensor | None = None
+    aux_sum: torch.Tensor | None = None    # this replica's MoE aux losses summed over the steps (last stage)
 
     def add(self, stats, data_s: float) -> None:
         self.steps += 1
@@ -302,6 +303,9 @@ class Interval:
         if stats.loss is not None:
             part = token_sum(stats.loss, stats.targets)
             self.loss_sum = part if self.loss_sum is None else self.loss_sum + part
+        aux = stats.schedule.aux_loss
+        if aux is not None:
+            self.aux_sum = aux.double() if self.aux_sum is None else self.aux_sum + aux.double()
 
 
 class RunStopped(Exception):
@@ -467,6 +471,7 @@ class Run:
     def log(self, interval: Interval, lr: float, grad_norm: torch.Tensor) -> None:
         """A "train" record: collective (loss over the world, peak memory over the ranks)."""
         loss, _ = world_token_mean(interval.loss_sum, interval.targets, self.groups)
+        aux = self.aux_mean(interval)
         peak = torch.tensor(float(peak_memory_bytes(self.device)), dtype=torch.float64, device=self.device)
         comm.all_reduce(peak, dist.group.WORLD, op=dist.ReduceOp.MAX)
         if not self.lead:
@@ -478,8 +483,19 @@ class Run:
         record = {"kind": "train", "step": self.step, "total_steps": self.total, "epoch": (self.step - 1) // self.sampler.steps_per_epoch,
                   "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), **rates,
                   "peak_mem_mib": peak.item() / MIB, "time": time.time()}
+        if aux is not None:
+            record["aux_loss"] = aux
         self.metrics.append(record)
         tqdm.write(format_line(record), file=sys.stdout)
+
+    def aux_mean(self, interval: Interval) -> float | None:
+        """The MoE aux loss of the interval's steps, averaged over them and the DP replicas (None:
+        a dense model). Collective over the world (MoE models only)."""
+        if not self.config.use_moe:
+            return None
+        steps = torch.tensor(interval.steps, dtype=torch.float64, device=self.device)
+        mean, _ = world_token_mean(interval.aux_sum, steps, self.groups)
+        return mean
 
     def evaluate(self) -> None:
         loss, ppl = heldout_loss(self.model, self.groups, self.heldout, num_microbatches=self.args.num_microbatches,

@@ -82,7 +82,8 @@ def interval_rates(*, steps: int, seconds: float, data_seconds: float, rows_per_
 def format_line(r: dict) -> str:
     """A "train" record as one log line."""
     mfu_text = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.2f}%"
-    return (f"step {r['step']}/{r['total_steps']} epoch {r['epoch']} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
+    aux = f" | aux loss {r['aux_loss']:.4g}" if "aux_loss" in r else ""
+    return (f"step {r['step']}/{r['total_steps']} epoch {r['epoch']} | loss {r['loss']:.4f}{aux} | lr {r['lr']:.3e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | MFU {mfu_text} | "
             f"peak mem {r['peak_mem_mib']:.1f} MiB | data {r['data_share'] * 100:.1f}% of step time")
 
