@@ -183,3 +183,30 @@ def test_a_moe_blocks_collectives_are_the_count_exchange_and_two_all_to_alls_eac
         assert fwd == [("all_to_all", 8 * E), ("all_to_all", n * k * H * b), ("all_to_all", m * H * b),
                        ("all_reduce", (2 * E + 1) * 4)], fwd
         assert sorted(bwd) == sorted([("all_to_all", n * k * H * b), ("all_to_all", m * H * b)]), bwd
+
+
+# --- the global grad norm counts every expert once ------------------------------------------------------
+
+def _clipped_norm(par):
+    from minimind_parallel.data.batches import dp_rows, random_batch, split_microbatches
+    from minimind_parallel.model import MiniMindForCausalLM
+    from minimind_parallel.pipeline_parallel import forward_backward
+    from minimind_parallel.training import build_parallel_model, finalize_grads, wrap_data_parallel
+    from minimind_parallel.training.grad_clip import clip_grad_norm_
+    groups = ProcessGroups.build(par)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(MiniMindConfig(**TINY_MOE)).double()
+    model = wrap_data_parallel(build_parallel_model(dense.config, par, groups, dense.state_dict(),
+                                                    dtype=torch.float64), groups)
+    batch = random_batch(1, 2 * par.dp, 16, TINY_MOE["vocab_size"])
+    dense(batch.input_ids, targets=batch.targets).objective.backward()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")).item()
+    forward_backward(model, groups, split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), 1))
+    finalize_grads(model, groups)
+    return clip_grad_norm_(model, groups, 0.0).item(), dense_norm
+
+
+def test_the_global_grad_norm_counts_each_ranks_experts_once():
+    par = ParallelConfig(dp=2, ep=2)
+    for norm, dense_norm in run_ranks(_clipped_norm, par.world_size, par):
+        assert norm == pytest.approx(dense_norm, rel=1e-12, abs=0)

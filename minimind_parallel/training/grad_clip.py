@@ -11,6 +11,7 @@ the same with its "is not a duplicate" test):
     layers of other pipeline stages             summed over PP
     tied embedding, two copies under PP          the first stage's copy only (equal after finalize_grads)
     DP / CP replicas                            not summed: their grads are equal after averaging
+    an expert's weights (mixture of experts)    each EP rank counts its own experts; summed over EP
 
 Call after `training.finalize_grads` (and, under a float16 loss scaler, after unscaling).
 Every rank gets the same norm, so every rank applies the same clip coefficient.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..data_parallel import unwrap
+from ..data_parallel import is_expert_parameter, unwrap
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..plan import grad_is_shared_over_stages, tp_split_dim
@@ -35,15 +36,15 @@ def counted_here(name: str, model: nn.Module, groups: ProcessGroups) -> bool:
 
 def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
     """The 2-norm of the dense model's whole gradient (0-dim, at least float32; the same on every
-    rank). Collective over TP and PP."""
+    rank). Collective over EP, TP and PP."""
     inner = unwrap(model)
-    grads = [p.grad for name, p in inner.named_parameters()
-             if p.grad is not None and counted_here(name, inner, groups)]
+    params = [p for name, p in inner.named_parameters() if p.grad is not None and counted_here(name, inner, groups)]
     acc = torch.promote_types(next(inner.parameters()).dtype, torch.float32)
     device = next(inner.parameters()).device
-    squares = torch.zeros((), dtype=acc, device=device)
-    for g in grads:
-        squares += g.detach().to(acc).pow(2).sum()
+    squares, experts = torch.zeros((), dtype=acc, device=device), torch.zeros((), dtype=acc, device=device)
+    for p in params:
+        (experts if is_expert_parameter(p) else squares).add_(p.grad.detach().to(acc).pow(2).sum())
+    squares += comm.all_reduce(experts, groups.ep)   # the other EP ranks' experts
     comm.all_reduce(squares, groups.tp)   # the shards of one stage
     comm.all_reduce(squares, groups.pp)   # the stages
     return squares.sqrt()
