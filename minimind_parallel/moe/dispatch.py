@@ -20,12 +20,17 @@ global experts [r*L, (r+1)*L). One MoE layer's dispatch, per rank:
 The split sizes are read to the host once per dispatch (all_to_all_single takes Python lists);
 backward reuses them: the backward of an all-to-all is the reverse all-to-all (`_AllToAll`).
 With a one-rank group (ep = 1) dispatch and combine hand the tokens back unchanged.
+
+On fake tensors (`--estimate`: shapes, no values) the routing has no counts to read; the
+dispatch then follows the balanced policy (`balanced_sizes`): every rank routes as many rows to
+each expert, so each rank sends and receives N*k/P rows per peer, N*k/E per (peer, expert).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from ..distributed import comm
 
@@ -69,6 +74,14 @@ def chunk_permutation(sizes: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
+def balanced_sizes(rows: int, ranks: int, local_experts: int) -> torch.Tensor:
+    """[P, L] rows each source sends for each local expert when `rows` (N*k, as on every rank) are
+    spread evenly over the P x L experts (the first ones one more when it does not divide)."""
+    n = ranks * local_experts
+    flat = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+    return torch.tensor(flat, dtype=torch.long, device="cpu").view(ranks, local_experts)
+
+
 class AllToAllDispatcher:
     """Dispatch to and combine from the experts of the EP group `group` (None: one rank, no
     communication), `num_experts` experts over its ranks. A dispatch is followed by its combine
@@ -90,11 +103,20 @@ class AllToAllDispatcher:
         p, l = self.ranks, self.local_experts
         with torch.no_grad():
             received = comm.all_to_all_dim0(counts.reshape(p, l).contiguous(), self.group)   # [P (source), L]
-            host = received.cpu()
-            sent = counts.reshape(p, l).sum(1).tolist()
-            to_experts = chunk_permutation(host).to(tokens.device)
+            if is_fake(received):                        # no values (--estimate): the balanced policy
+                with unset_fake_temporarily():
+                    host = balanced_sizes(tokens.shape[0], p, l)
+                    order, sent, sizes = chunk_permutation(host).tolist(), host.sum(1).tolist(), host.tolist()
+                received = torch.tensor(sizes, dtype=counts.dtype, device=tokens.device)
+                to_experts = torch.tensor(order, dtype=torch.long, device=tokens.device)
+            else:
+                host = received.cpu()
+                to_experts = chunk_permutation(host).to(tokens.device)
+                sent = counts.reshape(p, l).sum(1).tolist()
             to_sources = torch.argsort(to_experts)
-        self._route = Route(sent=sent, received=host.sum(1).tolist(), to_experts=to_experts, to_sources=to_sources)
+        with unset_fake_temporarily():
+            from_sources = host.sum(1).tolist()
+        self._route = Route(sent=sent, received=from_sources, to_experts=to_experts, to_sources=to_sources)
         rows = all_to_all_rows(tokens, self.group, self._route.received, sent)   # [M, H] source-major
         return rows.index_select(0, to_experts), received.sum(0)                 # [M, H] expert-major, [L]
 
