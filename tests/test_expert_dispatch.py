@@ -133,3 +133,17 @@ def test_on_fake_tensors_the_dispatch_follows_the_balanced_policy():
         out.sum().backward()
         assert rows.shape == (12, H) and counts.shape == (2,) and out.shape == (12, H)   # N k rows: 6 per peer
         assert tokens.grad.shape == (12, H)
+
+
+def test_sharding_a_moe_state_dict_over_ep_ranks_and_back_is_exact():
+    from minimind_parallel import MiniMindConfig, MiniMindForCausalLM
+    from minimind_parallel.sharding import gather_state_dict, shard_state_dict
+    config = MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            vocab_size=64, use_moe=True, num_experts=4, num_experts_per_tok=2)
+    dense = MiniMindForCausalLM(config).state_dict()
+    par = ParallelConfig(dp=2, tp=2, ep=2)
+    shards = [shard_state_dict(dense, par, t, 0, r) for r in range(2) for t in range(2)]   # EP rank, then TP
+    assert sorted(k for k in shards[2] if ".experts." in k) == sorted(
+        k for k in dense if ".experts.2." in k or ".experts.3." in k)
+    back = gather_state_dict(shards, par)
+    assert back.keys() == dense.keys() and all(torch.equal(back[k], dense[k]) for k in dense)
