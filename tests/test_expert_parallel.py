@@ -172,12 +172,22 @@ def _block_collectives():
     return fwd.calls, bwd.calls, s * b, received[0]
 
 
-def test_a_moe_blocks_collectives_are_the_count_exchange_and_two_all_to_alls_each_way():
+def _two_rank_checks():
+    """Both checks on dp2 x ep2 below, in one launch."""
+    return _block_collectives(), _clipped_norm(ParallelConfig(dp=2, ep=2))
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_rank_checks, 2)
+
+
+def test_a_moe_blocks_collectives_are_the_count_exchange_and_two_all_to_alls_each_way(two_ranks):
     """The README's table: forward the count exchange (E int64), the tokens (N k rows of H), their
     way back (M rows received, sent back), one all-reduce of the aux statistics (2E + 1 floats);
     backward the two token all-to-alls reversed, nothing else."""
     E, k, H, b = TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"], TINY_MOE["hidden_size"], 4
-    results = run_ranks(_block_collectives, 2)
+    results = [r[0] for r in two_ranks]
     assert sum(r[3] for r in results) == sum(r[2] for r in results) * k    # dropless: every routed token
     for fwd, bwd, n, m in results:
         assert fwd == [("all_to_all", 8 * E), ("all_to_all", n * k * H * b), ("all_to_all", m * H * b),
@@ -206,7 +216,6 @@ def _clipped_norm(par):
     return clip_grad_norm_(model, groups, 0.0).item(), dense_norm
 
 
-def test_the_global_grad_norm_counts_each_ranks_experts_once():
-    par = ParallelConfig(dp=2, ep=2)
-    for norm, dense_norm in run_ranks(_clipped_norm, par.world_size, par):
+def test_the_global_grad_norm_counts_each_ranks_experts_once(two_ranks):
+    for norm, dense_norm in (r[1] for r in two_ranks):
         assert norm == pytest.approx(dense_norm, rel=1e-12, abs=0)
