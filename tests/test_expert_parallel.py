@@ -219,3 +219,26 @@ def _clipped_norm(par):
 def test_the_global_grad_norm_counts_each_ranks_experts_once(two_ranks):
     for norm, dense_norm in (r[1] for r in two_ranks):
         assert norm == pytest.approx(dense_norm, rel=1e-12, abs=0)
+
+
+# --- the benchmark's EP modes: the layout each name says -------------------------------------------------
+
+@pytest.mark.parametrize("sizes,modes", [
+    (["--dp_size", "2", "--ep_size", "2"], ["ddp", "ep"]),
+    (["--dp_size", "2", "--ep_size", "2", "--tp_size", "2"], ["ddp", "tp", "tp_ep"]),
+    (["--dp_size", "2", "--ep_size", "2", "--pp_size", "2"], ["ddp", "pp", "ep_pp"]),
+    (["--dp_size", "2"], ["ddp"]),
+], ids=["ep", "tp_ep", "ep_pp", "no ep"])
+def test_each_expert_parallel_mode_runs_on_the_sizes_its_name_says(sizes, modes):
+    from minimind_parallel import cli
+    from minimind_parallel.options import MODES
+    from minimind_parallel.tasks.benchmark.cells import cell_args, cell_parallel, sweep_cells
+    base = ["ddp", "tp", "pp", "ep", "tp_ep", "ep_pp"]
+    launch, _ = cli.parse(["benchmark", *sizes, "--"])
+    assert [m for m in base if MODES[m].mismatch(launch) is None] == modes
+    for mode in modes:   # the EP modes: the MoE model, experts over --ep_size; the others every expert on every rank
+        args = cli.resolve(["benchmark", *sizes, "--", "--modes", mode]).task
+        a = cell_args(args, sweep_cells(args)[0])
+        par = cell_parallel(launch, a, mode)
+        assert par.ep == (launch.ep_size if mode.startswith("ep") or mode.endswith("_ep") else 1), mode
+        assert a.use_moe == (par.ep > 1), mode
