@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import DTYPES, ConfigError, CPCommType, MiniMindConfig, MoEAuxLoss, ParallelConfig, Recompute, check_layout
+from .config import DTYPES, MOE_DEFAULTS, ConfigError, CPCommType, MiniMindConfig, MoEAuxLoss, ParallelConfig, Recompute, check_layout
 from .memory import predict_memory
 from .pipeline_parallel.order import Schedule
 
@@ -22,6 +22,8 @@ from .pipeline_parallel.order import Schedule
 RANK_PROCESS_BYTES = 256 * 2**20
 
 TP_FLAGS = ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel")
+# The MoE fields (add_moe_args) and their defaults, MiniMind's: what a dense mode of a sweep runs with.
+MOE_FIELDS = {**MOE_DEFAULTS, "moe_intermediate_size": None}
 # The launcher's size of each model-parallel dimension, and what a mode that uses it is called.
 DIMENSIONS = (("tp", "tensor-parallel", "--tp_size"), ("pp", "pipeline-parallel", "--pp_size"),
               ("cp", "context-parallel", "--cp_size"))
@@ -36,7 +38,9 @@ class Preset:
     --cp); one it does not use must be 1 at the launcher. `replicas` instead spends every rank of
     the launcher's world on data parallelism whatever its sizes (DDP: a sweep compares it with the
     model-parallel modes on the same ranks). A mode without tensor parallelism turns the TP flags
-    (TP_FLAGS) off: flags given on the command line apply to the TP modes of a sweep.
+    (TP_FLAGS) off: flags given on the command line apply to the TP modes of a sweep. Likewise a
+    dense mode (no --use_moe, neither given nor the mode's) sets the MoE fields (MOE_FIELDS) to
+    MiniMind's defaults: `--num_experts_per_tok 2` applies to the MoE modes of a sweep.
 
     `ep`: the mode spreads the experts of the MoE model it turns on over the launcher's
     --ep_size (> 1) expert-parallel ranks, carved out of its DP x CP ranks; every other mode runs
@@ -74,10 +78,14 @@ class Preset:
         return None
 
     def apply(self, args) -> None:
-        """Turn this mode's flags on in `args`, the TP flags off when it has no tensor parallelism."""
+        """Turn this mode's flags on in `args`, the TP flags off when it has no tensor parallelism,
+        the MoE fields to their defaults when it is dense."""
         if not self.tp:
             for flag in TP_FLAGS:
                 setattr(args, flag, False)
+        if not (args.use_moe or self.flags.get("use_moe")):
+            for flag, value in MOE_FIELDS.items():
+                setattr(args, flag, value)
         for flag, value in self.flags.items():
             setattr(args, flag, value)
 
@@ -111,6 +119,10 @@ PRESETS = (
     Preset("tp_cp", tp=True, cp=True),
     Preset("pp_cp", pp=True, cp=True),
     Preset("tp_cp_pp", tp=True, cp=True, pp=True),
+    # MiniMind's mixture-of-experts model (--use_moe): router and experts whole on every TP rank
+    Preset("moe", flags=dict(use_moe=True)),
+    Preset("tp_moe", tp=True, flags=dict(use_moe=True)),
+    Preset("tp_sp_moe", tp=True, flags=dict(sequence_parallel=True, use_moe=True)),
     # MoE experts over --ep_size ranks of the DP x CP ones (the MoE model: --use_moe on)
     Preset("ep", ep=True, flags=dict(use_moe=True)),
     Preset("tp_ep", tp=True, ep=True, flags=dict(use_moe=True)),

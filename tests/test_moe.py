@@ -7,7 +7,7 @@ from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM, 
 from minimind_parallel.config import check_layout
 from minimind_parallel.data.batches import random_batch
 from minimind_parallel.moe import MOEFeedForward
-from minimind_parallel.moe.experts import grouped_mm_fits
+from minimind_parallel.moe.experts import _grouped
 
 from helpers import one_line_error, rel_l2
 from minimind_moe_reference import ReferenceMOEFeedForward, reference_aux_loss, reference_model
@@ -57,15 +57,22 @@ def test_moe_model_equals_minimind_loop_in_float64(k, norm):
     assert out.objective.item() == out.loss.item() + out.aux_loss.item()
 
 
-def test_moe_layer_equals_minimind_loop_in_float32_with_grouped_gemm():
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
+def test_moe_layer_equals_minimind_loop_in_float32(grouped, monkeypatch):
+    """The loop of GEMMs over the sorted slices, and torch._grouped_mm (CUDA's path; the CPU runs
+    it in float32 too, so its numbers are checked here)."""
     config = moe_config(num_experts_per_tok=2)
     torch.manual_seed(0)
     ours = MOEFeedForward(config)
     ref = ReferenceMOEFeedForward(config)
     ref.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(2, 24, config.hidden_size)
-    assert grouped_mm_fits(x, ours.experts["0"])
+    if grouped:
+        calls = []
+        monkeypatch.setattr("minimind_parallel.moe.experts.grouped_mm_fits", lambda *a: True)
+        monkeypatch.setattr("minimind_parallel.moe.experts._grouped", lambda *a: calls.append(1) or _grouped(*a))
     y, want = ours(x), ref(x)
+    assert not grouped or calls
     assert rel_l2(y, want) < 1e-6
     assert abs(ours.aux_loss.item() - ref.aux_loss.item()) <= 1e-6 * ref.aux_loss.item()
     g = torch.randn_like(y)
@@ -152,3 +159,19 @@ def test_moe_model_under_tensor_and_sequence_parallelism_equals_dense_in_float64
         assert "step 0 aux loss" in items and "grad model.layers.1.mlp.experts.3.down_proj.weight" in items, name
         bad = failures(rows)
         assert not bad, name + "\n" + format_report(bad)
+
+
+def test_the_routing_histogram_counts_every_routed_slot_per_layer_summed_over_ranks():
+    from minimind_parallel.moe import routing_histogram
+    from minimind_parallel.tasks.benchmark.outputs import routing_text
+    from minimind_parallel.tasks.benchmark.rank import merged_routing
+    config = moe_config(num_experts_per_tok=2)
+    model = MiniMindForCausalLM(config)
+    model(torch.randint(0, config.vocab_size, (3, 8)))
+    hist = routing_histogram(model)
+    assert list(hist) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(sum(counts) == 3 * 8 * 2 and len(counts) == 4 for counts in hist.values())
+    other = {"module." + k: [1, 0, 0, 1] for k in hist}            # another replica's (DDP-wrapped) counts
+    merged = merged_routing([{"routing": hist}, {"routing": other}])
+    assert merged["model.layers.1.mlp"] == [a + b for a, b in zip(hist["model.layers.1.mlp"], [1, 0, 0, 1])]
+    assert routing_text(merged).count("|") == 1 and routing_text({}) is None

@@ -10,8 +10,8 @@ model/model_minimind.py, `MOEFeedForward`), computed as grouped GEMMs over token
 from .aux_loss import RouterStats, load_balancing_loss, local_stats, summed_over
 from .dispatcher import LocalDispatcher
 from .experts import Expert, GroupedExperts
-from .feed_forward import MOEFeedForward
+from .feed_forward import MOEFeedForward, routing_histogram
 from .router import Routing, route
 
 __all__ = ["Expert", "GroupedExperts", "LocalDispatcher", "MOEFeedForward", "RouterStats", "Routing",
-           "load_balancing_loss", "local_stats", "route", "summed_over"]
+           "load_balancing_loss", "local_stats", "route", "routing_histogram", "summed_over"]

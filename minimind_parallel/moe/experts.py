@@ -6,12 +6,20 @@ rank holding experts [a, b) keeps the dense model's keys). The tokens arrive sor
 the count of each ([T, H] = the concatenation of expert a's, then a+1's, ...); each projection is
 one GEMM per expert over its contiguous rows:
 
-    torch._grouped_mm      one call for all experts (offsets = cumsum of the counts) where the
-                           dtype and device have it: float32 / bfloat16 on the CPU, bfloat16 on
-                           CUDA from compute capability 9.0, with every row 16-byte aligned;
-                           the weights are stacked to [E_local, in, out] for it.
-    a loop of F.linear     over the experts' slices otherwise (float64, odd widths): the same
-                           GEMMs one by one (needs the counts on the host).
+    torch._grouped_mm      one call for all experts (offsets = cumsum of the counts, no host
+                           sync) on CUDA in bfloat16 from compute capability 9.0, every row
+                           16-byte aligned; the weights are stacked to [E_local, in, out] for it
+                           (a copy of the layer's expert weights, kept for backward).
+    a loop of F.linear     over the experts' slices otherwise: the same GEMMs one by one (the
+                           counts read on the host). On the CPU torch._grouped_mm runs float32
+                           and bfloat16 too, but measured no faster than the loop here
+                           (scripts/moe_step_time.py) and it holds the stacked copy, so the CPU
+                           takes the loop.
+
+Under fake tensors (`--estimate`) the counts have no values: the loop splits the tokens as if
+routed evenly (`balanced_counts`: N*k/E per expert, the remainder on the first ones), the
+estimate's stated policy. Only the loop's per-expert temporaries depend on the split; every
+tensor that lives through backward has the shape of all N*k routed rows.
 
 Unlike MiniMind's loop (a gather and an `index_add_` per expert, over the unsorted tokens), the
 gather happens once (the sort) and the scatter once (the combine).
@@ -23,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 # (the parameter's key below the MoE layer, e.g. "experts.%.gate_proj.weight"; its dense shape
 # [out, in]) -> the Linear holding it: torch's (the dense model) or the parallel plan's layer
@@ -64,13 +73,11 @@ class GroupedExperts(nn.ModuleDict):
 
 
 def grouped_mm_fits(tokens: torch.Tensor, expert: Expert) -> bool:
-    """Whether torch._grouped_mm runs this dtype on this device with these widths."""
-    if not hasattr(torch, "_grouped_mm") or tokens.dtype not in (torch.float32, torch.bfloat16):
+    """Whether the experts run as one torch._grouped_mm: CUDA, bfloat16, compute capability >= 9.0,
+    rows 16-byte aligned (not on fake tensors)."""
+    if not hasattr(torch, "_grouped_mm") or tokens.dtype != torch.bfloat16 or tokens.device.type != "cuda":
         return False
-    if tokens.device.type == "cuda":
-        if tokens.dtype != torch.bfloat16 or torch.cuda.get_device_capability(tokens.device) < (9, 0):
-            return False
-    elif tokens.device.type != "cpu":
+    if is_fake(tokens) or torch.cuda.get_device_capability(tokens.device) < (9, 0):
         return False
     inter, hidden = expert.gate_proj.weight.shape
     per_row = 16 // tokens.element_size()
@@ -87,6 +94,16 @@ def _grouped(tokens, counts, experts):
     return mm(F.silu(mm(tokens, "gate_proj")) * mm(tokens, "up_proj"), "down_proj")
 
 
+def balanced_counts(rows: int, experts: int) -> list[int]:
+    """rows split as evenly as it goes over `experts`, the remainder on the first ones."""
+    return [rows // experts + (e < rows % experts) for e in range(experts)]
+
+
+def host_counts(tokens: torch.Tensor, counts: torch.Tensor) -> list[int]:
+    """The counts on the host; under fake tensors (no values) the balanced split."""
+    return balanced_counts(tokens.shape[0], counts.shape[0]) if is_fake(tokens) else counts.tolist()
+
+
 def _looped(tokens, counts, experts):
-    parts = tokens.split(counts.tolist())                                # one [T_e, H] slice per expert
+    parts = tokens.split(host_counts(tokens, counts))                    # one [T_e, H] slice per expert
     return torch.cat([e(part) for e, part in zip(experts, parts)]) if parts else tokens[:0]

@@ -42,6 +42,7 @@ class MOEFeedForward(nn.Module):
         self.dispatcher = dispatcher or LocalDispatcher()
         self.reduce_stats = reduce_stats
         self.aux_loss = None
+        self.tokens_per_expert = None     # [E] int64, this module's tokens of its last forward (no grad)
 
     def forward(self, x):
         shape = x.shape
@@ -56,9 +57,16 @@ class MOEFeedForward(nn.Module):
         weighted = (out * r.weights.reshape(-1)[order, None]).to(flat.dtype)
         y = torch.zeros_like(flat).index_add_(0, token_of, weighted)      # [N, H]
         self.aux_loss = self._aux_loss(r.scores, counts)
+        self.tokens_per_expert = counts.detach()
         return y.view(shape)
 
     def _aux_loss(self, scores, counts):
         if not (self.training and self.coef > 0):
             return scores.new_zeros(())
         return load_balancing_loss(self.reduce_stats(RouterStats.of(scores, counts)), self.coef)
+
+
+def routing_histogram(model: nn.Module) -> dict[str, list[int]]:
+    """{MoE layer's module name: tokens routed to each expert in its last forward (N x k in all)}."""
+    return {name: m.tokens_per_expert.tolist() for name, m in model.named_modules()
+            if isinstance(m, MOEFeedForward) and m.tokens_per_expert is not None}

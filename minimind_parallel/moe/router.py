@@ -35,5 +35,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
 
 
 def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int64: how many of the N x k (token, slot) pairs of `indices` [N, k] chose each expert."""
-    return torch.bincount(indices.reshape(-1), minlength=num_experts)
+    """[E] int64: how many of the N x k (token, slot) pairs of `indices` [N, k] chose each expert.
+    A scatter-add, not bincount: its shape does not depend on the values (fake tensors, no sync)."""
+    flat = indices.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))

@@ -31,6 +31,8 @@ def estimate_cell(job: Job, run: CellRun, row: dict) -> None:
         row["peak_mib_per_stage"] = " ".join(f"{r.peak_bytes / outputs.MIB:.2f}" for r in reports)
         if job.launch.device == "cuda":
             fill_cuda_allocator(row, job.task, config, par, run.sizes)
+        if config.use_moe:   # fake tensors have no routing: the experts' loop splits the tokens evenly
+            row["tokens_per_expert"] = "balanced (the estimate's policy: N x k / E rows per expert)"
     except Exception as e:
         outputs.fail(row, e)
 

@@ -40,7 +40,10 @@ COLUMNS = ("kind", "mode", "swept", "value", "num_hidden_layers", "seq_len", "tp
            "cuda_allocated_mib", "cuda_workspace_mib", "cuda_rounding_mib", "reason",
            # the step time's spread over the measured iterations (max over ranks of each rank's fastest and
            # slowest), and whether the two cells compared (vs_mode) overlap in it
-           "step_ms_min", "step_ms_max", "delta_step_within_spread")
+           "step_ms_min", "step_ms_max", "delta_step_within_spread",
+           # MoE cells: tokens routed to each expert in the last measured microbatch, per layer ("|" between
+           # layers, the global batch's rows of that microbatch); --estimate: the balanced split it assumes
+           "tokens_per_expert")
 
 
 @dataclass
@@ -275,6 +278,8 @@ class Table:
             line += (f"\n    cuda allocator: max_memory_allocated {r['cuda_allocated_mib']:.2f} MiB = tensors "
                      f"{r['cuda_allocated_mib'] - r['cuda_workspace_mib'] - r['cuda_rounding_mib']:.2f} + cuBLAS "
                      f"workspaces {r['cuda_workspace_mib']:.2f} + block rounding {r['cuda_rounding_mib']:.2f}")
+        if r.get("tokens_per_expert"):
+            line += f"\n    tokens per expert, last microbatch, layer by layer: {r['tokens_per_expert']}"
         if r["status"] != Status.OK:
             line += f"\n    {r['status']}: {r['reason']}"
         return line.rstrip()
@@ -356,3 +361,8 @@ def plot_step_times(ax, timed: list[dict], color: str, mode: str) -> None:
         ax.errorbar(x, y, yerr=yerr, fmt="o-", color=color, label=mode, capsize=3)
     else:
         ax.plot(x, y, "o-", color=color, label=mode)
+
+
+def routing_text(histogram: dict[str, list[int]]) -> str | None:
+    """"130 126 128 128 | 140 ..." : each MoE layer's tokens per expert, layer by layer (None: dense)."""
+    return " | ".join(" ".join(str(n) for n in counts) for counts in histogram.values()) or None

@@ -21,6 +21,7 @@ from ...files import atomic_path
 from ...groups import ProcessGroups, first_on_node
 from ...job import Job
 from ...model import MiniMindForCausalLM
+from ...moe import routing_histogram
 from ...options import collective_timeout
 from ...training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from .cells import job_run
@@ -80,7 +81,7 @@ def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
     with meter or nullcontext():
         times = [timed_step() for _ in range(args.benchmark_iters)]
     mine = {"step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            **stage_numbers(groups, steps)}
+            **stage_numbers(groups, steps), "routing": own_routing(model, groups)}
     if meter is not None:
         report = meter.report()
         mine.update(peak_bytes=int(report.peak_bytes), breakdown={k: int(v) for k, v in report.breakdown.items()})
@@ -91,7 +92,30 @@ def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
             "step_ms_max": 1e3 * max(r["max_s"] for r in ranks),
             "peak_bytes": worst.get("peak_bytes"), "breakdown": worst.get("breakdown"),
             "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks],
-            "per_rank": per_rank(ranks)}
+            "per_rank": per_rank(ranks), "tokens_per_expert": merged_routing(ranks)}
+
+
+def own_routing(model, groups) -> dict[str, list[int]]:
+    """This rank's MoE layers' tokens per expert of the last microbatch, when its tokens are its own:
+    without SP every TP rank routes the same tokens, so TP rank 0 alone counts them."""
+    if groups.tp_rank != 0 and not groups.par.sequence_parallel:
+        return {}
+    return routing_histogram(model)
+
+
+def merged_routing(ranks: list[dict]) -> dict[str, list[int]]:
+    """Every MoE layer's tokens per expert summed over the ranks holding different tokens (DP, CP, SP)."""
+    out: dict[str, list[int]] = {}
+    for r in ranks:
+        for name, counts in r["routing"].items():
+            name = name.removeprefix("module.")
+            out[name] = [a + b for a, b in zip(out[name], counts)] if name in out else list(counts)
+    return dict(sorted(out.items(), key=lambda kv: _layer_index(kv[0])))
+
+
+def _layer_index(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
 
 
 def profile(kind, model, optimizer, groups, ids, targets, args, device) -> dict:

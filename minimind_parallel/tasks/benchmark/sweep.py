@@ -131,6 +131,7 @@ def launch_cell(job: Job, run: CellRun, row: dict, paths, *, timeout: float | No
     row["step_ms_min"], row["step_ms_max"] = result.get("step_ms_min"), result.get("step_ms_max")  # profile: none
     if result["peak_bytes"] is not None:
         outputs.fill_memory(row, result["peak_bytes"], result["breakdown"])
+    row["tokens_per_expert"] = outputs.routing_text(result.get("tokens_per_expert") or {})
     if par.pp > 1:
         fill_pipeline(row, result, par)
 
