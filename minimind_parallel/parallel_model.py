@@ -237,8 +237,8 @@ class ParallelMiniMindForCausalLM(nn.Module):
             if plan_of(name).style is Style.EXPERT:   # reduced over EDP, not DP x CP
                 mark_expert_parameter(param)
 
-    def aux_loss(self):
-        """This stage's MoE layers' aux loss of the last forward, summed (None: a dense model)."""
+    def stage_aux_loss(self):
+        """This stage's MoE layers' aux loss of the last forward (None: a dense model)."""
         return moe_aux_loss(self.model.layers)
 
     def forward(self, input_ids=None, targets=None, hidden_states=None):

@@ -432,3 +432,25 @@ def test_a_full_disk_at_the_marker_fails_the_save_with_one_line(tmp_path, monkey
     with pytest.raises(CheckpointSaveError) as err:
         _save(str(tmp_path), 2, model, optimizer, config, groups)
     assert str(err.value) == f"saving step 2 in {tmp_path} failed: No space left on device: {tmp_path / 'latest'}"
+
+
+# --- the mixture-of-experts model ------------------------------------------------------------------
+
+MOE_SAVED = ParallelConfig(tp=2, pp=2, sequence_parallel=True)
+
+
+def test_an_moe_checkpoint_reshards_from_tp2_pp2_sp_onto_one_rank(tmp_path):
+    """MiniMind's MoE model (router and experts whole on every TP rank, each stage's aux loss in its
+    own backward): saved on tp2 x pp2 with SP, loaded on one rank, every expert weight and AdamW
+    state is where the plan puts it and the remaining steps give the same losses."""
+    config = _config(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    saved = run_ranks(_save_for_resharding, MOE_SAVED.world_size, config, MOE_SAVED, str(tmp_path))
+    single = ParallelConfig()
+    results = run_ranks(_resume_on, 1, config, single, str(tmp_path))
+    for what in ("param", "exp_avg", "exp_avg_sq"):
+        before, after = _dense(saved, MOE_SAVED, what), _dense(results, single, what)
+        assert "model.layers.3.mlp.experts.3.up_proj.weight" in after
+        assert set(after) <= set(before) and set(before) - set(after) <= {"lm_head.weight"}
+        for name in after:
+            assert torch.equal(after[name], before[name]), f"{what} {name}"
+    torch.testing.assert_close(_global_losses(results, single), _global_losses(saved, MOE_SAVED), rtol=2e-5, atol=0)

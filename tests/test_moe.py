@@ -175,3 +175,30 @@ def test_the_routing_histogram_counts_every_routed_slot_per_layer_summed_over_ra
     merged = merged_routing([{"routing": hist}, {"routing": other}])
     assert merged["model.layers.1.mlp"] == [a + b for a, b in zip(hist["model.layers.1.mlp"], [1, 0, 0, 1])]
     assert routing_text(merged).count("|") == 1 and routing_text({}) is None
+
+
+# pipeline layouts: each stage's MoE aux loss enters backward on its own stage (one launch)
+MOE_PP_LAYOUTS = {
+    "pp2": (ParallelConfig(pp=2), 1),
+    "pp2_tp2_sp": (ParallelConfig(pp=2, tp=2, sequence_parallel=True), 1),
+}
+
+
+def _pp_layouts(name):
+    from minimind_parallel import ProcessGroups
+    from minimind_parallel.validation import compare_with_dense
+    par, microbatches = MOE_PP_LAYOUTS[name]
+    return compare_with_dense(moe_config(), par, ProcessGroups.build(par), seq_len=16, micro_batch_size=2,
+                              num_microbatches=microbatches, dtype=torch.float64, optimizer_steps=2, seed=3)
+
+
+@pytest.mark.parametrize("name", list(MOE_PP_LAYOUTS))
+def test_moe_model_under_pipeline_parallelism_equals_dense_in_float64(name):
+    from distributed import run_ranks
+    from minimind_parallel.validation import failures, format_report
+    par = MOE_PP_LAYOUTS[name][0]
+    rows = run_ranks(_pp_layouts, par.world_size, name)[0]
+    items = {r.item for r in rows}
+    assert "step 0 aux loss" in items and "grad model.layers.0.mlp.gate.weight" in items
+    bad = failures(rows)
+    assert not bad, "\n" + format_report(bad)

@@ -24,9 +24,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data_parallel import unwrap
+from ..distributed import comm
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
-from ..distributed import comm
 from ..loss_normalisation import (aux_loss_factor, aux_loss_weight, backward_loss, cp_loss_factor, microbatch_weights,
                                   replica_loss)
 from . import p2p
@@ -88,7 +88,7 @@ class _Stage:
             out = self.model(ids, targets, hidden_states=x)
         self.busy += time.perf_counter() - start
         if not self.groups.is_last_stage:
-            self._hold_aux_loss(i, unwrap(self.model).aux_loss())
+            self._hold_aux_loss(i)
             return out
         loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
@@ -99,9 +99,13 @@ class _Stage:
             self.logits.append(out.logits.detach())
         return backward_loss(loss, self.loss_scale, self.grad_scale)   # the reported loss is not scaled
 
-    def _hold_aux_loss(self, i: int, aux) -> None:
-        """An earlier stage's MoE layers' aux loss (None: dense): its backward runs with the
-        stage's output's, scaled as the last stage scales its own (`loss_normalisation`)."""
+    def _hold_aux_loss(self, i: int) -> None:
+        """An earlier stage's MoE layers' aux loss of microbatch i (None: dense): its backward runs
+        beside the output's grad, scaled as the last stage scales its own (`loss_normalisation`;
+        the aux loss of a layer enters backward on the stage that holds it, as Megatron-LM's
+        MoEAuxLossAutoScaler)."""
+        of = getattr(unwrap(self.model), "stage_aux_loss", None)
+        aux = of() if of is not None else None
         if aux is None:
             return
         self.aux_losses.append(aux.detach() * aux_loss_weight(len(self.microbatches)))
@@ -148,17 +152,17 @@ class _Stage:
 
     def result(self, wall_s: float) -> StepResult:
         loss = replica_loss(self.losses, self.groups.cp)          # summed over M and the CP ranks' parts
-        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s, self._aux_loss())
+        return StepResult(loss, self.logits, self.max_in_flight, self.busy, wall_s, self._pipeline_aux())
 
-    def _aux_loss(self):
-        """The MoE aux loss of the step (the layers' of every stage, summed: collective over PP),
-        on the last stage; None for a dense model or another stage."""
-        if not self.aux_losses:
+    def _pipeline_aux(self) -> torch.Tensor | None:
+        """The reported MoE aux loss, every stage's layers' summed onto the last stage (None: dense,
+        or off the last stage). Collective over PP for an MoE model."""
+        if not unwrap(self.model).config.use_moe:
             return None
-        aux = torch.stack(self.aux_losses).sum()
-        if self.groups.par.pp > 1:
-            aux = comm.all_reduce(aux, self.groups.pp)
-        return aux if self.groups.is_last_stage else None
+        mine = torch.stack(self.aux_losses).sum() if self.aux_losses else torch.zeros((), device=self.like["device"])
+        if self.groups.pp is not None:
+            mine = comm.all_reduce(mine.double(), self.groups.pp).to(mine.dtype)
+        return mine if self.groups.is_last_stage else None
 
 
 def run_order(stage: _Stage, order: list[Action]) -> None:
