@@ -477,3 +477,29 @@ def test_a_lower_blocks_backward_on_an_earlier_stage_is_predicted():
     pred = predict_memory(c, par, **kw)
     _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), "stage 0")
     assert pred.peak_at.startswith("swiglu_backward(first block)"), pred.peak_at
+
+
+# ---------------------------------------------------------------- the mixture-of-experts model
+
+MOE = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=2048, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_MODES = {  # the peak in the head's backward (memory/analytic/moe_sizes.py: what is modelled)
+    "tp": ParallelConfig(tp=T),
+    "tp_sp": ParallelConfig(tp=T, sequence_parallel=True),
+    "tp_sp_async_vp": ParallelConfig(tp=T, sequence_parallel=True, async_communication=True, vocab_parallel=True),
+    "tp_sp_async_lean": ParallelConfig(tp=T, sequence_parallel=True, async_communication=True, recompute="selective"),
+    "ddp": ParallelConfig(dp=T),
+}
+
+
+def test_analytic_model_matches_the_measurement_and_estimate_of_the_moe_model():
+    """Router, experts, the sort's indices, the aux loss's statistics: every byte the MoE layers
+    save, against the real gloo run and --estimate (which routes evenly; at the head's backward the
+    routing-dependent temporaries of the experts are gone)."""
+    ranks = run_ranks(measure_real, T, MOE, MOE_MODES, S, B)
+    for name, par in MOE_MODES.items():
+        pred = predict_memory(MOE, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+        assert pred.peak_at.startswith("head_backward") and pred.activations_by_kind["block.moe"] > 0, name
+        _check_model(pred, estimate_step_memory(MOE, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16,
+                                                iters=1), name)
+        _check_model(pred, max((r[name] for r in ranks), key=lambda rep: rep.peak_bytes), name)

@@ -9,6 +9,7 @@ import torch
 from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...pipeline_parallel.order import Schedule, schedule_order
 from ..tracker import CATEGORIES
+from .moe_sizes import moe_temporaries
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import stage_sizes
@@ -64,7 +65,10 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     params = s.param_bytes + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
     moments, in_flight = replay_schedule(s, schedule_order(par.pp, stage, num_microbatches, schedule))
+    state, step = moe_temporaries(c, s.layers, f=s.f, loss_copy=s.weight)
+    moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     moments["optimizer"] = optimizer_step(s)
+    moments["optimizer"] = moments["optimizer"][:2] + (moments["optimizer"][2] + state,)
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]

@@ -21,6 +21,13 @@ Per block (kind: bytes)
                      the repeat is then a view)
     attention_out    output (also o_proj's input: a view) b N h d + logsumexp 4 N h
     mlp              gate out, up out, silu(gate), silu*up (down's input): 4 b N I_t
+    moe              (--use_moe, instead of mlp; Nm = Nn, the tokens this rank routes, E experts,
+                     top-k, I_e = moe_intermediate_size, R = N_m k routed rows)
+                       softmax scores b Nm E, top-k indices 8 Nm k, renormalisation (norm_topk_prob)
+                       b Nm + b Nm k, the sort's two int64 indices 16 R, the sorted tokens, the
+                       experts' output and the weighted output 3 b R H, each expert's gate out, up
+                       out, silu, product 4 b R I_e, the sorted weights b R, the aux loss's N and
+                       load f + f E (under SP the all-reduced [2E + 1] f (2E + 1) + f E)
 Model level
     embedding        the ids: 8 N  (VP: local ids 8 N + out-of-range mask N)
     final_norm       2 f Nn H + f Nn
@@ -36,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ...config import DTYPES, CPCommType, MiniMindConfig, ParallelConfig, Recompute
+from .moe_sizes import moe_column_input, moe_saved
 
 
 def as_dtype(dtype) -> torch.dtype:
@@ -74,6 +82,8 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         column = 5 * b * n * hid
     else:
         column = 2 * b * n * hid
+    if c.use_moe:
+        column = moe_column_input(par, column, b=b, n=n, nn_=nn_, hid=hid)
     lean = par.recompute.lean
     block = {
         # lean: the input in the model dtype and the fp32 rsqrt per row, not the two fp32 copies
@@ -81,7 +91,8 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
         "column_input": column,
         "qk_norm_fp32": (heads + kv) * n * (b * d + f) if lean else (heads + kv) * n * (2 * f * d + f),
         **_attention_kinds(par, b=b, f=f, n=n, heads=heads, kv=kv, d=d, lean=lean),
-        "mlp": (2 if lean else 4) * b * n * inter,       # lean: gate and up
+        **({"moe": moe_saved(c, par, b=b, f=f, tokens=nn_)} if c.use_moe else
+           {"mlp": (2 if lean else 4) * b * n * inter}),       # lean: gate and up
         # full: what a block keeps between its forward and its backward (the kinds above are then
         # what the block re-creates while its backward runs)
         "checkpoint_input": b * nn_ * hid if par.recompute == Recompute.FULL else 0,

@@ -1,0 +1,49 @@
+"""The mixture-of-experts facet of the memory model (moe.MOEFeedForward in training mode).
+
+What one MoE layer saves for backward (`moe_saved`, the kind "block.moe" in place of "block.mlp")
+and what MoE layers keep outside autograd's saved tensors (`moe_temporaries`): each layer's
+tokens per expert of its last forward (int64 [E], kept for the benchmark's histogram) and its
+aux loss (0-dim, MiniMind's `self.aux_loss`), alive all step; and, until the step's backward
+ends, the model's aux loss summed over the layers, its 1/M share and the objective it joins
+(LM loss + aux, promoted to at least float32), and the LM loss in the model dtype beside it when
+that is below float32. The
+column-parallel inputs a block saves lose gate/up's share and gain the router's input
+(`moe_column_input`).
+
+Checked against `--estimate` to the byte (tests/test_memory.py) where the step's peak is the
+head's backward, on one rank and under TP, SP (basic, shared gather, async, VP), selective
+recompute, PP and DP; not under --recompute full (a late moment of its backward differs by one
+scalar) nor CP (not tried). The moments inside an MoE layer's own backward (its experts' grads, the
+gather's and index_add's input grads) are not modelled yet: where one of them is the peak (a
+small vocabulary against N k I_e), the prediction is below the measurement.
+"""
+from __future__ import annotations
+
+from ...config import MiniMindConfig, ParallelConfig
+
+
+def moe_saved(c: MiniMindConfig, par: ParallelConfig, *, b: int, f: int, tokens: int) -> int:
+    """What one MoE layer saves for `tokens` routed tokens (its rank's: under SP its sequence shard)."""
+    e, k, rows = c.num_experts, c.num_experts_per_tok, tokens * c.num_experts_per_tok
+    router = b * tokens * e + 8 * tokens * k + ((b * tokens + b * tokens * k) if c.norm_topk_prob else 0)
+    experts = 16 * rows + 3 * b * rows * c.hidden_size + 4 * b * rows * c.moe_intermediate_size + b * rows
+    aux = f + f * e if c.router_aux_loss_coef > 0 else 0      # N, and the load [E]
+    return router + experts + aux
+
+
+def moe_column_input(par: ParallelConfig, column: int, *, b: int, n: int, nn_: int, hid: int) -> int:
+    """The block's "column_input" kind with the MoE layer in place of gate/up: q/k/v's share of it,
+    and the router's input -- the post-attention norm's output, [Nn, H] (under SP the shard), which
+    the plain-TP and SP + async layouts already count (it is the one tensor gate/up saved)."""
+    if par.sequence_parallel and not par.async_communication:
+        # basic SP: three gathers for q/k/v (one shared with --shared_sp_gather), the router's shard
+        return (b * n * hid if par.shared_sp_gather else 3 * b * n * hid) + b * nn_ * hid
+    return column
+
+
+def moe_temporaries(c: MiniMindConfig, layers: int, *, f: int, loss_copy: int) -> tuple[int, int]:
+    """(alive all step, alive until the step's backward ends) for `layers` MoE layers on a stage;
+    `loss_copy`: the LM loss's bytes when it is in the model dtype below float32, else 0."""
+    if not c.use_moe:
+        return 0, 0
+    return layers * (8 * c.num_experts + f), 3 * f + loss_copy
