@@ -32,6 +32,9 @@ def launcher_parser(prog: str | None = None) -> Parser:
     p.add_argument("--cp", action="store_true", help="enable context parallelism")
     p.add_argument("--cp_size", type=int, default=1)
     p.add_argument("--dp_size", type=int, default=1, help="data-parallel replicas on top of tp x pp x cp")
+    p.add_argument("--ep_size", type=int, default=1,
+                   help="expert-parallel ranks carved out of the dp x cp ranks (MoE: each holds num_experts / ep_size "
+                        "experts)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node_rank", type=int, default=0)

@@ -72,6 +72,12 @@ INFERENCE_ROPE_SCALING = {"rope_type": "yarn", "factor": 16.0, "original_max_pos
 # --zero: 0 plain data parallelism; 1 optimizer states sharded; 2 and the grads (zero/); 3 the
 # parameters too (FSDP2's fully_shard, zero/fully_shard.py).
 ZERO_LEVELS = (0, 1, 2, 3)
+class MoEAuxLoss(Choice):
+    """Over which tokens a MoE layer's load-balancing loss counts the loads and mean scores
+    (`--moe_aux_loss`, see loss_normalisation.expert_statistics)."""
+
+    GLOBAL = "global"   # every token of the global batch: the dense model's aux loss on the whole batch
+    LOCAL = "local"     # each data-parallel replica's own tokens: MiniMind's trainer on each DDP rank
 
 
 class ConfigError(ValueError):
@@ -119,12 +125,14 @@ class MiniMindConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """The rank grid dp x pp x cp x tp (TP fastest) and the tensor-parallel features."""
+    """The rank grid dp x pp x cp x tp (TP fastest) and the tensor-parallel features. Expert
+    parallelism (`ep`) adds no ranks: its groups are carved out of the DP x CP ranks (groups.py)."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
     dp: int = 1
+    ep: int = 1                     # expert-parallel ranks among the DP x CP ones (each holds num_experts / ep experts)
     sequence_parallel: bool = False
     async_communication: bool = False
     shared_sp_gather: bool = False
@@ -135,11 +143,13 @@ class ParallelConfig:
     cp_load_balance: bool = True       # 2C chunks, rank i holding i and 2C-1-i (else C contiguous)
     zero: int = 0                      # sharded data parallelism over DP x CP: 1 optimizer states, 2 + grads
     virtual_stages: int = 1            # model chunks per pipeline rank (interleaved 1F1B): rank p holds p, p+P, ..
+    moe_aux_loss: MoEAuxLoss = MoEAuxLoss.GLOBAL   # the MoE aux loss over the global batch | each replica's tokens
 
     def __post_init__(self):
         # text (a test, a JSON config) becomes the member; an unknown name stays for check_layout to refuse
         self.recompute = Recompute.parse(self.recompute)
         self.cp_comm_type = CPCommType.parse(self.cp_comm_type)
+        self.moe_aux_loss = MoEAuxLoss.parse(self.moe_aux_loss)
 
     @property
     def world_size(self) -> int:
@@ -154,9 +164,11 @@ class ParallelConfig:
 
 def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | None = None) -> None:
     """Raise ConfigError naming the first broken constraint and its values."""
-    for name in ("tp", "pp", "cp", "dp"):
+    for name in ("tp", "pp", "cp", "dp", "ep"):
         if getattr(par, name) < 1:
             raise ConfigError(f"{name} size must be >= 1; got {name}={getattr(par, name)}")
+    if par.moe_aux_loss not in MoEAuxLoss.values():
+        raise ConfigError(f"moe_aux_loss must be one of {', '.join(MoEAuxLoss.values())}; got {par.moe_aux_loss!r}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         if getattr(model, name) < 1:
             raise ConfigError(f"{name} must be >= 1; got {name}={getattr(model, name)}")
@@ -197,12 +209,16 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
     if par.shared_sp_gather and not par.sequence_parallel:
         raise ConfigError("--shared_sp_gather shares the sequence-parallel all-gather and needs --sequence_parallel")
     check_moe(model)
+    check_expert_parallel(model, par)
     check_context_parallel(model, par)
     check_recompute(par)
     check_zero(par)
     check_pipeline_chunks(model, par)
     if model.use_moe and par.virtual_stages > 1:   # a stage's aux loss is its layers' of the last forward
         raise ConfigError(f"--use_moe runs one model chunk per pipeline stage; got virtual_stages={par.virtual_stages}")
+    if model.use_moe and (par.zero == 3 or (par.zero and par.ep > 1)):   # the slices' norm is not summed over EP
+        raise ConfigError(f"--zero {par.zero} with --use_moe is supported at levels 1 and 2 with ep_size 1; "
+                          f"got zero={par.zero}, ep_size={par.ep}")
     if seq_len is not None:
         if seq_len < 2:
             raise ConfigError(f"seq_len must be >= 2 (the loss is shifted by one); got seq_len={seq_len}")
@@ -232,6 +248,23 @@ def check_pipeline_chunks(model: MiniMindConfig, par: ParallelConfig) -> None:
         raise ConfigError(f"num_hidden_layers must be divisible by pp_size x virtual_stages (one chunk of layers "
                           f"per virtual stage); got num_hidden_layers={model.num_hidden_layers}, pp_size={par.pp}, "
                           f"virtual_stages={v}")
+def check_expert_parallel(model: MiniMindConfig, par: ParallelConfig) -> None:
+    """The expert-parallel ranks are carved out of the DP x CP ranks (Megatron-LM's layout): ep
+    divides dp x cp; a MoE model's experts split evenly over them."""
+    if par.ep > 1 and not model.use_moe:
+        raise ConfigError(f"--ep_size {par.ep} spreads the experts of a mixture-of-experts model and needs --use_moe")
+    if model.use_moe and model.num_experts >= 1 and model.num_experts % par.ep:
+        raise ConfigError(f"num_experts must be divisible by ep_size (each expert-parallel rank holds num_experts / "
+                          f"ep_size experts); got num_experts={model.num_experts}, ep_size={par.ep}")
+    replicas = par.dp * par.cp
+    if par.ep > replicas:
+        raise ConfigError(f"ep_size must be <= dp_size x cp_size (the expert-parallel ranks are carved out of the "
+                          f"data- and context-parallel ones); got ep_size={par.ep}, dp_size={par.dp}, cp_size={par.cp}")
+    if replicas % par.ep:
+        raise ConfigError(f"ep_size must divide dp_size x cp_size (the expert-parallel ranks are carved out of the "
+                          f"data- and context-parallel ones); got ep_size={par.ep}, dp_size={par.dp}, cp_size={par.cp}")
+
+
 # the mixture-of-experts fields and their values when the model is dense (MiniMind's defaults)
 MOE_DEFAULTS = {"num_experts": 4, "num_experts_per_tok": 1, "norm_topk_prob": True, "router_aux_loss_coef": 5e-4}
 

@@ -1,5 +1,8 @@
 """Process groups for the rank grid dp x pp x cp x tp (TP varies fastest), in one explicit object.
 
+Expert parallelism adds no axis: its groups are carved out of each DP x CP rank list
+(`expert_groups`, Megatron-LM's layout).
+
 Nothing here is global: build a `ProcessGroups` once per process and pass it to the code that
 needs it. `ProcessGroups.single()` stands in for a one-rank layout (no communication at all).
 """
@@ -37,6 +40,21 @@ def groups_along(grid: torch.Tensor, axis: int) -> list[list[int]]:
     return moved.reshape(-1, grid.shape[axis]).tolist()
 
 
+def replica_index(coords: dict, par: ParallelConfig) -> int:
+    """A rank's place among the DP x CP ranks of its (pp, tp) coordinates: d * C + c, the order of
+    the `dp_cp` group's ranks."""
+    return coords["dp"] * par.cp + coords["cp"]
+
+
+def expert_groups(replicas: list[int], ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Megatron-LM's expert layout over one DP x CP rank list L (n = dp x cp ranks, ep divides n):
+    -> (EP groups, the contiguous L[i*ep:(i+1)*ep]; EDP groups, the strided L[j::ep], the ranks
+    that hold the same experts). With ep = 1 the one EDP group is L."""
+    ep_groups = [replicas[i:i + ep] for i in range(0, len(replicas), ep)]
+    edp_groups = [replicas[j::ep] for j in range(ep)]
+    return ep_groups, edp_groups
+
+
 def groups_across(grid: torch.Tensor, axes: tuple[int, ...]) -> list[list[int]]:
     """All rank lists that vary only along `axes` of the grid (e.g. DP and CP together)."""
     moved = grid.movedim(axes, tuple(range(-len(axes), 0)))
@@ -55,6 +73,8 @@ class ProcessGroups:
     pp_ranks: list[int] | None = None    # global ranks of this rank's pipeline, stage order
     embed: dist.ProcessGroup | None = None  # first + last stage (tied embeddings span them); None if pp = 1
     dp_cp: dist.ProcessGroup | None = None  # DP x CP: every replica of a parameter (gradient reduction)
+    ep: dist.ProcessGroup | None = None     # expert parallel: a contiguous slice of the DP x CP ranks (token all-to-all)
+    edp: dist.ProcessGroup | None = None    # expert data parallel: the DP x CP ranks holding the same experts
 
     @property
     def tp_rank(self) -> int:
@@ -75,6 +95,15 @@ class ProcessGroups:
     @property
     def pp_rank(self) -> int:
         return self.coords["pp"]
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group: which slice of the experts it holds."""
+        return replica_index(self.coords, self.par) % self.par.ep
+
+    @property
+    def ep_size(self) -> int:
+        return self.par.ep
 
     @property
     def is_first_stage(self) -> bool:
@@ -127,4 +156,25 @@ class ProcessGroups:
             group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 out.dp_cp = group
+        out.ep, out.edp = _expert_groups(par, grid, rank, out.dp_cp, timeout)
         return out
+
+
+def _expert_groups(par: ParallelConfig, grid: torch.Tensor, rank: int, dp_cp, timeout):
+    """This rank's (EP group, EDP group) of `expert_groups`, every group created on every rank in
+    the same order; with ep = 1 the EDP group is the DP x CP group itself. None: a one-rank group."""
+    ep_group = edp_group = None
+    for replicas in groups_across(grid, (AXES.index("dp"), AXES.index("cp"))):
+        ep_lists, edp_lists = expert_groups(replicas, par.ep)
+        for ranks in ep_lists:
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if rank in ranks:
+                ep_group = group
+        for ranks in edp_lists:
+            if par.ep == 1:                     # L itself: the DP x CP group, no second copy
+                group = dp_cp if rank in ranks else None
+            else:
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if rank in ranks:
+                edp_group = group
+    return ep_group, edp_group

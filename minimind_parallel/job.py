@@ -35,6 +35,7 @@ class LaunchOptions:
     cp: bool
     cp_size: int
     dp_size: int
+    ep_size: int
     device: str | None
     nnodes: int
     node_rank: int

@@ -40,22 +40,24 @@ and what is divided, in the loss (forward) and in the grads (backward):
   held-out       this replica's rows    sum over batches and replicas of         no backward
                                         mean_r n_r (`token_sum`), / n
                                         (`world_token_mean`)
-  MoE aux loss   the MoE layers' load-  each layer's over the tokens of one      1/M per microbatch (`aux_loss_weight`,
-                 balancing loss         forward (a microbatch; under SP its      MiniMind's (loss + aux) / accumulation
-                                        statistics summed over TP: the           steps), then scaled as the LM loss (x C,
-                                        microbatch's), summed over layers;       DP share, loss scale); on the last stage
-                                        the reported aux: sum_i aux_i / M,       added to the LM loss, on an earlier one
-                                        summed over the stages (PP)              backward runs on it beside the output's
-                                                                                 grad; averaged over DP x CP: the mean of
-                                                                                 the ranks' local aux losses (MiniMind's
-                                                                                 DDP variant)
+  MoE aux loss   a layer's routing of   E coef sum_e load_e mean_score_e of the  1/M per microbatch (`aux_loss_weight`,
+  (load          one forward's tokens   per-expert token counts and score sums   MiniMind's (loss + aux) / accumulation
+   balancing)    (a microbatch)         summed over the token-holding ranks      steps) x `aux_loss_factor` (D global,
+                                        first (`expert_statistics`): global:     1 local), added to the LM loss before
+                                        DP x CP (the dense model's whole         backward, then as it (x C, the DP
+                                        batch); local (MiniMind's trainer):      share, averaged over DP x CP); each
+                                        CP, each replica's own tokens; TP        rank's backward reaches its own
+                                        under SP; summed over layers (every      tokens' scores only (the sums'
+                                        stage's: on its own stage's backward);   backward is the identity): the grad
+                                        reported: sum_i aux_i / M                reductions add the ranks' parts
 
 The mean of the D replicas' means (no `dp_loss_share`; `equal_replicas_mean` for a reported
 loss) is the global mean only when every replica holds as many targets: the benchmark's, the
 memory model's and validation's batches do (`data.batches.random_batch`, `broadcast_batch`),
 real padded rows do not.
 
-Who calls what: the model (`parallel_model`: `token_mean` under CP), the schedule
+Who calls what: the model (`parallel_model`: `token_mean` under CP; its MoE layers:
+`expert_statistics`), the schedule
 (`pipeline_parallel.schedules`: `microbatch_weights`, `cp_loss_factor`, `backward_loss`,
 `replica_loss`), the step (`training.step`: `dp_loss_share`; `finalize_grads`: `grad_divisor`),
 the held-out loss (`training.heldout`: `replica_targets`, `token_sum`, `world_token_mean`), the
@@ -67,10 +69,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .config import ParallelConfig
+from .config import MoEAuxLoss, ParallelConfig
 from .data.batches import count_targets
 from .distributed import comm
 from .groups import ProcessGroups
+from .tensor_parallel.mappings import reduce_from_tensor_parallel_region
 
 
 def token_mean(loss_sum: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -169,3 +172,26 @@ def world_token_mean(loss_sum: torch.Tensor | None, count: torch.Tensor, groups:
     comm.all_reduce(both, dist.group.WORLD)
     total, n = both.tolist()
     return total / max(n, 1.0), int(n)
+
+
+def expert_statistics(stats: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """A MoE layer's routing statistics of this rank's tokens (per-expert token counts and score
+    sums, the token count: any tensor of sums) -> the sums over the ranks whose tokens the aux loss
+    counts: global, every token of the batch (DP x CP); local, this replica's (CP); under SP the
+    TP ranks' sequence shards too. Forward all-reduce, backward identity: each rank's backward
+    reaches its own tokens' scores, the ranks' parts are added by the grad reductions
+    (`aux_loss_factor`). Collective over those groups."""
+    holders = groups.dp_cp if groups.par.moe_aux_loss == MoEAuxLoss.GLOBAL else groups.cp
+    stats = reduce_from_tensor_parallel_region(stats, holders)
+    if groups.par.sequence_parallel:
+        stats = reduce_from_tensor_parallel_region(stats, groups.tp)
+    return stats
+
+
+def aux_loss_factor(par: ParallelConfig) -> int:
+    """What a rank's MoE aux loss (one value on every rank its statistics were summed over) is
+    multiplied by beside the LM loss's factors (x C, the DP share; the grads then averaged over
+    D x C, `grad_divisor`): every rank's backward reaches only its own tokens' scores, so the
+    ranks' parts must add up: D when the aux loss is the global batch's (summed over DP x CP;
+    x C already), 1 when it is each replica's (local: summed over CP)."""
+    return par.dp if par.moe_aux_loss == MoEAuxLoss.GLOBAL else 1

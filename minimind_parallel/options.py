@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .config import (DTYPES, INFERENCE_ROPE_SCALING, MOE_DEFAULTS, ZERO_LEVELS, ConfigError, CPCommType,
-                     MiniMindConfig, ParallelConfig, Recompute, check_layout)
+                     MiniMindConfig, MoEAuxLoss, ParallelConfig, Recompute, check_layout)
 from .memory import predict_memory
 from .pipeline_parallel.order import Schedule, check_schedule
 from .zero.buckets import DEFAULT_BUCKET_MB
@@ -42,12 +42,17 @@ class Preset:
     model-parallel modes on the same ranks). A mode without tensor parallelism turns the TP flags
     (TP_FLAGS) off: flags given on the command line apply to the TP modes of a sweep. Likewise a
     dense mode (no --use_moe, neither given nor the mode's) sets the MoE fields (MOE_FIELDS) to
-    MiniMind's defaults: `--num_experts_per_tok 2` applies to the MoE modes of a sweep."""
+    MiniMind's defaults: `--num_experts_per_tok 2` applies to the MoE modes of a sweep.
+
+    `ep`: the mode spreads the experts of the MoE model it turns on over the launcher's
+    --ep_size (> 1) expert-parallel ranks, carved out of its DP x CP ranks; every other mode runs
+    with --ep_size 1 (each rank holds every expert), so a sweep compares them on the same ranks."""
 
     name: str
     tp: bool = False
     pp: bool = False
     cp: bool = False
+    ep: bool = False
     replicas: bool = False
     flags: dict[str, object] = field(default_factory=dict)
 
@@ -60,6 +65,8 @@ class Preset:
 
     def mismatch(self, launch) -> str | None:
         """What of the launcher's sizes is not this mode's (None: they are)."""
+        if self.ep and launch.ep_size == 1:
+            return f"mode {self.name} is expert-parallel and needs --ep_size > 1; got --ep_size 1"
         if self.replicas:
             return None
         if self.cp and not launch.cp:
@@ -88,6 +95,7 @@ class Preset:
         """The layout of a run in this mode (`args` with its flags applied): the launcher's sizes, or
         with `replicas` every rank of the launcher's world a data-parallel replica."""
         par = parallel_config(launch, args)
+        par = replace(par, ep=par.ep if self.ep else 1)
         return replace(par, tp=1, pp=1, cp=1, dp=par.world_size, virtual_stages=1) if self.replicas else par
 
 
@@ -124,6 +132,10 @@ PRESETS = (
     Preset("moe", flags=dict(use_moe=True)),
     Preset("tp_moe", tp=True, flags=dict(use_moe=True)),
     Preset("tp_sp_moe", tp=True, flags=dict(sequence_parallel=True, use_moe=True)),
+    # MoE experts over --ep_size ranks of the DP x CP ones (the MoE model: --use_moe on)
+    Preset("ep", ep=True, flags=dict(use_moe=True)),
+    Preset("tp_ep", tp=True, ep=True, flags=dict(use_moe=True)),
+    Preset("ep_pp", pp=True, ep=True, flags=dict(use_moe=True)),
 )
 MODES = {p.name: p for p in PRESETS}
 
@@ -217,6 +229,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="shard over the DP x CP ranks: 1 the AdamW states (a distributed optimizer), 2 the grads too")
     p.add_argument("--bucket_size_mb", type=float, default=DEFAULT_BUCKET_MB,
                    help="--zero: MiB of grads per reduce-scatter bucket")
+    p.add_argument("--moe_aux_loss", type=MoEAuxLoss.parse, choices=MoEAuxLoss.values(), default=MoEAuxLoss.GLOBAL,
+                   help="MoE load balancing over the global batch's tokens (the dense model's) or each data-parallel "
+                        "replica's own (MiniMind's trainer: each DDP rank's batch)")
     p.add_argument("--flash_attn", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=1234)
 
@@ -251,7 +266,7 @@ def mode_parallel(launch, args, mode: str | None) -> ParallelConfig:
 
 def launcher_layout(launch) -> ParallelConfig:
     """The launcher's sizes alone, for a task without the model arguments (export)."""
-    return ParallelConfig(tp=launch.tp_size, pp=launch.pp_size, cp=launch.cp_size, dp=launch.dp_size)
+    return ParallelConfig(tp=launch.tp_size, pp=launch.pp_size, cp=launch.cp_size, dp=launch.dp_size, ep=launch.ep_size)
 
 
 def add_rope_scaling_arg(p: argparse.ArgumentParser) -> None:
@@ -280,12 +295,12 @@ def model_config(args, num_hidden_layers: int | None = None) -> MiniMindConfig:
 
 def parallel_config(launch, args, *, tp: int | None = None, dp: int | None = None) -> ParallelConfig:
     return ParallelConfig(tp=launch.tp_size if tp is None else tp, pp=launch.pp_size, cp=launch.cp_size,
-                          dp=launch.dp_size if dp is None else dp,
+                          dp=launch.dp_size if dp is None else dp, ep=launch.ep_size,
                           sequence_parallel=args.sequence_parallel, async_communication=args.async_communication,
                           shared_sp_gather=args.shared_sp_gather, vocab_parallel=args.vocab_parallel,
                           cp_comm_type=args.cp_comm_type, cp_load_balance=args.cp_load_balance,
                           recompute=args.recompute, loss_chunks=args.loss_chunks, zero=args.zero,
-                          virtual_stages=getattr(args, "virtual_stages", 1))
+                          virtual_stages=getattr(args, "virtual_stages", 1), moe_aux_loss=args.moe_aux_loss)
 
 
 def collective_timeout(launch) -> datetime.timedelta:

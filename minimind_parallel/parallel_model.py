@@ -33,14 +33,17 @@ from torch import nn
 from .config import MiniMindConfig, ParallelConfig, Recompute
 from .context_parallel import ContextLayout, context_parallel_attention
 from .data.batches import IGNORE_INDEX
+from .data_parallel import mark_expert_parameter
 from .groups import ProcessGroups
-from .loss_normalisation import token_mean
+from .loss_normalisation import expert_statistics, token_mean
 from .model import CausalLMOutput, apply_rope, causal_attention, moe_aux_loss, repeat_kv, rope_tables
-from .moe import MOEFeedForward, local_stats, summed_over
+from .moe import MOEFeedForward, RouterStats, local_stats, summed_over
+from .moe.dispatch import AllToAllDispatcher
+from .moe.placement import local_experts
 from .recompute import (causal_attention_gqa, checkpoint_block, chunked_head_loss, norm_with_recompute,
                         swiglu_linear)
-from .plan import (LAYER, grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage,
-                   stage_chunks, stage_of)
+from .plan import (LAYER, Style, grad_is_partial, grad_is_shared_over_stages, is_first_stage, is_last_stage,
+                   plan_of, stage_chunks, stage_of)
 from .styles import build_layer, moe_linear
 from .tensor_parallel.deferred_wgrad import linear
 from .tensor_parallel import (column_parallel, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -102,22 +105,40 @@ class ParallelMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def parallel_moe(c: MiniMindConfig, par: ParallelConfig, group) -> MOEFeedForward:
+def parallel_moe(c: MiniMindConfig, par: ParallelConfig, group, groups: ProcessGroups | None = None) -> MOEFeedForward:
     """The MoE layer under TP: router and experts whole on every TP rank (the plan's ROUTER and
     EXPERT styles). Without SP every TP rank routes the same [S, B, H] tokens (no TP collective);
     under SP each routes its own [S/T, B, H] shard, and the aux loss's statistics are summed over
-    TP so it is the whole batch's."""
-    reduce = summed_over(group) if par.sequence_parallel else local_stats
-    return MOEFeedForward(c, linear=moe_linear(c, par, group), reduce_stats=reduce)
+    TP so it is the whole batch's.
+
+    With the rank's `groups`: expert parallelism (Megatron-LM's layout). The layer holds EP rank
+    r's experts under their global indices (`moe.placement`), and the all-to-all dispatcher sends
+    each routed token from its sequence shard to its expert's rank and back (`moe.dispatch`); the
+    aux loss's statistics are summed over the ranks whose tokens it counts
+    (`loss_normalisation.expert_statistics`: the global batch, or each replica's)."""
+    linear = moe_linear(c, par, group)
+    if groups is None:
+        reduce = summed_over(group) if par.sequence_parallel else local_stats
+        return MOEFeedForward(c, linear=linear, reduce_stats=reduce)
+    return MOEFeedForward(c, expert_ids=local_experts(c.num_experts, par.ep, groups.ep_rank),
+                          dispatcher=AllToAllDispatcher(groups.ep, c.num_experts), linear=linear,
+                          reduce_stats=batch_statistics(groups))
+
+
+def batch_statistics(groups: ProcessGroups):
+    """A MoE layer's `reduce_stats`: its routing statistics summed over the token-holding ranks."""
+    def reduce(stats: RouterStats) -> RouterStats:
+        return RouterStats.unstack(expert_statistics(stats.stacked(), groups))
+    return reduce
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, cp_group=None):
+    def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, cp_group=None, groups=None):
         super().__init__()
         self.self_attn = ParallelAttention(c, par, group, cp_group)
         self.input_layernorm = build_layer(LAYER + "input_layernorm.weight", c, par, group)
         self.post_attention_layernorm = build_layer(LAYER + "post_attention_layernorm.weight", c, par, group)
-        self.mlp = parallel_moe(c, par, group) if c.use_moe else ParallelMLP(c, par, group)
+        self.mlp = parallel_moe(c, par, group, groups) if c.use_moe else ParallelMLP(c, par, group)
         self.norm_recompute = par.recompute == Recompute.SELECTIVE   # under `full` the checkpoint's hooks rule
 
     def forward(self, h, cos, sin, layout: ContextLayout | None = None):
@@ -140,7 +161,7 @@ class ParallelMiniMindModel(nn.Module):
     the rank holds the tokens of CP rank `cp_rank`."""
 
     def __init__(self, c: MiniMindConfig, par: ParallelConfig, group, *, chunks: list[range], embedding: bool,
-                 final_norm: bool, cp_group=None, cp_rank: int = 0):
+                 final_norm: bool, cp_group=None, cp_rank: int = 0, groups: ProcessGroups | None = None):
         super().__init__()
         self.group, self.sp, self.vp = group, par.sequence_parallel, par.vocab_parallel
         self.seq_shards = par.sequence_shards
@@ -148,7 +169,8 @@ class ParallelMiniMindModel(nn.Module):
         self.par, self.cp_rank = par, cp_rank
         self.embed_tokens = build_layer("model.embed_tokens.weight", c, par, group) if embedding else None
         # A dict keyed by the global index keeps MiniMind's names (`model.layers.{i}`) on every stage.
-        self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group, cp_group) for chunk in chunks for i in chunk})
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(c, par, group, cp_group, groups)
+                                     for chunk in chunks for i in chunk})
         self.chunks = [[str(i) for i in chunk] for chunk in chunks]   # this stage's model chunks, local order
         self.norm = build_layer("model.norm.weight", c, par, group) if final_norm else None
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, scaling=c.rope_scaling)
@@ -207,7 +229,7 @@ class ParallelMiniMindForCausalLM(nn.Module):
         self.model = ParallelMiniMindModel(config, par, groups.tp, chunks=chunks,
                                            embedding=holds("model.embed_tokens.weight"),
                                            final_norm=holds("model.norm.weight"), cp_group=groups.cp,
-                                           cp_rank=groups.cp_rank)
+                                           cp_rank=groups.cp_rank, groups=groups)
         self.lm_head = build_layer("lm_head.weight", config, par, groups.tp) if holds("lm_head.weight") else None
         self.weight_grad_store = None   # a zero-bubble schedule's, for the replicated head (deferred_wgrad)
         if config.tie_word_embeddings and self.model.embed_tokens is not None and self.lm_head is not None:
@@ -222,6 +244,8 @@ class ParallelMiniMindForCausalLM(nn.Module):
                 mark_partial_grad(param)
             if grad_is_shared_over_stages(name, self.config, self.par):
                 mark_shared_embedding(param)
+            if plan_of(name).style is Style.EXPERT:   # reduced over EDP, not DP x CP
+                mark_expert_parameter(param)
 
     def stage_aux_loss(self):
         """This stage's MoE layers' aux loss of the last forward (None: a dense model)."""

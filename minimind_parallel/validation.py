@@ -16,13 +16,13 @@ sequence); the loss is the global one (summed over CP by the schedule).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import MiniMindConfig, ParallelConfig
+from .config import MiniMindConfig, MoEAuxLoss, ParallelConfig
 from .context_parallel import ContextLayout
 from .data.batches import Batch, cp_tokens, dp_rows, random_batch, split_microbatches
 from .data_parallel import unwrap, wrap_data_parallel
@@ -103,7 +103,7 @@ class _Pair:
     def step(self, step: int, compare: bool) -> list[Row]:
         """Forward both (and backward, grads finalised); -> the loss and logits rows when compared
         (the last stage only)."""
-        ref = self.dense(self.batch.input_ids, targets=self.batch.targets)
+        ref = self._dense_aux_loss(self.dense(self.batch.input_ids, targets=self.batch.targets))
         out = forward_backward(self.model, self.groups, self.microbatches, schedule=self.schedule,
                                  forward_only=not self.backward, collect_logits=compare)
         rows = self._output_rows(step, out, ref) if compare and out.loss is not None else []
@@ -111,6 +111,24 @@ class _Pair:
             ref.objective.backward()                                    # the LM loss (+ the MoE aux loss)
             finalize_grads(self.model, self.groups, self.optimizer)
         return rows
+
+    def _dense_aux_loss(self, ref):
+        """The dense model's output with the MoE aux loss over the tokens the layout's aux loss
+        counts: each microbatch of the global batch (every replica's rows of it; MiniMind's
+        gradient accumulation: the mean over the M microbatches), or with --moe_aux_loss local
+        each replica's rows of it (the mean over replicas too). One microbatch, global: the
+        whole batch's, as computed."""
+        m, par = len(self.microbatches), self.groups.par
+        local = par.moe_aux_loss == MoEAuxLoss.LOCAL and par.dp > 1
+        if ref.aux_loss is None or (m == 1 and not local):
+            return ref
+        b = self.microbatches[0][0].shape[0]                            # rows per microbatch of a replica
+        parts = [[range(d * m * b + i * b, d * m * b + (i + 1) * b) for d in range(par.dp)] for i in range(m)]
+        if local:
+            parts = [[rows] for microbatch in parts for rows in microbatch]
+        aux = [self.dense(self.batch.input_ids[idx], targets=self.batch.targets[idx]).aux_loss
+               for idx in (torch.tensor([r for rows in part for r in rows]) for part in parts)]
+        return replace(ref, aux_loss=torch.stack(aux).mean())
 
     def _output_rows(self, step: int, out, ref) -> list[Row]:
         par = self.groups.par

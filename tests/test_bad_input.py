@@ -66,6 +66,19 @@ VALIDATE = [
     (["validate", "--", "--no_such_flag"], "unrecognized arguments: --no_such_flag"),
     (["validate", "--", "--tp_size", "2"], "unrecognized arguments: --tp_size 2"),
     (["validate", "--tp_size", "two", "--"], "invalid int value: 'two'"),
+    # expert parallelism: its ranks are carved out of the DP x CP ones
+    (["validate", "--ep_size", "0", "--"], "ep size must be >= 1; got ep=0"),
+    (["validate", "--ep_size", "2", "--", "--use_moe"], "ep_size must be <= dp_size x cp_size (the expert-parallel ranks are "
+     "carved out of the data- and context-parallel ones); got ep_size=2, dp_size=1, cp_size=1"),
+    (["validate", "--ep_size", "2", "--dp_size", "3", "--", "--use_moe"], "ep_size must divide dp_size x cp_size (the "
+     "expert-parallel ranks are carved out of the data- and context-parallel ones); got ep_size=2, dp_size=3, "
+     "cp_size=1"),
+    (["validate", "--ep_size", "2", "--dp_size", "2", "--"],
+     "--ep_size 2 spreads the experts of a mixture-of-experts model and needs --use_moe"),
+    (["validate", "--ep_size", "4", "--dp_size", "4", "--", "--use_moe", "--num_experts", "6"],
+     "num_experts must be divisible by ep_size (each expert-parallel rank holds num_experts / ep_size experts); "
+     "got num_experts=6, ep_size=4"),
+    (["validate", "--", "--moe_aux_loss", "batch"], "invalid choice: 'batch'"),
 ]
 
 LAUNCHER = [
@@ -124,6 +137,10 @@ BENCHMARK = [
     (["--tp_size", "2", "--", "--modes", "tp", "--num_hidden_layers", "1", "--hidden_size", "24",
       "--num_attention_heads", "8", "--num_key_value_heads", "4"], "head_dim must be even"),
     (["--nnodes", "0", "--tp_size", "2", "--"], "nnodes must be >= 1"),
+    (["--dp_size", "2", "--", "--modes", "ddp", "ep"],
+     "mode ep is expert-parallel and needs --ep_size > 1; got --ep_size 1"),
+    (["--dp_size", "2", "--ep_size", "2", "--", "--modes", "ep", "--num_experts", "3"],
+     "num_experts must be divisible by ep_size"),
 ]
 
 

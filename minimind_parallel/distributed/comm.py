@@ -1,4 +1,4 @@
-"""The raw collectives of every process group (TP, DP, the embedding group, pipeline p2p).
+"""The raw collectives of every process group (TP, DP, EP, the embedding group, pipeline p2p).
 Every collective in the library goes through this module: the autograd mappings, the async
 linear, gradient finalisation and the pipeline's p2p call it; layers never call
 `torch.distributed` themselves. `group=None` means a one-rank group: nothing to communicate.
@@ -238,6 +238,20 @@ def all_to_all_dim0(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(x)
     with collective("all_to_all"):
         _issue([out, x], False, dist.all_to_all_single, out, x, group=group)
+    return out
+
+
+def all_to_all_uneven(x: torch.Tensor, group, *, out_splits: list[int], in_splits: list[int],
+                      kind: str = "all_to_all") -> torch.Tensor:
+    """[sum(in_splits), ...] -> [sum(out_splits), ...]: the in_splits[c] rows of part c go to rank c;
+    part c of the result (out_splits[c] rows) came from rank c. `kind` names the profiler range."""
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    with collective(kind):
+        _issue([out, x], False, dist.all_to_all_single, out, x, output_split_sizes=out_splits,
+               input_split_sizes=in_splits, group=group)
     return out
 
 

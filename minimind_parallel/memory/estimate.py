@@ -22,6 +22,7 @@ from ..config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 from ..context_parallel import ContextLayout
 from ..data.batches import Batch, cp_tokens, shift_labels
 from ..groups import ProcessGroups
+from ..moe.placement import expert_of
 from ..parallel_model import ParallelMiniMindForCausalLM
 from ..pipeline_parallel import Schedule
 from ..training import make_optimizer, train_step
@@ -77,10 +78,10 @@ def ddp_gradient_buckets(model: nn.Module) -> list[torch.Tensor]:
     parameter element, in the parameters' dtype, held for the model's lifetime (the grads are
     copied in, all-reduced, copied back: nothing else stays). DDP itself cannot wrap fake
     parameters, and its all-reduce changes no shape, so the estimate runs the bare model with
-    these buckets beside it."""
+    these buckets beside it. The experts' weights are not DDP's (`data_parallel.wrap_data_parallel`)."""
     sizes: dict[torch.dtype, int] = {}
-    for p in model.parameters():
-        if p.requires_grad:
+    for name, p in model.named_parameters():
+        if p.requires_grad and expert_of(name) is None:
             sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
     return [torch.empty(n, dtype=dt) for dt, n in sizes.items()]
 

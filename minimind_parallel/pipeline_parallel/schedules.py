@@ -27,7 +27,8 @@ from ..data_parallel import unwrap
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
-from ..loss_normalisation import aux_loss_weight, backward_loss, cp_loss_factor, microbatch_weights, replica_loss
+from ..loss_normalisation import (aux_loss_factor, aux_loss_weight, backward_loss, cp_loss_factor, microbatch_weights,
+                                  replica_loss)
 from . import p2p
 from ..tensor_parallel.deferred_wgrad import WeightGradStore, attach_weight_grad_store
 from .order import Action, Schedule, Step, forward, posted, schedule_order, virtual_stage
@@ -72,7 +73,8 @@ class _Stage:
         self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
         self.grad_scale = cp_loss_factor(par)    # grads are averaged over DP x CP but the CP ranks' losses add up
         self.held: dict = {}        # (microbatch, chunk) -> (input, output), awaiting its backward
-        self.stage_aux: dict = {}   # microbatch -> this (not last) stage's MoE aux loss, scaled for backward
+        self.aux_roots: dict = {}   # microbatch -> this stage's scaled MoE aux loss, backward beside its output
+        self.aux_scale = aux_loss_weight(len(microbatches)) * aux_loss_factor(par)
         self.losses, self.logits, self.aux_losses = [], [], []
         self.max_in_flight, self.busy = 0, 0.0
         self.weight_grads: WeightGradStore | None = None   # a zero-bubble schedule's deferred wgrads
@@ -93,30 +95,29 @@ class _Stage:
             out = self.model(ids, targets, hidden_states=x, **({"chunk": chunk} if chunk else {}))
         self.busy += time.perf_counter() - start
         if not self.is_last(chunk):
-            self._hold_stage_aux(i)
+            self._hold_aux_loss(i)
             return out
         loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
         if out.aux_loss is not None:          # what backward runs on: the LM loss + the aux loss
-            aux = out.aux_loss * aux_loss_weight(len(self.microbatches))
-            self.aux_losses.append(aux.detach())
-            loss = loss + aux
+            self.aux_losses.append(out.aux_loss.detach() * aux_loss_weight(len(self.microbatches)))
+            loss = loss + out.aux_loss * self.aux_scale
         if self.collect_logits and out.logits is not None:   # --loss_chunks: no whole logits
             self.logits.append(out.logits.detach())
         return backward_loss(loss, self.loss_scale, self.grad_scale)   # the reported loss is not scaled
 
-    def _hold_stage_aux(self, i: int) -> None:
-        """An earlier stage's MoE layers' aux loss of microbatch i (None: dense): backward runs on it
-        beside the output's grad, weighted and scaled as the last stage's loss (the aux loss of a
-        layer enters backward on the stage that holds it, as Megatron-LM's MoEAuxLossAutoScaler)."""
+    def _hold_aux_loss(self, i: int) -> None:
+        """An earlier stage's MoE layers' aux loss of microbatch i (None: dense): its backward runs
+        beside the output's grad, scaled as the last stage scales its own (`loss_normalisation`;
+        the aux loss of a layer enters backward on the stage that holds it, as Megatron-LM's
+        MoEAuxLossAutoScaler)."""
         of = getattr(unwrap(self.model), "stage_aux_loss", None)
         aux = of() if of is not None else None
         if aux is None:
             return
-        aux = aux * aux_loss_weight(len(self.microbatches))
-        self.aux_losses.append(aux.detach())
-        if torch.is_grad_enabled():
-            self.stage_aux[i] = backward_loss(aux, self.loss_scale, self.grad_scale)
+        self.aux_losses.append(aux.detach() * aux_loss_weight(len(self.microbatches)))
+        if torch.is_grad_enabled() and aux.requires_grad:
+            self.aux_roots[i] = backward_loss(aux * self.aux_scale, self.loss_scale, self.grad_scale)
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -134,13 +135,13 @@ class _Stage:
         chunk of the first stage). With a WeightGradStore (zb) this is B: the linears' wgrads are
         queued for the unit's W."""
         x, out = self.held.pop(unit)
-        aux = self.stage_aux.pop(unit[0], None)   # MoE runs one chunk per stage
+        aux = self.aux_roots.pop(unit[0], None)   # MoE runs one chunk per stage
         store = self.weight_grads
         start = time.perf_counter()
         with span("backward"), (store.collecting(unit) if store is not None else nullcontext()):
             if aux is None:
                 torch.autograd.backward(out, grad_tensors=grad)
-            else:                   # this stage's MoE aux loss joins the grad from the next stage
+            else:                            # this stage's MoE aux loss too (its grad: 1, scaled in)
                 torch.autograd.backward([out, aux], grad_tensors=[grad, None])
         self.busy += time.perf_counter() - start
         if x is None:

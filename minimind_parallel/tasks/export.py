@@ -54,7 +54,7 @@ def minimind_path(args, config: MiniMindConfig) -> str:
 def check_single_process(launch, task: str) -> None:
     """A task run by the launcher process alone takes no rank grid."""
     sizes = {"tp_size": launch.tp_size, "pp_size": launch.pp_size, "cp_size": launch.cp_size,
-             "dp_size": launch.dp_size, "nnodes": launch.nnodes}
+             "dp_size": launch.dp_size, "ep_size": launch.ep_size, "nnodes": launch.nnodes}
     given = {k: v for k, v in sizes.items() if v != 1}
     if given:
         raise ConfigError(f"{task} runs in one process and reads a checkpoint of any layout; got "

@@ -14,6 +14,7 @@ the same with its "is not a duplicate" test):
     --zero 1/2: the slices of the reduction      summed over that group (each rank owns a disjoint
       group (zero.reduction_group); --zero 3:    part of the averaged grad), then as above
       FSDP2's shards
+    an expert's weights (mixture of experts)    each EP rank counts its own experts; summed over EP
 
 Call after `training.finalize_grads` (and, under a float16 loss scaler, after unscaling).
 Every rank gets the same norm, so every rank applies the same clip coefficient.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..data_parallel import unwrap
+from ..data_parallel import is_expert_parameter, unwrap
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..plan import grad_is_shared_over_stages, tp_split_dim
@@ -42,15 +43,17 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups, sharded: Distribut
                      ) -> torch.Tensor:
     """The 2-norm of the dense model's whole gradient (0-dim, at least float32; the same on every
     rank), from the parameters' grads or, under --zero, from the slices `sharded` owns.
-    Collective over TP and PP (and the reduction groups under --zero)."""
+    Collective over EP, TP and PP (and the reduction groups under --zero)."""
     inner = unwrap(model)
     acc = torch.promote_types(next(inner.parameters()).dtype, torch.float32)
     device = next(inner.parameters()).device
     if sharded is None:
-        named = [(name, p.grad) for name, p in inner.named_parameters() if p.grad is not None]
+        named = [(name, p) for name, p in inner.named_parameters() if p.grad is not None]
         # --zero 3: FSDP2's grads are shards over the DP x CP mesh, disjoint like the slices
         fsdp = is_fully_sharded(model)
-        parts = [(reduction_group(groups, "") if fsdp else None, [(n, local(g)) for n, g in named])]
+        dense = [(n, local(p.grad)) for n, p in named if not is_expert_parameter(p)]
+        experts = [(n, local(p.grad)) for n, p in named if is_expert_parameter(p)]
+        parts = [(reduction_group(groups, "") if fsdp else None, dense), (groups.ep, experts)]   # + other EP ranks'
     else:
         parts = sharded.grads_by_group()
     squares = torch.zeros((), dtype=acc, device=device)

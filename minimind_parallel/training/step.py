@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import MiniMindConfig, ParallelConfig
 from ..data.batches import split_microbatches
-from ..data_parallel import unwrap
+from ..data_parallel import is_expert_parameter, reduction_group, unwrap
 from ..distributed import comm
 from ..distributed.ranges import span
 from ..groups import ProcessGroups
@@ -52,7 +52,7 @@ def build_parallel_model(config: MiniMindConfig, par: ParallelConfig, groups: Pr
                          *, dtype=torch.float32, device="cpu") -> nn.Module:
     """This rank's shard of its pipeline stage of the dense model (strict load: every key accounted for)."""
     model = ParallelMiniMindForCausalLM(config, par, groups)
-    model.load_state_dict(shard_state_dict(dense_state, par, groups.tp_rank, groups.pp_rank), strict=True)
+    model.load_state_dict(shard_state_dict(dense_state, par, groups.tp_rank, groups.pp_rank, groups.ep_rank), strict=True)
     return model.to(device=device, dtype=dtype)
 
 
@@ -65,17 +65,35 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups, optimizer=None) -> N
        lm_head grad over the embedding group, so both copies take the same step;
     3. DP x CP when not done by DDP (pipelines): average every grad over the DP x CP group (the
        CP ranks' losses were scaled by C in backward, so this sums over CP and averages over DP;
-       `loss_normalisation.grad_divisor`)."""
+       `loss_normalisation.grad_divisor`); an expert's weights (never DDP's) over its EDP group
+       (`data_parallel.reduction_group`), by the same divisor: every token of the DP x CP ranks
+       reached its expert on one rank of that group. Under --zero 1/2 the distributed optimizer
+       does all of this over its buffers; under --zero 3 FSDP2 reduces over DP x CP."""
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.reduce_grads()
         return
+    _zero_unrouted_expert_grads(model)
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
     _all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], groups.tp)
     _all_reduce_grads([p for p in params if getattr(p, "shared_embedding", False)], groups.embed)
-    if not isinstance(model, DistributedDataParallel) and not is_fully_sharded(model) and groups.dp_cp is not None:
-        replicas = grad_divisor(groups.par)
-        for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak
-            comm.all_reduce(p.grad, groups.dp_cp).div_(replicas)
+    if is_fully_sharded(model):
+        return
+    ddp = isinstance(model, DistributedDataParallel)
+    replicas = grad_divisor(groups.par)
+    for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak
+        group = reduction_group(groups, p)
+        if group is not None and not (ddp and not is_expert_parameter(p)):
+            comm.all_reduce(p.grad, group).div_(replicas)
+        elif group is None and is_expert_parameter(p) and replicas > 1:   # ep = dp x cp: no replica to sum with
+            p.grad.div_(replicas)
+
+
+def _zero_unrouted_expert_grads(model: nn.Module) -> None:
+    """An expert no token reached this step has no grad: zeros, so that the EDP reduction and the
+    optimizer see every expert on every rank alike."""
+    for p in unwrap(model).parameters():
+        if p.grad is None and p.requires_grad and is_expert_parameter(p):
+            p.grad = torch.zeros_like(p)
 
 
 def _all_reduce_grads(params: list, group) -> None:

@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, Recompute
+from ...moe.placement import expert_of, local_experts
 from ...plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
 from .saved_kinds import activations_by_kind
 
@@ -155,8 +156,11 @@ class StageSizes:
 
     @cached_property
     def ddp_buckets(self) -> int:
-        """DDP's flat gradient buckets (no DDP under a pipeline, nor under --zero)."""
-        return self.param_bytes if self.par.dp * self.par.cp > 1 and self.par.pp == 1 and not self.par.zero else 0
+        """DDP's flat gradient buckets (no DDP under a pipeline, nor under --zero): every parameter but
+        the experts' (DDP ignores them, `data_parallel.wrap_data_parallel`)."""
+        if self.par.dp * self.par.cp == 1 or self.par.pp > 1 or self.par.zero:
+            return 0
+        return self.b * sum(numel(s) for k, s in self.shapes.items() if expert_of(k) is None)
 
 
 def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
@@ -165,7 +169,8 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
     b = torch.empty((), dtype=dtype).element_size()
     t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
-    shapes = stage_parameters(c, par, stage)
+    # this rank's experts under expert parallelism (every EP rank holds as many)
+    shapes = stage_parameters(c, par, stage, experts=local_experts(c.num_experts, par.ep, 0) if c.use_moe else None)
     layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
     top = f"model.layers.{layers_at[0]}."
     return StageSizes(par=par, b=b, f=max(b, 4), n=n, nn=n // par.sequence_shards,
