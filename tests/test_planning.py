@@ -17,35 +17,49 @@ from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enum
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
 from minimind_parallel.planning.ranking import workspace_bytes
 from minimind_parallel.planning.space import RULES
-from minimind_parallel.planning.time_model import Collective, Op, block_matmul_params, stage_compute
+from minimind_parallel.planning.time_model import (Collective, Op, block_matmul_params, expert_params, stage_compute,
+                                                   step_time as step_time_of)
+from minimind_parallel.zero.buckets import DEFAULT_BUCKET_MB
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
 from test_cli import assert_refused_before_launch
 
 TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       vocab_size=128, tie_word_embeddings=False)
 WORK = Workload(model=TINY, seq_len=32, global_batch_size=8, world_size=4)
+MOE = replace(TINY, use_moe=True, num_experts=4, num_experts_per_tok=2)
+MOE_WORK = replace(WORK, model=MOE)
+MOE_ARGS = ["--use_moe", "--num_experts", "4", "--num_experts_per_tok", "2"]
 TINY_ARGS = ["--hidden_size", "64", "--num_hidden_layers", "4", "--num_attention_heads", "4",
              "--num_key_value_heads", "2", "--vocab_size", "128", "--seq_len", "32", "--global_batch_size", "8"]
 
 
-def test_every_layout_passes_check_layout_and_every_cut_names_a_real_constraint():
-    valid, cuts = enumerate_layouts(WORK)
+def assert_valid_and_cuts_real(work):
+    """Every enumerated layout passes check_layout; every cut is a planner rule's or check_layout's."""
+    valid, cuts = enumerate_layouts(work)
     assert len(valid) > 100 and cuts
     for k in valid:
-        check_layout(TINY, k.parallel, seq_len=WORK.seq_len)
-        assert k.tp * k.pp * k.cp * k.dp == WORK.world_size
-        assert k.dp * k.num_microbatches * k.micro_batch_size == WORK.global_batch_size
+        check_layout(work.model, k.parallel, seq_len=work.seq_len)
+        assert k.tp * k.pp * k.cp * k.dp == work.world_size
+        assert k.dp * k.num_microbatches * k.micro_batch_size == work.global_batch_size
     for cut in cuts:
-        a = {f: getattr(cut.candidate, f) for f in ("tp", "pp", "cp", "dp")}
-        rule = next((r for r in (rule.check(WORK, a) for rule in RULES) if r), None)
+        a = {f: getattr(cut.candidate, f) for f in Candidate.GRID}
+        rule = next((r for r in (rule.check(work, a) for rule in RULES) if r), None)
         if rule is not None:
             assert cut.reason == rule
             continue
         with pytest.raises(ConfigError) as e:
-            check_layout(TINY, cut.candidate.parallel, seq_len=WORK.seq_len)
+            check_layout(work.model, cut.candidate.parallel, seq_len=work.seq_len)
         assert str(e.value) == cut.reason
+    return valid, cuts
+
+
+def test_every_layout_passes_check_layout_and_every_cut_names_a_real_constraint():
+    valid, cuts = assert_valid_and_cuts_real(WORK)
+    # the zero dimension: 0 and 1 wherever dp x cp shards, never on one DP x CP rank
+    assert {k.zero for k in valid} == {0, 1} and all(k.dp * k.cp > 1 for k in valid if k.zero)
+    assert {k.ep for k in valid} == {1}                    # a dense model has no experts to spread
     # every rank grid check_layout admits (plain flags) is in the space
-    grids = {(k.tp, k.pp, k.cp, k.dp) for k in valid}
+    grids = {(k.tp, k.pp, k.cp, k.dp) for k in valid if not k.zero}
     for tp in (1, 2, 4):
         for pp in (1, 2, 4):
             for cp in (1, 2, 4):
@@ -60,6 +74,24 @@ def test_every_layout_passes_check_layout_and_every_cut_names_a_real_constraint(
                 assert (tp, pp, cp, par.dp) in grids
     names = {c.constraint for c in cuts}
     assert "num_key_value_heads must be divisible by tp_size" in names   # tp 4 > 2 kv heads
+
+
+def test_the_moe_space_spreads_the_experts_and_its_cuts_are_real():
+    valid, cuts = assert_valid_and_cuts_real(MOE_WORK)
+    assert {k.ep for k in valid} == {1, 2, 4}
+    assert all((k.dp * k.cp) % k.ep == 0 and MOE.num_experts % k.ep == 0 for k in valid)
+    assert not [k for k in valid if k.zero and k.ep > 1]   # check_layout refuses --zero with EP under MoE
+    assert any(k.zero for k in valid)
+    names = {c.constraint for c in cuts}
+    assert "--zero 1 with --use_moe is supported at levels 1 and 2 with ep_size 1" in names
+    # the planner's MoE-under-CP rule is real: the analytic model cannot predict such a layout
+    (moe_cp, *_) = [c for c in cuts if c.constraint.startswith("the analytic memory model does not cover")]
+    k = replace(moe_cp.candidate, cp_load_balance=True)
+    with pytest.raises(KeyError):
+        predict_memory(MOE, k.parallel, seq_len=32, micro_batch_size=k.micro_batch_size)
+    # and every layout it keeps is predicted
+    result = plan(MOE_WORK, GPU_PROFILES["H100"], device="cpu", budget_bytes=2**40)
+    assert len(result.fitting) == len(valid)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -136,6 +168,49 @@ def test_the_bubble_is_p_minus_1_microbatch_times_and_overlaps_hide_communicatio
     assert r_free.cp_exposed > r.cp_exposed
 
 
+def test_zero_1_reduce_scatters_and_all_gathers_each_bucket_instead_of_the_all_reduce():
+    bucket = int(DEFAULT_BUCKET_MB * 2**20) // 2               # elements of one bf16 bucket
+    params, g = 2 * bucket, 4                                    # two buckets over dp 4
+    ddp = Candidate(dp=4, micro_batch_size=2)
+    for pp in (1, 2):
+        k = replace(ddp, pp=pp, dp=2, num_microbatches=2, micro_batch_size=2) if pp > 1 else ddp
+        g = k.dp * k.cp
+        plain, zero = (step_time(replace(k, zero=z), WORK, SLOW, stage_params=params) for z in (0, 1))
+        half = bucket * 2                                        # one bucket's bytes
+        per_bucket = Collective(Op.REDUCE_SCATTER, half, g).seconds(LINK) + Collective(Op.ALL_GATHER, half, g).seconds(LINK)
+        assert zero.dp_exposed == pytest.approx(2 * per_bucket)  # both exposed: after the last microbatch, the step
+        all_reduce = Collective(Op.ALL_REDUCE, params * 2, g).seconds(LINK)
+        bwd = plain.compute * 2 / 3
+        assert plain.dp_exposed == pytest.approx(max(0.0, all_reduce - bwd) if pp == 1 else all_reduce)
+        # AdamW steps this rank's slice, one tensor per bucket
+        assert zero.optimizer == pytest.approx(params / g * 12 * 2 / SLOW.memory_bandwidth)
+        assert plain.optimizer == pytest.approx(params * 12 * 2 / SLOW.memory_bandwidth)
+
+
+def test_the_experts_cost_their_routed_rows_and_ep_its_all_to_alls():
+    hw = replace(SLOW, attention_flops=math.inf, memory_bandwidth=math.inf)
+    k = Candidate(dp=4, micro_batch_size=2)
+    top1, top2 = (stage_compute(replace(MOE, num_experts_per_tok=e), k, WORK, hw, last=False)[0] for e in (1, 2))
+    tokens = 2 * 32
+    # one more routed row per token: 4 layers x 2 FLOPs x tokens x one expert's matrices
+    assert top2 - top1 == pytest.approx(4 * 2 * tokens * expert_params(MOE) / 1e12)
+    dense_mlp = 3 * 64 * MOE.intermediate_size
+    assert block_matmul_params(TINY) - block_matmul_params(MOE) == dense_mlp
+    # EP per MoE layer: the counts, the tokens out and back forward and backward, the aux statistics
+    ep = replace(k, ep=2)
+    t, t1 = (step_time_of(x, MOE_WORK, SLOW, stage_params=1000) for x in (ep, k))
+    rows = tokens * 2 * 64 * 2                                   # N k H b
+    stats = Collective(Op.ALL_REDUCE, (2 * 4 + 1) * 4, 4).seconds(LINK)
+    expect = 4 * (Collective(Op.ALL_TO_ALL, 8 * 4, 2).seconds(LINK) + 4 * Collective(Op.ALL_TO_ALL, rows, 2).seconds(LINK)
+                  + stats)
+    assert t.ep_exposed == pytest.approx(expect) and t1.ep_exposed == pytest.approx(4 * stats)
+    # the experts' grads reduce over their EDP group (dp x cp / ep): fewer ranks than the dense grads'
+    pp_ep = replace(ep, pp=2, dp=2, ep=2, num_microbatches=2)
+    dense, experts = (step_time_of(pp_ep, MOE_WORK, SLOW, stage_params=10**6, expert_params=e) for e in (0, 10**6))
+    assert experts.dp_exposed == pytest.approx(Collective(Op.ALL_REDUCE, 2e6, 1).seconds(LINK)) == 0
+    assert dense.dp_exposed == pytest.approx(Collective(Op.ALL_REDUCE, 2e6, 2).seconds(LINK))
+
+
 def test_a_group_wider_than_a_node_takes_the_slower_link():
     two_nodes = replace(WORK, nnodes=2)
     k = Candidate(tp=4, micro_batch_size=8)
@@ -162,25 +237,48 @@ def test_the_json_has_every_field_and_its_commands_run(tmp_path, capsys):
     for row in layouts:
         assert {"tp", "pp", "cp", "dp", "ep", "zero", "flags", "predicted_peak_mib", "predicted_step_ms",
                 "train_command", "estimate_command"} <= set(row)
-        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == 4 and row["ep"] == 1 and row["zero"] == 0
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == 4 and row["ep"] == 1 and row["zero"] in (0, 1)
+    assert {r["zero"] for r in layouts} == {0, 1}
     assert [r["predicted_step_ms"] for r in layouts] == sorted(r["predicted_step_ms"] for r in layouts)
     assert "cut:" in printed and "num_key_value_heads must be divisible by tp_size" in printed
-    for row in layouts[:: max(1, len(layouts) // 20)]:
-        for key in ("train_command", "estimate_command"):
-            argv = shlex.split(row[key])[3:]                      # after `python -m evaluation.parallel`
-            launch, args = cli.parse(argv)
-            assert launch.tp_size == row["tp"] and launch.pp_size == row["pp"] and launch.dp_size == row["dp"]
-            assert launch.cp_size == row["cp"]
-        job = cli.resolve(shlex.split(row["estimate_command"])[3:])
-        (run,) = check_benchmark(job)
-        assert (run.par.tp, run.par.pp, run.par.cp, run.par.dp) == (row["tp"], row["pp"], row["cp"], row["dp"])
-        assert run.sizes["micro_batch_size"] == row["flags"]["micro_batch_size"]
+    assert_commands_are_the_layouts(layouts)
     # the first layout's estimate: the allocator-level peak of the same cell, within 1 % of the plan's
     first = layouts[0]
     csv_path = tmp_path / "estimate.csv"
     assert cli.main([*shlex.split(first["estimate_command"])[3:], "--output_csv", str(csv_path)]) == 0
     (cell,) = list(csv.DictReader(open(csv_path)))
     assert abs(float(cell["cuda_allocated_mib"]) - first["predicted_peak_mib"]) <= 0.01 * first["predicted_peak_mib"]
+
+
+def assert_commands_are_the_layouts(layouts, *, moe=False):
+    """Each sampled layout's train and estimate commands parse with the real parsers and resolve to it
+    (both ZeRO levels and every ep among the sample)."""
+    sample = layouts[:: max(1, len(layouts) // 20)]
+    sample += [next(r for r in layouts if r[key] == v) for key, vs in (("zero", (0, 1)), ("ep", (1, 2, 4)))
+               for v in vs if any(r[key] == v for r in layouts)]
+    for row in sample:
+        for key in ("train_command", "estimate_command"):
+            argv = shlex.split(row[key])[3:]                      # after `python -m evaluation.parallel`
+            launch, args = cli.parse(argv)
+            assert launch.tp_size == row["tp"] and launch.pp_size == row["pp"] and launch.dp_size == row["dp"]
+            assert launch.cp_size == row["cp"] and launch.ep_size == row["ep"]
+            assert args.zero == row["zero"] and args.use_moe == moe
+        job = cli.resolve(shlex.split(row["estimate_command"])[3:])
+        (run,) = check_benchmark(job)
+        assert (run.par.tp, run.par.pp, run.par.cp, run.par.dp) == (row["tp"], row["pp"], row["cp"], row["dp"])
+        assert (run.par.ep, run.par.zero, run.args.use_moe) == (row["ep"], row["zero"], moe)
+        assert run.sizes["micro_batch_size"] == row["flags"]["micro_batch_size"]
+
+
+def test_a_moe_plan_spreads_the_experts_and_its_commands_run(tmp_path, capsys):
+    code, out = run_plan(tmp_path, *MOE_ARGS)
+    printed = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out.read_text())
+    layouts = data["layouts"]
+    assert {r["ep"] for r in layouts} == {1, 2, 4} and {r["zero"] for r in layouts} == {0, 1}
+    assert "dispatch buffers" in printed and "dispatch buffers" in data["notes"][0]
+    assert_commands_are_the_layouts(layouts, moe=True)
 
 
 def test_a_calibration_file_round_trips_and_its_rates_are_the_plans(tmp_path, capsys):

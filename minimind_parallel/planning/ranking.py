@@ -11,7 +11,7 @@ from ..memory.allocator import CudaSetup
 from ..pipeline_parallel.order import Schedule
 from .hardware import Hardware
 from .space import Candidate, Cut, Workload, enumerate_layouts
-from .time_model import StepTime, step_time
+from .time_model import StepTime, expert_params, step_time
 
 MIB = 2**20
 
@@ -66,7 +66,9 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
         breakdown["workspaces"] = workspace_bytes(hw)
         peak += breakdown["workspaces"]
     params = pred.breakdown["params"] // DTYPES[w.dtype].itemsize
-    t = step_time(k, w, hw, stage_params=params)
+    experts = w.model.num_hidden_layers // k.pp * w.model.num_experts // k.ep * expert_params(w.model) \
+        if w.model.use_moe else 0                                       # this rank's experts' elements
+    t = step_time(k, w, hw, stage_params=params, expert_params=experts)
     tokens_per_s = w.global_batch_size * w.seq_len / t.total
     mfu = flops_per_token * tokens_per_s / (w.world_size * hw.peak_flops)
     return PlanEntry(candidate=k, peak_bytes=peak, breakdown=breakdown, time=t, tokens_per_s=tokens_per_s, mfu=mfu)

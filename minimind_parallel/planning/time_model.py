@@ -15,9 +15,17 @@
                  with one block of attention
     pipeline     (M + P - 1) x the slowest stage's microbatch (GPipe and 1F1B: the same bubble), each
                  boundary's activation sent forward and its grad back
-    data         the stage's gradients all-reduced over dp x cp: under DDP (pp = 1) overlapped with
-                 the backward, under a pipeline after it
-    optimizer    AdamW's per-element traffic over this rank's parameters
+    experts      (--use_moe) the router's GEMM and the experts' at the routed token count, N k rows
+                 per rank under balanced routing (whole on every TP rank; under SP each TP rank routes
+                 its shard); under EP per MoE layer the count exchange and the tokens' all-to-all
+                 out and back, forward and backward (none overlapped), and the aux statistics'
+                 all-reduce over dp x cp
+    data         the stage's gradients all-reduced over dp x cp (an expert's over its EDP group,
+                 dp x cp / ep): under DDP (pp = 1) overlapped with the backward, under a pipeline
+                 after it; --zero 1 (the distributed optimizer) instead reduce-scatters each bucket
+                 after the last microbatch and all-gathers it after the step, both exposed
+    optimizer    AdamW's per-element traffic over this rank's parameters (under --zero 1 its slice,
+                 one tensor per bucket)
 
 A collective of `n` bytes over `g` ranks on a link (latency a, bandwidth w): all-reduce
 2 (g-1) (a + n / (g w)), all-gather / reduce-scatter (g-1) (a + n / (g w)), all-to-all
@@ -29,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import DTYPES, Choice, CPCommType, MiniMindConfig, Recompute
+from ..zero.buckets import DEFAULT_BUCKET_MB
 from .hardware import Hardware, Link
 from .space import Candidate, Workload
 
@@ -60,6 +69,8 @@ class Collective:
 
     def seconds(self, link: Link) -> float:
         g = self.ranks
+        if self.nbytes <= 0:        # nothing to move: never issued
+            return 0.0
         if self.kind == Op.P2P:
             return link.latency_s + self.nbytes / link.bandwidth
         if g <= 1:
@@ -75,6 +86,7 @@ class StepTime:
     compute: float = 0.0
     tp_exposed: float = 0.0
     cp_exposed: float = 0.0
+    ep_exposed: float = 0.0
     pp_p2p: float = 0.0
     bubble: float = 0.0
     dp_exposed: float = 0.0
@@ -83,12 +95,12 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_exposed + self.cp_exposed + self.pp_p2p + self.bubble + self.dp_exposed
+        return (self.compute + self.tp_exposed + self.cp_exposed + self.ep_exposed + self.pp_p2p + self.bubble + self.dp_exposed
                 + self.optimizer)
 
     def as_ms(self) -> dict:
-        return {k: 1e3 * getattr(self, k) for k in ("compute", "tp_exposed", "cp_exposed", "pp_p2p", "bubble",
-                                                      "dp_exposed", "optimizer")}
+        return {k: 1e3 * getattr(self, k) for k in ("compute", "tp_exposed", "cp_exposed", "ep_exposed", "pp_p2p",
+                                                      "bubble", "dp_exposed", "optimizer")}
 
 
 def crosses_nodes(span: int, w: Workload) -> bool:
@@ -97,8 +109,31 @@ def crosses_nodes(span: int, w: Workload) -> bool:
 
 
 def block_matmul_params(c: MiniMindConfig) -> int:
+    """A block's matrices split over TP: attention's and the dense SwiGLU's (a MoE block: attention's)."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    mlp = 0 if c.use_moe else 3 * c.hidden_size * c.intermediate_size
+    return c.hidden_size * (2 * q + 2 * kv) + mlp
+
+
+def expert_params(c: MiniMindConfig) -> int:
+    """One expert's SwiGLU matrices (gate, up, down)."""
+    return 3 * c.hidden_size * c.moe_intermediate_size
+
+
+def moe_tokens(k: Candidate, w: Workload) -> float:
+    """The tokens one rank routes per MoE layer: its CP shard, under SP its TP shard of that (without SP
+    every TP rank routes the same tokens)."""
+    return k.micro_batch_size * w.seq_len / k.cp / (k.tp if k.sequence_parallel else 1)
+
+
+def moe_forward_flops(c: MiniMindConfig, k: Candidate, w: Workload) -> float:
+    """One MoE layer's forward GEMM FLOPs on one rank: the router (H -> E) and, under balanced routing,
+    N k routed rows through the experts on every rank (each EP rank's E / ep experts get N k ep / E rows
+    each from its group)."""
+    if not c.use_moe:
+        return 0.0
+    n = moe_tokens(k, w)
+    return 2 * n * c.hidden_size * c.num_experts + 2 * n * c.num_experts_per_tok * expert_params(c)
 
 
 def stage_compute(c: MiniMindConfig, k: Candidate, w: Workload, hw: Hardware, *, last: bool) -> tuple[float, float]:
@@ -106,7 +141,7 @@ def stage_compute(c: MiniMindConfig, k: Candidate, w: Workload, hw: Hardware, *,
     layers = c.num_hidden_layers // k.pp
     tokens = k.micro_batch_size * w.seq_len / k.cp                       # this rank's tokens
     q = c.num_attention_heads * c.head_dim / k.tp
-    gemm = 2 * tokens * block_matmul_params(c) / k.tp                    # forward FLOPs of one block
+    gemm = 2 * tokens * block_matmul_params(c) / k.tp + moe_forward_flops(c, k, w)   # forward FLOPs of one block
     balance = 1.0 if (k.cp == 1 or k.cp_load_balance) else (2 * k.cp - 1) / k.cp   # the last CP rank's share
     attention = 2 * tokens * w.seq_len * q * balance                     # causal: QK^T and PV over S/2 keys
     b = DTYPES[w.dtype].itemsize
@@ -162,12 +197,47 @@ def context_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[l
     return [Collective(Op.P2P, kv, 2)] * (k.cp - 1), [Collective(Op.P2P, 2 * kv, 2)] * (k.cp - 1)
 
 
+def expert_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[list, list]:
+    """One MoE layer's EP and aux-loss collectives of one microbatch: (forward, backward). Balanced
+    routing: the rows this rank's experts receive (M) equal the N k it sends."""
+    if not c.use_moe:
+        return [], []
+    b = DTYPES[w.dtype].itemsize
+    stats = [Collective(Op.ALL_REDUCE, (2 * c.num_experts + 1) * 4, k.dp * k.cp)]
+    stats = stats * (2 if k.sequence_parallel and k.tp > 1 else 1)   # + TP under SP
+    if k.ep == 1:
+        return stats, []
+    rows = moe_tokens(k, w) * c.num_experts_per_tok * c.hidden_size * b
+    counts = Collective(Op.ALL_TO_ALL, 8 * c.num_experts, k.ep)
+    tokens = Collective(Op.ALL_TO_ALL, rows, k.ep)
+    return [counts, tokens, tokens, *stats], [tokens, tokens]
+
+
+def data_parallel_seconds(k: Candidate, w: Workload, link: Link, *, stage_params: int, expert_params: int,
+                          backward: float) -> tuple[float, int]:
+    """The exposed seconds of the grads' reduction (and under --zero 1 the parameters' all-gather), and
+    the tensors AdamW steps on this rank under --zero 1 (its buckets' slices; 0: the parameters)."""
+    b = DTYPES[w.dtype].itemsize
+    dense = stage_params - expert_params
+    if k.zero == 0:
+        grads = (Collective(Op.ALL_REDUCE, dense * b, k.dp * k.cp).seconds(link)       # the experts' over EDP
+                 + Collective(Op.ALL_REDUCE, expert_params * b, k.dp * k.cp // k.ep).seconds(link))
+        return (max(0.0, grads - backward) if k.pp == 1 else grads), 0
+    # the distributed optimizer: buckets of DEFAULT_BUCKET_MB over dp x cp (zero with ep > 1 is refused)
+    buckets = max(1, -(-stage_params * b // int(DEFAULT_BUCKET_MB * 2**20)))
+    each = stage_params * b / buckets
+    per_bucket = (Collective(Op.REDUCE_SCATTER, each, k.dp * k.cp).seconds(link)
+                  + Collective(Op.ALL_GATHER, each, k.dp * k.cp).seconds(link))
+    return buckets * per_bucket, buckets
+
+
 def seconds(coll: list, link: Link) -> float:
     return sum(x.seconds(link) for x in coll)
 
 
-def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int) -> StepTime:
-    """The predicted step of layout `k` (`stage_params`: parameter elements of the largest stage's rank)."""
+def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, expert_params: int = 0) -> StepTime:
+    """The predicted step of layout `k` (`stage_params`: parameter elements of the largest stage's rank,
+    `expert_params` of them its experts')."""
     c = w.model
     b = DTYPES[w.dtype].itemsize
     layers = c.num_hidden_layers // k.pp
@@ -190,16 +260,24 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int) -> 
         cp = layers * sum(max(0.0, x.seconds(cp_link) - attn_step) + 0 for x in cf + cb)
     else:
         cp = layers * (seconds(cf, cp_link) + seconds(cb, cp_link))
+    # mixture of experts: the EP all-to-alls (over the DP link where the EP group leaves the CP one's)
+    ef, eb = expert_collectives(c, k, w)
+    ep_link = cp_link if k.ep <= k.cp else dp_link
+    ep = layers * (seconds(ef, ep_link) + seconds(eb, ep_link))
     # pipeline: each boundary's activation [S/C(/T), B, H] forward, its grad backward
     act = k.micro_batch_size * w.seq_len / k.cp * c.hidden_size * b / (k.tp if k.sequence_parallel else 1)
     p2p = 2 * Collective(Op.P2P, act, 2).seconds(pp_link) if k.pp > 1 else 0.0
-    per_mb = fwd + bwd + tp + cp + p2p
+    per_mb = fwd + bwd + tp + cp + ep + p2p
     m, p = k.num_microbatches, k.pp
     t.compute, t.tp_exposed, t.cp_exposed, t.pp_p2p = m * (fwd + bwd), m * tp, m * cp, m * p2p
+    t.ep_exposed = m * ep
     t.bubble = (p - 1) * per_mb
-    grads = Collective(Op.ALL_REDUCE, stage_params * b, k.dp * k.cp).seconds(dp_link)
-    t.dp_exposed = max(0.0, grads - m * bwd) if k.pp == 1 else grads
-    t.optimizer = hw.dispatched(stage_params * ADAMW_ACCESSES * b / hw.memory_bandwidth,
-                                OPS_PER_PARAM_STEP * (layers * 11 + 2) * hw.op_overhead_s)
+    t.dp_exposed, buckets = data_parallel_seconds(k, w, dp_link, stage_params=stage_params,
+                                                  expert_params=expert_params, backward=m * bwd)
+    moe_tensors = 1 + 3 * c.num_experts // k.ep - 3 if c.use_moe else 0   # router + experts for the dense MLP
+    tensors = buckets or layers * (11 + moe_tensors) + 2
+    stepped = stage_params / (k.dp * k.cp) if k.zero else stage_params
+    t.optimizer = hw.dispatched(stepped * ADAMW_ACCESSES * b / hw.memory_bandwidth,
+                                OPS_PER_PARAM_STEP * tensors * hw.op_overhead_s)
     t.parts = dict(per_microbatch_ms=1e3 * per_mb, forward_ms=1e3 * fwd, backward_ms=1e3 * bwd)
     return t
