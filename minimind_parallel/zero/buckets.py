@@ -15,6 +15,8 @@ have the same layout and the slices of a TP-partial grad can be summed over TP t
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import torch
@@ -99,25 +101,26 @@ def padded(numel: int, world: int) -> int:
 def plan_buffer(params: list[tuple[str, int, bool]], world: int, bucket_numel: int | None) -> BufferLayout:
     """`params`: (name, numel, alone) in the model's order; `alone`: the parameter is a bucket of
     its own (an embedding-group copy). -> the buffer's buckets (see the module's docstring)."""
-    buckets, open_names, start = [], [], 0
+    buckets, open_names, start, open_numel = [], [], 0, 0
 
     def close():
-        nonlocal start, open_names
+        nonlocal start, open_names, open_numel
         if not open_names:
             return
         names, numels = zip(*open_names)
-        offsets = tuple(start + sum(numels[:i]) for i in range(len(numels)))
+        offsets = tuple(start + before for before in itertools.accumulate(numels[:-1], initial=0))
         bucket = Bucket(names=names, numels=numels, offsets=offsets, start=start,
-                        padded_numel=padded(sum(numels), world), world=world)
+                        padded_numel=padded(open_numel, world), world=world)
         buckets.append(bucket)
         start += bucket.padded_numel
-        open_names = []
+        open_names, open_numel = [], 0
 
     for name, numel, alone in reversed(params):
         if alone:
             close()
         open_names.append((name, numel))
-        if alone or (bucket_numel is not None and sum(n for _, n in open_names) >= bucket_numel):
+        open_numel += numel
+        if alone or (bucket_numel is not None and open_numel >= bucket_numel):
             close()
     close()
     return BufferLayout(tuple(buckets))
