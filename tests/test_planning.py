@@ -299,6 +299,8 @@ BAD = [
     (["--world_size", "4", "--global_batch_size", "0"], "global_batch_size must be >= 1"),
     (["--world_size", "4", "--num_attention_heads", "6"], "num_attention_heads must be divisible by num_key_value_heads"),
     (["--calibrate"], "--calibrate writes the rates it measures to --calibration FILE"),
+    (["--world_size", "4", "--num_experts_per_tok", "2"], "mixture-of-experts fields need use_moe (--use_moe)"),
+    (["--world_size", "4", "--use_moe", "--num_experts_per_tok", "8"], "num_experts_per_tok must be <= num_experts"),
 ]
 
 
