@@ -17,8 +17,7 @@ from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enum
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
 from minimind_parallel.planning.ranking import workspace_bytes
 from minimind_parallel.planning.space import RULES
-from minimind_parallel.planning.time_model import (Collective, Op, block_matmul_params, expert_params, stage_compute,
-                                                   step_time as step_time_of)
+from minimind_parallel.planning.time_model import Collective, Op, block_matmul_params, expert_params, stage_compute
 from minimind_parallel.zero.buckets import DEFAULT_BUCKET_MB
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
 from test_cli import assert_refused_before_launch
@@ -170,14 +169,15 @@ def test_the_bubble_is_p_minus_1_microbatch_times_and_overlaps_hide_communicatio
 
 def test_zero_1_reduce_scatters_and_all_gathers_each_bucket_instead_of_the_all_reduce():
     bucket = int(DEFAULT_BUCKET_MB * 2**20) // 2               # elements of one bf16 bucket
-    params, g = 2 * bucket, 4                                    # two buckets over dp 4
+    params = 2 * bucket                                          # two buckets
     ddp = Candidate(dp=4, micro_batch_size=2)
     for pp in (1, 2):
         k = replace(ddp, pp=pp, dp=2, num_microbatches=2, micro_batch_size=2) if pp > 1 else ddp
         g = k.dp * k.cp
         plain, zero = (step_time(replace(k, zero=z), WORK, SLOW, stage_params=params) for z in (0, 1))
         half = bucket * 2                                        # one bucket's bytes
-        per_bucket = Collective(Op.REDUCE_SCATTER, half, g).seconds(LINK) + Collective(Op.ALL_GATHER, half, g).seconds(LINK)
+        per_bucket = (Collective(Op.REDUCE_SCATTER, half, g).seconds(LINK)
+                      + Collective(Op.ALL_GATHER, half, g).seconds(LINK))
         assert zero.dp_exposed == pytest.approx(2 * per_bucket)  # both exposed: after the last microbatch, the step
         all_reduce = Collective(Op.ALL_REDUCE, params * 2, g).seconds(LINK)
         bwd = plain.compute * 2 / 3
@@ -185,6 +185,10 @@ def test_zero_1_reduce_scatters_and_all_gathers_each_bucket_instead_of_the_all_r
         # AdamW steps this rank's slice, one tensor per bucket
         assert zero.optimizer == pytest.approx(params / g * 12 * 2 / SLOW.memory_bandwidth)
         assert plain.optimizer == pytest.approx(params * 12 * 2 / SLOW.memory_bandwidth)
+        dispatch = replace(SLOW, op_overhead_s=1e-6, memory_bandwidth=math.inf)   # 10 ops per tensor stepped
+        plain, zero = (step_time(replace(k, zero=z), WORK, dispatch, stage_params=params) for z in (0, 1))
+        assert zero.optimizer == pytest.approx(10 * 2 * 1e-6)                        # the two buckets' slices
+        assert plain.optimizer == pytest.approx(10 * (4 // pp * 11 + 2) * 1e-6)      # every parameter tensor
 
 
 def test_the_experts_cost_their_routed_rows_and_ep_its_all_to_alls():
@@ -198,15 +202,15 @@ def test_the_experts_cost_their_routed_rows_and_ep_its_all_to_alls():
     assert block_matmul_params(TINY) - block_matmul_params(MOE) == dense_mlp
     # EP per MoE layer: the counts, the tokens out and back forward and backward, the aux statistics
     ep = replace(k, ep=2)
-    t, t1 = (step_time_of(x, MOE_WORK, SLOW, stage_params=1000) for x in (ep, k))
+    t, t1 = (step_time(x, MOE_WORK, SLOW, stage_params=1000) for x in (ep, k))
     rows = tokens * 2 * 64 * 2                                   # N k H b
     stats = Collective(Op.ALL_REDUCE, (2 * 4 + 1) * 4, 4).seconds(LINK)
-    expect = 4 * (Collective(Op.ALL_TO_ALL, 8 * 4, 2).seconds(LINK) + 4 * Collective(Op.ALL_TO_ALL, rows, 2).seconds(LINK)
-                  + stats)
+    expect = 4 * (Collective(Op.ALL_TO_ALL, 8 * 4, 2).seconds(LINK)
+                  + 4 * Collective(Op.ALL_TO_ALL, rows, 2).seconds(LINK) + stats)
     assert t.ep_exposed == pytest.approx(expect) and t1.ep_exposed == pytest.approx(4 * stats)
     # the experts' grads reduce over their EDP group (dp x cp / ep): fewer ranks than the dense grads'
     pp_ep = replace(ep, pp=2, dp=2, ep=2, num_microbatches=2)
-    dense, experts = (step_time_of(pp_ep, MOE_WORK, SLOW, stage_params=10**6, expert_params=e) for e in (0, 10**6))
+    dense, experts = (step_time(pp_ep, MOE_WORK, SLOW, stage_params=10**6, expert_params=e) for e in (0, 10**6))
     assert experts.dp_exposed == pytest.approx(Collective(Op.ALL_REDUCE, 2e6, 1).seconds(LINK)) == 0
     assert dense.dp_exposed == pytest.approx(Collective(Op.ALL_REDUCE, 2e6, 2).seconds(LINK))
 

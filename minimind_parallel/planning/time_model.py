@@ -95,8 +95,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_exposed + self.cp_exposed + self.ep_exposed + self.pp_p2p + self.bubble + self.dp_exposed
-                + self.optimizer)
+        return (self.compute + self.tp_exposed + self.cp_exposed + self.ep_exposed + self.pp_p2p + self.bubble
+                + self.dp_exposed + self.optimizer)
 
     def as_ms(self) -> dict:
         return {k: 1e3 * getattr(self, k) for k in ("compute", "tp_exposed", "cp_exposed", "ep_exposed", "pp_p2p",
