@@ -267,6 +267,8 @@ def assert_commands_are_the_layouts(layouts, *, moe=False):
             assert launch.tp_size == row["tp"] and launch.pp_size == row["pp"] and launch.dp_size == row["dp"]
             assert launch.cp_size == row["cp"] and launch.ep_size == row["ep"]
             assert args.zero == row["zero"] and args.use_moe == moe
+        train = cli.resolve(shlex.split(row["train_command"])[3:]).parallel
+        assert (train.tp, train.pp, train.cp, train.dp, train.ep, train.zero) == tuple(row[g] for g in Candidate.GRID)
         job = cli.resolve(shlex.split(row["estimate_command"])[3:])
         (run,) = check_benchmark(job)
         assert (run.par.tp, run.par.pp, run.par.cp, run.par.dp) == (row["tp"], row["pp"], row["cp"], row["dp"])
