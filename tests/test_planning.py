@@ -86,7 +86,7 @@ def test_the_moe_space_spreads_the_experts_and_its_cuts_are_real():
     # the planner's MoE-under-CP rule is real: the analytic model cannot predict such a layout
     (moe_cp, *_) = [c for c in cuts if c.constraint.startswith("the analytic memory model does not cover")]
     k = replace(moe_cp.candidate, cp_load_balance=True)
-    with pytest.raises(KeyError):
+    with pytest.raises(NotImplementedError, match="under context parallelism"):
         predict_memory(MOE, k.parallel, seq_len=32, micro_batch_size=k.micro_batch_size)
     # and every layout it keeps is predicted
     result = plan(MOE_WORK, GPU_PROFILES["H100"], device="cpu", budget_bytes=2**40)
