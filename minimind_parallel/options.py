@@ -459,7 +459,7 @@ def predicted_peak(args, par: ParallelConfig, device: str, rows: int) -> int | N
         return predict_memory(model_config(args), par, seq_len=args.seq_len, micro_batch_size=rows,
                               dtype=DTYPES[args.dtype], device=device,
                               num_microbatches=args.num_microbatches, schedule=args.pp_schedule).peak_bytes
-    except NotImplementedError:  # a path the analytic model does not cover (non-flash, zero 2/3, new schedules, MoE under CP)
+    except NotImplementedError:  # a path the analytic model does not cover
         return None
 
 
