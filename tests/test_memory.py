@@ -503,3 +503,23 @@ def test_analytic_model_matches_the_measurement_and_estimate_of_the_moe_model():
         _check_model(pred, estimate_step_memory(MOE, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16,
                                                 iters=1), name)
         _check_model(pred, max((r[name] for r in ranks), key=lambda rep: rep.peak_bytes), name)
+
+
+MOE_EP_MODES = {  # the experts over 2 and 4 of the DP ranks, alone and beside TP
+    "ep2": ParallelConfig(dp=2, ep=2),
+    "ep4": ParallelConfig(dp=4, ep=4),
+    "tp_sp_ep2": ParallelConfig(tp=T, dp=2, ep=2, sequence_parallel=True),
+    "tp_sp_async_vp_ep2": ParallelConfig(tp=T, dp=2, ep=2, sequence_parallel=True, async_communication=True,
+                                         vocab_parallel=True),
+}
+
+
+def test_analytic_model_matches_the_estimate_of_expert_parallel_layouts():
+    """Each EP rank's share of the experts and what its dispatch saves (the regroup's and the
+    combine's int64 indices), against --estimate, whose dispatch follows the balanced policy (every
+    rank sends N*k/P rows to every rank, so each receives N*k)."""
+    for name, par in MOE_EP_MODES.items():
+        pred = predict_memory(MOE, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+        assert pred.peak_at.startswith("head_backward"), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(MOE, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16,
+                                                iters=1), name)

@@ -28,7 +28,16 @@ def moe_saved(c: MiniMindConfig, par: ParallelConfig, *, b: int, f: int, tokens:
     router = b * tokens * e + 8 * tokens * k + ((b * tokens + b * tokens * k) if c.norm_topk_prob else 0)
     experts = 16 * rows + 3 * b * rows * c.hidden_size + 4 * b * rows * c.moe_intermediate_size + b * rows
     aux = f + f * e if c.router_aux_loss_coef > 0 else 0      # N, and the load [E]
-    return router + experts + aux
+    return router + experts + aux + ep_dispatch_saved(par, rows=rows)
+
+
+def ep_dispatch_saved(par: ParallelConfig, *, rows: int) -> int:
+    """What the EP dispatch of one MoE layer saves (moe/dispatch.py): the two index_selects' int64
+    indices [M], to_experts (dispatch's regroup) and to_sources (combine's); the all-to-alls save
+    nothing (their backward is the reverse all-to-all). M, the rows this rank's experts receive,
+    is N*k under the balanced policy (every source sends N*k/P rows to every rank), so the
+    experts' saved tensors keep their ep-1 shapes; with ep 1 the dispatcher is the identity."""
+    return 2 * 8 * rows if par.ep > 1 else 0
 
 
 def moe_column_input(par: ParallelConfig, column: int, *, b: int, n: int, nn_: int, hid: int) -> int:
