@@ -16,6 +16,9 @@ recompute, PP and DP; not under --recompute full (a late moment of its backward 
 scalar) nor CP (not tried). The moments inside an MoE layer's own backward (its experts' grads, the
 gather's and index_add's input grads) are not modelled yet: where one of them is the peak (a
 small vocabulary against N k I_e), the prediction is below the measurement.
+
+Under expert parallelism the dispatch adds its two saved indices (`ep_dispatch_saved`), for the
+balanced routing --estimate follows (checked at ep 2 and 4, alone and beside TP + SP).
 """
 from __future__ import annotations
 
