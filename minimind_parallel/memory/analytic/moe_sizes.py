@@ -59,3 +59,9 @@ def moe_temporaries(c: MiniMindConfig, layers: int, *, f: int, loss_copy: int) -
     if not c.use_moe:
         return 0, 0
     return layers * (8 * c.num_experts + f), 3 * f + loss_copy
+
+
+def moe_report(c: MiniMindConfig, *, last: bool, f: int) -> int:
+    """The step's reported aux loss (StepResult.aux_loss, 0-dim, at least float32), made on the
+    last stage when its schedule finishes: alive through the optimizer step."""
+    return f if c.use_moe and last else 0

@@ -141,6 +141,17 @@ class StageSizes:
         return self.b * self.hid * self.inter
 
     @cached_property
+    def ffn_saved(self) -> int:
+        """What one block's feed-forward saves: the MLP's, or the MoE layer's ("block.moe")."""
+        return self.kinds["block.moe"] if "block.moe" in self.kinds else self.kinds["block.mlp"]
+
+    @cached_property
+    def ffn_w_grads(self) -> int:
+        """One block's feed-forward weight grads (the MLP's three, or the router's and this rank's
+        experts'): every block of the stage holds as many."""
+        return self.b * sum(numel(s) for k, s in self.shapes.items() if ".mlp." in k) // self.layers
+
+    @cached_property
     def head_w_grad(self) -> int:
         return self.b * self.vocab * self.hid if self.last else 0
 
