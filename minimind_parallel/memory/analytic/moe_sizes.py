@@ -12,13 +12,15 @@ column-parallel inputs a block saves lose gate/up's share and gain the router's 
 
 Checked against `--estimate` to the byte (tests/test_memory.py) where the step's peak is the
 head's backward, on one rank and under TP, SP (basic, shared gather, async, VP), selective
-recompute, PP and DP; not under --recompute full (a late moment of its backward differs by one
-scalar) nor CP (not tried). The moments inside an MoE layer's own backward (its experts' grads, the
+recompute, PP and DP, and at the optimizer step (`moe_report`: the step's reported aux loss) under
+CP; not under --recompute full (a late moment of its backward differs by one scalar), nor under CP
+with tied embeddings, whose last moment (the tied grads' sum) is predicted 6 bytes high (two of the
+step's scalars counted to the end of backward are gone by then). The moments inside an MoE layer's own backward (its experts' grads, the
 gather's and index_add's input grads) are not modelled yet: where one of them is the peak (a
 small vocabulary against N k I_e), the prediction is below the measurement.
 
 Under expert parallelism the dispatch adds its two saved indices (`ep_dispatch_saved`), for the
-balanced routing --estimate follows (checked at ep 2 and 4, alone and beside TP + SP).
+balanced routing --estimate follows (checked at ep 2 and 4, alone and beside TP + SP, PP, CP).
 """
 from __future__ import annotations
 
