@@ -516,6 +516,9 @@ MOE_EP_MODES = {  # the experts over 2 and 4 of the DP (x CP) ranks, alone and b
     # untied: the peak is the optimizer step, where the step's reported aux loss is alive
     "cp_ring_dp_ep4": (replace(MOE, tie_word_embeddings=False),
                        ParallelConfig(cp=2, dp=2, ep=4, cp_comm_type="ring"), {}),
+    # a larger vocabulary and batch: the head's backward, where the objective scaled by cp is alive
+    "cp_all_gather_ep2 head": (replace(MOE, tie_word_embeddings=False, vocab_size=8192),
+                               ParallelConfig(cp=2, ep=2), dict(seq_len=128, micro_batch_size=4)),
 }
 
 
@@ -524,7 +527,7 @@ def test_analytic_model_matches_the_estimate_of_expert_parallel_layouts():
     combine's int64 indices), against --estimate, whose dispatch follows the balanced policy (every
     rank sends N*k/P rows to every rank, so each receives N*k)."""
     for name, (config, par, kw) in MOE_EP_MODES.items():
-        kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16, **kw)
+        kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16), **kw}
         pred = predict_memory(config, par, **kw)
         assert pred.peak_at.startswith(("head_backward", "optimizer")), (name, pred.peak_at)
         assert pred.activations_by_kind["block.moe"] > 0, name

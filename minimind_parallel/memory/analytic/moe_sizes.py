@@ -12,10 +12,10 @@ column-parallel inputs a block saves lose gate/up's share and gain the router's 
 
 Checked against `--estimate` to the byte (tests/test_memory.py) where the step's peak is the
 head's backward, on one rank and under TP, SP (basic, shared gather, async, VP), selective
-recompute, PP and DP, and at the optimizer step (`moe_report`: the step's reported aux loss) under
-CP; not under --recompute full (a late moment of its backward differs by one scalar), nor under CP
-with tied embeddings, whose last moment (the tied grads' sum) is predicted 6 bytes high (two of the
-step's scalars counted to the end of backward are gone by then). The moments inside an MoE layer's own backward (its experts' grads, the
+recompute, PP and DP, and under CP at the head's backward (the objective scaled by cp in place of
+the objective) and at the optimizer step (`moe_report`: the step's reported aux loss); not under
+--recompute full nor CP with tied embeddings, whose last moment (the tied grads' sum) is predicted
+4 bytes high (one of the step's float32 scalars counted to the end of backward is gone by then). The moments inside an MoE layer's own backward (its experts' grads, the
 gather's and index_add's input grads) are not modelled yet: where one of them is the peak (a
 small vocabulary against N k I_e), the prediction is below the measurement.
 
@@ -55,12 +55,15 @@ def moe_column_input(par: ParallelConfig, column: int, *, b: int, n: int, nn_: i
     return column
 
 
-def moe_temporaries(c: MiniMindConfig, layers: int, *, f: int, loss_copy: int) -> tuple[int, int]:
+def moe_temporaries(c: MiniMindConfig, par: ParallelConfig, layers: int, *, f: int,
+                    loss_copy: int) -> tuple[int, int]:
     """(alive all step, alive until the step's backward ends) for `layers` MoE layers on a stage;
-    `loss_copy`: the LM loss's bytes when it is in the model dtype below float32, else 0."""
+    `loss_copy`: the LM loss's bytes when it is in the model dtype below float32, else 0. Under CP
+    the objective is replaced by its copy scaled by cp (the stage's `cp_scaled_loss`)."""
     if not c.use_moe:
         return 0, 0
-    return layers * (8 * c.num_experts + f), 3 * f + loss_copy
+    objective = 0 if par.cp > 1 else f
+    return layers * (8 * c.num_experts + f), 2 * f + objective + loss_copy
 
 
 def moe_report(c: MiniMindConfig, *, last: bool, f: int) -> int:

@@ -82,7 +82,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         raise NotImplementedError(f"predict_memory: the {schedule} schedule's chunks and W steps are not modelled "
                                   f"(gpipe and 1f1b are)")
     moments, in_flight = replay_schedule(s, order)
-    state, step = moe_temporaries(c, s.layers, f=s.f, loss_copy=s.weight)
+    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if layout is None:
         states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step

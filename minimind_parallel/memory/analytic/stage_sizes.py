@@ -116,8 +116,10 @@ class StageSizes:
     @cached_property
     def cp_scaled_loss(self) -> int:
         """The last stage under CP: the loss scaled by cp for backward (the schedule's grad_scale),
-        held until its backward."""
-        return self.loss_scalar if self.last and self.par.cp > 1 else 0
+        held until its backward; with MoE layers the objective (LM loss + aux, at least float32)."""
+        if not (self.last and self.par.cp > 1):
+            return 0
+        return self.f if "block.moe" in self.kinds else self.loss_scalar
 
     @cached_property
     def held(self) -> int:
