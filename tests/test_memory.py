@@ -503,3 +503,32 @@ def test_analytic_model_matches_the_measurement_and_estimate_of_the_moe_model():
         _check_model(pred, estimate_step_memory(MOE, par, seq_len=S, micro_batch_size=B, dtype=torch.bfloat16,
                                                 iters=1), name)
         _check_model(pred, max((r[name] for r in ranks), key=lambda rep: rep.peak_bytes), name)
+
+
+MOE_EP_MODES = {  # the experts over 2 and 4 of the DP (x CP) ranks, alone and beside TP, PP, CP
+    "ep2": (MOE, ParallelConfig(dp=2, ep=2), {}),
+    "ep4": (MOE, ParallelConfig(dp=4, ep=4), {}),
+    "tp_sp_ep2": (MOE, ParallelConfig(tp=T, dp=2, ep=2, sequence_parallel=True), {}),
+    "tp_sp_async_vp_ep2": (MOE, ParallelConfig(tp=T, dp=2, ep=2, sequence_parallel=True, async_communication=True,
+                                               vocab_parallel=True), {}),
+    "tp_sp_pp_ep2 stage 0": (MOE, ParallelConfig(tp=T, pp=2, dp=2, ep=2, sequence_parallel=True), dict(stage=0)),
+    "tp_sp_pp_ep2 stage 1": (MOE, ParallelConfig(tp=T, pp=2, dp=2, ep=2, sequence_parallel=True), dict(stage=1)),
+    # untied: the peak is the optimizer step, where the step's reported aux loss is alive
+    "cp_ring_dp_ep4": (replace(MOE, tie_word_embeddings=False),
+                       ParallelConfig(cp=2, dp=2, ep=4, cp_comm_type="ring"), {}),
+    # a larger vocabulary and batch: the head's backward, where the objective scaled by cp is alive
+    "cp_all_gather_ep2 head": (replace(MOE, tie_word_embeddings=False, vocab_size=8192),
+                               ParallelConfig(cp=2, ep=2), dict(seq_len=128, micro_batch_size=4)),
+}
+
+
+def test_analytic_model_matches_the_estimate_of_expert_parallel_layouts():
+    """Each EP rank's share of the experts and what its dispatch saves (the regroup's and the
+    combine's int64 indices), against --estimate, whose dispatch follows the balanced policy (every
+    rank sends N*k/P rows to every rank, so each receives N*k)."""
+    for name, (config, par, kw) in MOE_EP_MODES.items():
+        kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16), **kw}
+        pred = predict_memory(config, par, **kw)
+        assert pred.peak_at.startswith(("head_backward", "optimizer")), (name, pred.peak_at)
+        assert pred.activations_by_kind["block.moe"] > 0, name
+        _check_model(pred, estimate_step_memory(config, par, iters=1, **kw), name)

@@ -12,10 +12,15 @@ column-parallel inputs a block saves lose gate/up's share and gain the router's 
 
 Checked against `--estimate` to the byte (tests/test_memory.py) where the step's peak is the
 head's backward, on one rank and under TP, SP (basic, shared gather, async, VP), selective
-recompute, PP and DP; not under --recompute full (a late moment of its backward differs by one
-scalar) nor CP (not tried). The moments inside an MoE layer's own backward (its experts' grads, the
+recompute, PP and DP, and under CP at the head's backward (the objective scaled by cp in place of
+the objective) and at the optimizer step (`moe_report`: the step's reported aux loss); not under
+--recompute full nor CP with tied embeddings, whose last moment (the tied grads' sum) is predicted
+4 bytes high (one of the step's float32 scalars counted to the end of backward is gone by then). The moments inside an MoE layer's own backward (its experts' grads, the
 gather's and index_add's input grads) are not modelled yet: where one of them is the peak (a
 small vocabulary against N k I_e), the prediction is below the measurement.
+
+Under expert parallelism the dispatch adds its two saved indices (`ep_dispatch_saved`), for the
+balanced routing --estimate follows (checked at ep 2 and 4, alone and beside TP + SP, PP, CP).
 """
 from __future__ import annotations
 
@@ -28,7 +33,16 @@ def moe_saved(c: MiniMindConfig, par: ParallelConfig, *, b: int, f: int, tokens:
     router = b * tokens * e + 8 * tokens * k + ((b * tokens + b * tokens * k) if c.norm_topk_prob else 0)
     experts = 16 * rows + 3 * b * rows * c.hidden_size + 4 * b * rows * c.moe_intermediate_size + b * rows
     aux = f + f * e if c.router_aux_loss_coef > 0 else 0      # N, and the load [E]
-    return router + experts + aux
+    return router + experts + aux + ep_dispatch_saved(par, rows=rows)
+
+
+def ep_dispatch_saved(par: ParallelConfig, *, rows: int) -> int:
+    """What the EP dispatch of one MoE layer saves (moe/dispatch.py): the two index_selects' int64
+    indices [M], to_experts (dispatch's regroup) and to_sources (combine's); the all-to-alls save
+    nothing (their backward is the reverse all-to-all). M, the rows this rank's experts receive,
+    is N*k under the balanced policy (every source sends N*k/P rows to every rank), so the
+    experts' saved tensors keep their ep-1 shapes; with ep 1 the dispatcher is the identity."""
+    return 2 * 8 * rows if par.ep > 1 else 0
 
 
 def moe_column_input(par: ParallelConfig, column: int, *, b: int, n: int, nn_: int, hid: int) -> int:
@@ -41,9 +55,18 @@ def moe_column_input(par: ParallelConfig, column: int, *, b: int, n: int, nn_: i
     return column
 
 
-def moe_temporaries(c: MiniMindConfig, layers: int, *, f: int, loss_copy: int) -> tuple[int, int]:
+def moe_temporaries(c: MiniMindConfig, par: ParallelConfig, layers: int, *, f: int,
+                    loss_copy: int) -> tuple[int, int]:
     """(alive all step, alive until the step's backward ends) for `layers` MoE layers on a stage;
-    `loss_copy`: the LM loss's bytes when it is in the model dtype below float32, else 0."""
+    `loss_copy`: the LM loss's bytes when it is in the model dtype below float32, else 0. Under CP
+    the objective is replaced by its copy scaled by cp (the stage's `cp_scaled_loss`)."""
     if not c.use_moe:
         return 0, 0
-    return layers * (8 * c.num_experts + f), 3 * f + loss_copy
+    objective = 0 if par.cp > 1 else f
+    return layers * (8 * c.num_experts + f), 2 * f + objective + loss_copy
+
+
+def moe_report(c: MiniMindConfig, *, last: bool, f: int) -> int:
+    """The step's reported aux loss (StepResult.aux_loss, 0-dim, at least float32), made on the
+    last stage when its schedule finishes: alive through the optimizer step."""
+    return f if c.use_moe and last else 0

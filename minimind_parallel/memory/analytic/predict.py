@@ -10,7 +10,7 @@ from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...pipeline_parallel.order import Schedule, posted, schedule_order
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
-from .moe_sizes import moe_temporaries
+from .moe_sizes import moe_report, moe_temporaries
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import stage_sizes
@@ -85,7 +85,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         raise NotImplementedError(f"predict_memory: the {schedule} schedule's chunks and W steps are not modelled "
                                   f"(gpipe and 1f1b are)")
     moments, in_flight = replay_schedule(s, order)
-    state, step = moe_temporaries(c, s.layers, f=s.f, loss_copy=s.weight)
+    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if layout is None:
         states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
@@ -94,7 +94,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         states = optimizer_state_bytes(layout, s.b, device)
         moments = {k: (stored, a, t) for k, (_, a, t) in moments.items()}
         moments["optimizer"] = optimizer_step(s, slice_sizes(layout, s.b), grads=stored)
-    moments["optimizer"] = moments["optimizer"][:2] + (moments["optimizer"][2] + state,)
+    report = moe_report(c, last=s.last, f=s.f)
+    moments["optimizer"] = moments["optimizer"][:2] + (moments["optimizer"][2] + state + report,)
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]

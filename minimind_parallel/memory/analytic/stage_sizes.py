@@ -116,8 +116,10 @@ class StageSizes:
     @cached_property
     def cp_scaled_loss(self) -> int:
         """The last stage under CP: the loss scaled by cp for backward (the schedule's grad_scale),
-        held until its backward."""
-        return self.loss_scalar if self.last and self.par.cp > 1 else 0
+        held until its backward; with MoE layers the objective (LM loss + aux, at least float32)."""
+        if not (self.last and self.par.cp > 1):
+            return 0
+        return self.f if "block.moe" in self.kinds else self.loss_scalar
 
     @cached_property
     def held(self) -> int:
@@ -139,6 +141,17 @@ class StageSizes:
     def mlp_w_grad(self) -> int:
         """down_proj's weight grad [H, I/T]."""
         return self.b * self.hid * self.inter
+
+    @cached_property
+    def ffn_saved(self) -> int:
+        """What one block's feed-forward saves: the MLP's, or the MoE layer's ("block.moe")."""
+        return self.kinds["block.moe"] if "block.moe" in self.kinds else self.kinds["block.mlp"]
+
+    @cached_property
+    def ffn_w_grads(self) -> int:
+        """One block's feed-forward weight grads (the MLP's three, or the router's and this rank's
+        experts'): every block of the stage holds as many."""
+        return self.b * sum(numel(s) for k, s in self.shapes.items() if ".mlp." in k) // self.layers
 
     @cached_property
     def head_w_grad(self) -> int:
