@@ -136,14 +136,6 @@ def _expert_parallel_mode(w: Workload, c: dict) -> str | None:
             f"pp_size={c['pp']}, cp_size={c['cp']}")
 
 
-def _moe_context_parallel(w: Workload, c: dict) -> str | None:
-    """predict_memory has no moments of an MoE block's backward under context parallelism (it fails on
-    such layouts), so the planner cannot predict them."""
-    if not w.model.use_moe or c["cp"] == 1:
-        return None
-    return (f"the analytic memory model does not cover --use_moe with context parallelism yet; "
-            f"got use_moe=True, cp_size={c['cp']}")
-
 
 BOOLS = lambda w, c: [False, True]  # noqa: E731
 DIMENSIONS = (
@@ -189,7 +181,6 @@ RULES = (
          f"a pipeline needs at least one row per stage from each DP replica (global_batch_size / dp >= pp); "
          f"got global_batch_size={w.global_batch_size}, dp={c['dp']}, pp={c['pp']}"),
     Rule("an expert-parallel benchmark mode", _expert_parallel_mode),
-    Rule("MoE memory under CP", _moe_context_parallel),
 )
 # Values left out of the space because another value of the same dimension beats them in time and
 # memory (printed with the plan, so nothing is left out silently).

@@ -52,9 +52,6 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if par.zero > 1:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (--zero 2: the grads alive depend "
                                   f"on the buckets backward has finished; --zero 3: FSDP2's gathers)")
-    if c.use_moe and par.cp > 1:
-        raise NotImplementedError("predict_memory: an MoE layer's backward moments under context parallelism are not "
-                                  "modelled")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
