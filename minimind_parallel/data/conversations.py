@@ -15,13 +15,12 @@ is asked about as `os.path`. The file is the same on every run of the same Pytho
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import warnings
 from collections.abc import Iterator
 
-from ..files import atomic_path
 from .corpus import MIN_DOC_CHARS, module_documents, stdlib_modules
+from .jsonl import write_jsonl
 
 MAX_ANSWER_CHARS = 240
 FOLLOW_UP_EVERY = 5
@@ -86,14 +85,9 @@ def conversations(max_rows: int | None = None) -> Iterator[list[dict]]:
 
 def write_conversations(path: str, *, max_rows: int | None = None) -> int:
     """Write the corpus to `path` atomically as jsonl; returns the number of rows."""
-    count = 0
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reading deprecated attributes warns
-        for messages in conversations(max_rows):
-            f.write(json.dumps({"conversations": messages}, ensure_ascii=False) + "\n")
-            count += 1
-    return count
-
+        return write_jsonl(path, ({"conversations": messages} for messages in conversations(max_rows)))
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

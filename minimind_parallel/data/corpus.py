@@ -17,14 +17,13 @@ import contextlib
 import importlib
 import inspect
 import io
-import json
 import pkgutil
 import sys
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
 
-from ..files import atomic_path
+from .jsonl import write_jsonl
 
 # Modules never imported: side effects on import (open a browser, print, start IDLE, write grammar
 # caches into the install), slow test suites, or content that depends on what else is installed.
@@ -115,14 +114,9 @@ def stdlib_documents(*, max_docs: int | None = None, max_bytes: int | None = Non
 
 def write_corpus(path: str, *, max_docs: int | None = None, max_bytes: int | None = None) -> int:
     """Write the corpus to `path` atomically as jsonl; returns the number of documents."""
-    count = 0
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reading deprecated attributes (typing.io) warns
-        for text in stdlib_documents(max_docs=max_docs, max_bytes=max_bytes):
-            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-            count += 1
-    return count
-
+        return write_jsonl(path, ({"text": text} for text in stdlib_documents(max_docs=max_docs, max_bytes=max_bytes)))
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

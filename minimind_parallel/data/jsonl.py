@@ -1,4 +1,5 @@
-"""Reading MiniMind-style jsonl (one `{"text": ...}` object per line), refusing bad input with one line.
+"""Reading MiniMind-style jsonl (one `{"text": ...}` object per line), refusing bad input with one line,
+and writing a corpus of such objects atomically.
 
 Blank lines are skipped; anything else that is not a JSON object with a string "text" names its
 1-based line number.
@@ -6,9 +7,10 @@ Blank lines are skipped; anything else that is not a JSON object with a string "
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from ..config import ConfigError
+from ..files import atomic_path
 
 
 def open_data_file(path: str):
@@ -43,3 +45,14 @@ def iter_texts(path: str) -> Iterator[str]:
                 yield _text_of(raw, path, lineno)
     if count == 0:
         raise ConfigError(f"empty dataset: {path} has no documents")
+
+
+def write_jsonl(path: str, records: Iterable[dict]) -> int:
+    """Write one JSON object per line to `path` atomically (unique temporary, then rename); returns
+    how many were written."""
+    count = 0
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count
