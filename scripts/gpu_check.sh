@@ -2,7 +2,8 @@
 # The GPU path on one CUDA device: NCCL init, validate against the dense model on the GPU, and
 # the CUDA memory meter (torch.cuda.max_memory_allocated) beside the analytic model, the
 # fake-tensor estimate and the allocator's prediction from a CPU, at the book's section 4.1 model
-# size; MiniMind's MoE (validate, and step time with the grouped expert GEMMs); then step time, and a short train run (stopped half-way, resumed), export and generate.
+# size; MiniMind's MoE (validate, and step time with the grouped expert GEMMs); then step time,
+# and a short train run (stopped half-way, resumed), export and generate.
 # One GPU means world size 1 (NCCL refuses two ranks on one device), so TP/SP/PP on NCCL need a
 # multi-GPU machine. Written for a few minutes of GPU time (about 5 on an H200, most of it starting jobs).
 #   bash scripts/gpu_check.sh [OUT_DIR]
