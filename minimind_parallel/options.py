@@ -332,14 +332,6 @@ def check_common(job, runs: list, *, steps: str | None, kernels: bool = True,
     check_world(job.launch, job.parallel.world_size, args.dtype, kernels=kernels)
 
 
-def check_fully_sharded(task: str, par: ParallelConfig) -> None:
-    """--zero 3 (FSDP2's DTensor parameters) runs in validate only: checkpoints, the memory meter and
-    --estimate read plain tensors."""
-    if par.zero == 3:
-        raise ConfigError(f"{task} does not take --zero 3 (FSDP2's sharded parameters are checked by validate only: "
-                          f"checkpoints, the memory meter and --estimate read plain tensors); use --zero 1 or 2")
-
-
 def check_launcher(launch) -> None:
     """The launcher's own arguments."""
     if launch.nnodes < 1:

@@ -3,7 +3,11 @@ not a hand-written ZeRO-3 (torchtitan does the same): every block, then the whol
 device mesh of the DP x CP group (`reduction_group`'s). FSDP2 all-gathers a block's parameters
 before its forward and its backward and frees them after, and reduce-scatters (averages) its grads
 in backward: each rank keeps 1/W of the parameters, grads and AdamW states, as DTensors
-`Shard(0)` of the mesh.
+`Shard(0)` of the mesh (dim 0 padded to a multiple of W in FSDP2's own storage).
+
+The rest of the library reads them through `local` (this rank's rows: the grad norm, the memory
+tracker) and DCP checkpoints them as they are (a DTensor is a shard of the dense tensor to DCP,
+which reshards on load: checkpoint/state.py).
 
 What it does not compose with here (refused before launch, `config.check_zero`): tensor
 parallelism (the project's TP layers mark TP-partial grads on their Parameters, which FSDP2

@@ -1,0 +1,56 @@
+"""--zero 3 (FSDP2's fully_shard over the DP x CP mesh) in the train task and the benchmark: a
+zero3 run trains, checkpoints FSDP2's Shard(0) DTensors with DCP and resumes at zero 0 at
+round-off; a benchmark cell runs it, its meter counting this rank's shards (the padded dim-0
+shards FSDP2 keeps), not the DTensors' global sizes. (Resuming a zero1 dp4 checkpoint at zero 3
+is a row of tests/test_zero.py's checkpoint test.)"""
+import json
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from minimind_parallel import cli, tasks
+from minimind_parallel.job import read_job, write_job
+from minimind_parallel.tasks.benchmark.cells import cell_job
+from minimind_parallel.tasks.benchmark.checks import check_benchmark
+from minimind_parallel.tasks.benchmark.rank import run_cell
+from minimind_parallel.model import MiniMindForCausalLM
+from test_train import corpus, data_args, halted_run, losses, train_in_ranks  # noqa: F401  (the fixture)
+
+
+def test_a_zero3_run_trains_checkpoints_and_resumes_at_zero0(corpus, tmp_path):  # noqa: F811
+    flags = dict(dtype="float32", batch_size=2)
+    train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", zero=3, **flags))
+    halted_run(corpus, tmp_path / "ckpt", ["--dp_size", "2"], zero=3, **flags)
+    train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
+                                                 resume=True, **flags))   # --zero 0
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "ckpt")
+    assert sorted(resumed) == list(range(1, 9))
+    assert whole[8] < whole[1]
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step
+
+
+BENCH = ["--num_hidden_layers", "2", "--seq_len", "32", "--hidden_size", "64", "--num_attention_heads", "8",
+         "--num_key_value_heads", "4", "--vocab_size", "250", "--micro_batch_size", "2", "--dtype", "float32",
+         "--warmup_iters", "1", "--benchmark_iters", "1"]
+
+
+def _bench_rank(job_path):
+    run_cell(read_job(job_path, lambda name: tasks.get(name).parser()), torch.device("cpu"))
+
+
+def test_a_zero3_benchmark_cell_meters_this_ranks_shards(tmp_path):
+    job = cli.resolve(["benchmark", "--kind", "memory", "--dp_size", "2", "--", "--modes", "zero3", *BENCH])
+    (run,) = check_benchmark(job)
+    report = tmp_path / "cell.json"
+    cell = cell_job(job, run, report=str(report), profile_dir=None)
+    run_ranks(_bench_rank, 2, write_job(cell, str(tmp_path / "job.json")))   # what the launcher hands torchrun
+    result = json.loads(report.read_text())
+    dense = MiniMindForCausalLM(cell.model)
+    # rank 0's Shard(0) rows of every parameter: ceil(dim 0 / 2) rows (FSDP2 pads dim 0 to the mesh)
+    shards = sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) * 4 for p in dense.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in dense.buffers())
+    assert result["breakdown"]["params"] == shards + buffers
+    # AdamW's exp_avg and exp_avg_sq of those rows (rank 0's are never padding), a float32 step per parameter
+    assert result["breakdown"]["optimizer"] == 2 * shards + 4 * len(list(dense.parameters()))
