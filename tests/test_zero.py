@@ -1,7 +1,7 @@
 """Sharded data parallelism (--zero 1 and 2, the distributed optimizer) gives the dense model's
 numbers: logits, loss, the grad of every slice a rank owns, several AdamW steps (parameters
 all-gathered), at dp2 and dp4, with TP (SP, async, VP), PP, CP, tied embeddings and gradient
-accumulation; the global grad norm over the slices counts every parameter once (float64, a
+accumulation, and so does --zero 3 (FSDP2) over DP, CP and TP (SP, async, VP); the global grad norm over the slices counts every parameter once (float64, a
 clipped step); each rank's AdamW states are its slices only; the bucket layout covers every
 parameter once. The layouts of one world size run in one `run_ranks` launch."""
 import pytest
@@ -40,6 +40,8 @@ VALIDATE = {
     "dp2 zero3 tied": (dict(dp=2, zero=3), dict(tied=True)),
     "dp4 zero3": (dict(dp=4, zero=3), dict()),
     "dp2 cp2 zero3": (dict(dp=2, cp=2, zero=3), dict()),
+    "dp2 tp2 sp zero3 tied": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), dict(tied=True)),
+    "dp2 tp2 sp async vp zero3": (dict(dp=2, tp=2, zero=3, **SP_ASYNC_VP), dict()),
 }
 # name -> (layout, tied, microbatches): a clipped float64 step against the dense one
 CLIP = {
@@ -47,6 +49,7 @@ CLIP = {
     "dp2 tp2 zero1 tied clip": (dict(dp=2, tp=2, zero=1), True, 1),     # replicated embedding: TP rank 0 only
     "dp2 pp2 zero2 tied clip": (dict(dp=2, pp=2, zero=2), True, 2),     # tied copies on two stages: once
     "dp2 zero3 tied clip": (dict(dp=2, zero=3), True, 2),               # FSDP2's shards
+    "dp2 tp2 sp zero3 tied clip": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), True, 1),   # of TP shards
 }
 
 
@@ -91,6 +94,8 @@ MEMORY = {
     "dp2 zero1 buckets": (dict(dp=2, zero=1), 1, SMALL_BUCKETS),
     "dp2 zero1 one bucket accumulation": (dict(dp=2, zero=1), 2, 25.0),
     "dp2 zero2 buckets": (dict(dp=2, zero=2), 1, SMALL_BUCKETS),
+    "dp2 zero3 accumulation": (dict(dp=2, zero=3), 2, 25.0),    # FSDP2 under the tracker and on fake tensors
+    "dp2 tp2 sp zero3": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 1, 25.0),
 }
 
 
@@ -229,15 +234,14 @@ def test_the_buckets_cover_every_parameter_once_and_pad_to_the_group():
     (["validate", "--tp_size", "2", "--", "--zero", "2"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
     (["validate", "--", "--mode", "zero1"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
     (["validate", "--dp_size", "2", "--", "--zero", "4"], "argument --zero: invalid choice: 4"),
-    (["validate", "--tp_size", "2", "--dp_size", "2", "--", "--zero", "3"],
-     "--zero 3 (FSDP2's fully_shard) is composed with data and context parallelism only, not with the project's "
-     "tensor or pipeline parallelism; got tp_size=2, pp_size=1"),
-    (["validate", "--pp_size", "2", "--dp_size", "2", "--", "--zero", "3"], "got tp_size=1, pp_size=2"),
+    (["validate", "--pp_size", "2", "--dp_size", "2", "--", "--zero", "3"],
+     "--zero 3 (FSDP2's fully_shard) is composed with data, context and tensor parallelism, not with the project's "
+     "pipeline parallelism; got pp_size=2"),
     (["validate", "--dp_size", "2", "--", "--zero", "1", "--bucket_size_mb", "0"],
      "bucket_size_mb must be > 0 MiB; got bucket_size_mb=0"),
     (["benchmark", "--dp_size", "2", "--", "--modes", "zero2", "--bucket_size_mb", "-1", "--num_hidden_layers", "1"],
      "bucket_size_mb must be > 0 MiB; got bucket_size_mb=-1"),
-], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "zero3_tp", "zero3_pp",
+], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "zero3_pp",
                                  "bucket_zero", "benchmark_bucket"])
 def test_bad_zero_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
     assert_refused_before_launch(argv, message, monkeypatch, capsys)
@@ -292,10 +296,11 @@ def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_and_zero2_tp2_dp2(tmp_path)
     round-off (float32, 2 AdamW steps)."""
     uninterrupted = run_ranks(_ckpt_save, 4, str(tmp_path))[0]
     four = run_ranks(_ckpt_resume, 4, str(tmp_path), [dict(dp=2, tp=2, zero=2, sequence_parallel=True),
-                                                      dict(dp=4, zero=1)])[0]
+                                                      dict(dp=4, zero=1),
+                                                      dict(dp=2, tp=2, zero=3, sequence_parallel=True)])[0]
     two = run_ranks(_ckpt_resume, 2, str(tmp_path), [dict(dp=2), dict(dp=2, zero=2), dict(dp=2, zero=3)])[0]
     assert four[1] == uninterrupted            # the same layout: bit for bit
-    for resumed in (four[0], *two):
+    for resumed in (four[0], four[2], *two):
         assert resumed == pytest.approx(uninterrupted, rel=1e-5, abs=0), (resumed, uninterrupted)
     other_init = run_ranks(_ckpt_resume_nothing, 2)[0]
     assert other_init != pytest.approx(uninterrupted, rel=1e-3, abs=0)   # the check can fail

@@ -1,8 +1,8 @@
 """--zero 3 (FSDP2's fully_shard over the DP x CP mesh) in the train task and the benchmark: a
-zero3 run trains, checkpoints FSDP2's Shard(0) DTensors with DCP and resumes at zero 0 at
-round-off; a benchmark cell runs it, its meter counting this rank's shards (the padded dim-0
-shards FSDP2 keeps), not the DTensors' global sizes. (Resuming a zero1 dp4 checkpoint at zero 3
-is a row of tests/test_zero.py's checkpoint test.)"""
+zero3 run (dp2, and tp2 x dp2 with SP) trains, checkpoints FSDP2's Shard(0) DTensors with DCP and
+resumes at zero 0 at round-off; a benchmark cell runs it, its meter counting this rank's shards (the padded dim-0
+shards FSDP2 keeps), not the DTensors' global sizes. (Resuming a zero1 dp4 checkpoint at zero 3,
+dp2 and tp2 x dp2, are rows of tests/test_zero.py's checkpoint test.)"""
 import json
 
 import pytest
@@ -15,13 +15,16 @@ from minimind_parallel.tasks.benchmark.cells import cell_job
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
 from minimind_parallel.tasks.benchmark.rank import run_cell
 from minimind_parallel.model import MiniMindForCausalLM
+from test_cli import assert_refused_before_launch
 from test_train import corpus, data_args, halted_run, losses, train_in_ranks  # noqa: F401  (the fixture)
 
 
-def test_a_zero3_run_trains_checkpoints_and_resumes_at_zero0(corpus, tmp_path):  # noqa: F811
+def test_a_zero3_run_trains_checkpoints_under_tp_and_resumes_at_zero0(corpus, tmp_path):  # noqa: F811
     flags = dict(dtype="float32", batch_size=2)
     train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", zero=3, **flags))
-    halted_run(corpus, tmp_path / "ckpt", ["--dp_size", "2"], zero=3, **flags)
+    # saved under TP: FSDP2's rows of the TP shards, gathered into the TP shards DCP writes
+    halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2", "--dp_size", "2"], zero=3, sequence_parallel=True,
+               **flags)
     train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
                                                  resume=True, **flags))   # --zero 0
     whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "ckpt")
@@ -54,3 +57,4 @@ def test_a_zero3_benchmark_cell_meters_this_ranks_shards(tmp_path):
     assert result["breakdown"]["params"] == shards + buffers
     # AdamW's exp_avg and exp_avg_sq of those rows (rank 0's are never padding), a float32 step per parameter
     assert result["breakdown"]["optimizer"] == 2 * shards + 4 * len(list(dense.parameters()))
+

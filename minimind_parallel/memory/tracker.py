@@ -212,10 +212,14 @@ class StorageTracker(TorchDispatchMode):
 
     def _resized(self, st: torch.UntypedStorage) -> None:
         """A storage resized outside any op: FSDP2 (--zero 3) frees a block's all-gathered
-        parameters by resizing their storage to 0 bytes and allocates them again the same way."""
+        parameters by resizing their storage to 0 bytes and allocates them again the same way (a
+        storage of the warm-up step, first seen so, starts to count now, not before the window)."""
         with self._lock:
             entry = self._entries.get(id(st))
-            if entry is not None and entry[0] != st.nbytes():
+            if entry is None:   # made before the window, empty until now (not alive all along)
+                self._add(st, "temporaries")
+                self._update_peak()
+            elif entry[0] != st.nbytes():
                 self.live[entry[1]] += st.nbytes() - entry[0]
                 entry[0] = st.nbytes()
                 self._update_peak()
