@@ -43,13 +43,15 @@ VALIDATE = {
     "dp2 tp2 sp zero3 tied": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), dict(tied=True)),
     "dp2 tp2 sp async vp zero3": (dict(dp=2, tp=2, zero=3, **SP_ASYNC_VP), dict()),
 }
-# name -> (layout, tied, microbatches): a clipped float64 step against the dense one
+MOE = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+# name -> (layout, tied, microbatches[, MoE fields]): a clipped float64 step against the dense one
 CLIP = {
     "dp2 zero2 clip": (dict(dp=2, zero=2), False, 2),
     "dp2 tp2 zero1 tied clip": (dict(dp=2, tp=2, zero=1), True, 1),     # replicated embedding: TP rank 0 only
     "dp2 pp2 zero2 tied clip": (dict(dp=2, pp=2, zero=2), True, 2),     # tied copies on two stages: once
     "dp2 zero3 tied clip": (dict(dp=2, zero=3), True, 2),               # FSDP2's shards
     "dp2 tp2 sp zero3 tied clip": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), True, 1),   # of TP shards
+    "dp2 zero3 moe clip": (dict(dp=2, zero=3), False, 1, MOE),          # the experts' shards
 }
 
 
@@ -61,19 +63,20 @@ def _validate(par: ParallelConfig, opts: dict):
                               bucket_size_mb=SMALL_BUCKETS, **opts)
 
 
-def _clip(par: ParallelConfig, tied: bool, microbatches: int):
+def _clip(par: ParallelConfig, tied: bool, microbatches: int, moe: dict | None = None):
     """A float64 step clipped at a tenth of the norm: (norm, dense norm, worst param error, AdamW
-    state elements on this rank, elements of the rank's slices, elements of its parameters)."""
+    state elements on this rank, elements of the rank's slices, elements of its parameters).
+    moe: the MoE model's fields (its experts sharded like every other parameter at ep 1)."""
     groups = ProcessGroups.build(par)
     torch.manual_seed(0)
-    config = MiniMindConfig(**TINY, tie_word_embeddings=tied)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=tied, **(moe or {}))
     dense = MiniMindForCausalLM(config).double()
     model = wrap_data_parallel(build_parallel_model(config, par, groups, dense.state_dict(), dtype=torch.float64),
                                groups)
     optimizer = make_optimizer(model, 1e-2, groups, SMALL_BUCKETS)
     assert isinstance(optimizer, DistributedOptimizer) == (par.zero < 3)
     batch = random_batch(1, 4 * par.dp, 16, config.vocab_size)
-    dense(batch.input_ids, targets=batch.targets).loss.backward()
+    dense(batch.input_ids, targets=batch.targets).objective.backward()   # the LM loss (+ the MoE aux loss)
     full = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")).item()
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1 * full).item()
     make_optimizer(dense, 1e-2).step()

@@ -7,7 +7,8 @@ in backward: each rank keeps 1/W of the parameters, grads and AdamW states, as D
 
 The rest of the library reads them through `local` (this rank's rows: the grad norm, the memory
 tracker) and DCP checkpoints them as they are (a DTensor is a shard of the dense tensor to DCP,
-which reshards on load: checkpoint/state.py).
+which reshards on load; under TP their rows are gathered into the TP shards the plan places:
+checkpoint/placement.py).
 
 Under TP (SP, the async linear, the vocab-parallel head) the mesh is the same DP x CP group, so
 FSDP2 shards each rank's TP shard further: the TP layers see whole (TP-local) weights between
@@ -21,11 +22,14 @@ FSDP2's all-gathers and reduce-scatters run through `distributed.comm` (`Library
 `LibraryReduceScatter`: FSDP2's custom-comm hooks), so a memory meter sees them as it sees the
 library's own collectives.
 
-What it does not compose with here (refused before launch): pipeline parallelism
-(`config.check_zero`: the schedule interleaves microbatches' forwards and backwards across
-stages, which FSDP2's per-block gathers and resharding are not wired for here), and train's
-checkpoints under TP (`tasks/train.py`: checkpoint/placement.py places TP shards on a TP mesh,
-not FSDP2's rows of them on a 2-D one).
+A MoE model at ep_size 1 shards its experts as any parameter: every expert runs on every rank
+(on no rows when no token reached it: moe/experts.py), so its grad exists on every rank and
+FSDP2's reduce-scatters match; the grad norm sums the experts' shards over their EDP group.
+
+What it does not compose with here (refused before launch, `config.check_zero`): pipeline
+parallelism (the schedule interleaves microbatches' forwards and backwards across stages, which
+FSDP2's per-block gathers and resharding are not wired for here), and expert parallelism
+(ep_size > 1, as every zero level).
 """
 from __future__ import annotations
 
