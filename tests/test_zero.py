@@ -1,9 +1,12 @@
 """Sharded data parallelism (--zero 1 and 2, the distributed optimizer) gives the dense model's
 numbers: logits, loss, the grad of every slice a rank owns, several AdamW steps (parameters
 all-gathered), at dp2 and dp4, with TP (SP, async, VP), PP, CP, tied embeddings and gradient
-accumulation, and so does --zero 3 (FSDP2) over DP, CP and TP (SP, async, VP); the global grad norm over the slices counts every parameter once (float64, a
-clipped step); each rank's AdamW states are its slices only; the bucket layout covers every
-parameter once. The layouts of one world size run in one `run_ranks` launch."""
+accumulation, and so does --zero 3 (FSDP2) over DP, CP and TP (SP, async, VP); the global grad
+norm over the slices counts every parameter once (float64, a clipped step; at --zero 3 with TP
+and with MoE experts too); the tracker and --estimate agree to the byte; each rank's AdamW states are its slices only; the bucket layout covers every
+parameter once. The layouts of one world size run in one `run_ranks` launch. Checkpoints resume
+across zero levels, DP sizes and TP (FSDP2's DTensors at --zero 3), and a --zero 3 train run
+saved under TP continues at zero 0."""
 import pytest
 import torch
 
@@ -19,7 +22,7 @@ from minimind_parallel.validation import compare_with_dense, dense_slice, failur
 from minimind_parallel.zero import DistributedOptimizer, plan_buffer
 from minimind_parallel.zero.fully_shard import local, whole
 from test_cli import assert_refused_before_launch
-from test_train import corpus, data_args  # noqa: F401  (the fixture)
+from test_train import corpus, data_args, halted_run, losses, train_in_ranks  # noqa: F401  (the fixture)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
 SMALL_BUCKETS = 0.01   # MiB: about 2600 float32 elements, so every layout has several buckets
@@ -322,3 +325,18 @@ def _ckpt_resume_nothing():
 def test_bad_zero_input_to_train_is_one_line(corpus, launcher_args, zero, message, monkeypatch, capsys):  # noqa: F811
     assert_refused_before_launch(["train", *launcher_args, "--", *data_args(corpus), "--zero", zero], message,
                                  monkeypatch, capsys)
+
+
+def test_a_zero3_run_trains_checkpoints_under_tp_and_resumes_at_zero0(corpus, tmp_path):  # noqa: F811
+    flags = dict(dtype="float32", batch_size=2)
+    train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", zero=3, **flags))
+    # saved under TP: FSDP2's rows of the TP shards, gathered into the TP shards DCP writes
+    halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2", "--dp_size", "2"], zero=3, sequence_parallel=True,
+               **flags)
+    train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
+                                                 resume=True, **flags))   # --zero 0
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "ckpt")
+    assert sorted(resumed) == list(range(1, 9))
+    assert whole[8] < whole[1]
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step

@@ -1,11 +1,8 @@
-"""--zero 3 (FSDP2's fully_shard over the DP x CP mesh) in the train task and the benchmark: a
-zero3 run (dp2, and tp2 x dp2 with SP) trains, checkpoints FSDP2's Shard(0) DTensors with DCP and
-resumes at zero 0 at round-off; a benchmark cell runs it, its meter counting this rank's shards (the padded dim-0
-shards FSDP2 keeps), not the DTensors' global sizes. (Resuming a zero1 dp4 checkpoint at zero 3,
-dp2 and tp2 x dp2, are rows of tests/test_zero.py's checkpoint test.)"""
+"""--zero 3 (FSDP2's fully_shard over the DP x CP mesh) in the benchmark: a cell runs it, its meter
+counting this rank's shards (the padded dim-0 rows FSDP2 keeps), not the DTensors' global sizes.
+(Its numbers, checkpoints and train runs are tests/test_zero.py's.)"""
 import json
 
-import pytest
 import torch
 
 from distributed import run_ranks
@@ -15,23 +12,6 @@ from minimind_parallel.tasks.benchmark.cells import cell_job
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
 from minimind_parallel.tasks.benchmark.rank import run_cell
 from minimind_parallel.model import MiniMindForCausalLM
-from test_cli import assert_refused_before_launch
-from test_train import corpus, data_args, halted_run, losses, train_in_ranks  # noqa: F401  (the fixture)
-
-
-def test_a_zero3_run_trains_checkpoints_under_tp_and_resumes_at_zero0(corpus, tmp_path):  # noqa: F811
-    flags = dict(dtype="float32", batch_size=2)
-    train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", zero=3, **flags))
-    # saved under TP: FSDP2's rows of the TP shards, gathered into the TP shards DCP writes
-    halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2", "--dp_size", "2"], zero=3, sequence_parallel=True,
-               **flags)
-    train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
-                                                 resume=True, **flags))   # --zero 0
-    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "ckpt")
-    assert sorted(resumed) == list(range(1, 9))
-    assert whole[8] < whole[1]
-    for step in range(5, 9):
-        assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step
 
 
 BENCH = ["--num_hidden_layers", "2", "--seq_len", "32", "--hidden_size", "64", "--num_attention_heads", "8",
