@@ -128,6 +128,7 @@ PRESETS = (
     Preset("tp_zero1", tp=True, flags=dict(zero=1)),
     Preset("tp_sp_async_zero1", tp=True, flags={**SP_ASYNC, "zero": 1}),
     Preset("tp_zero2", tp=True, flags=dict(zero=2)),
+    Preset("tp_sp_async_zero3", tp=True, flags={**SP_ASYNC, "zero": 3}),
     # MiniMind's mixture-of-experts model (--use_moe): router and experts whole on every TP rank
     Preset("moe", flags=dict(use_moe=True)),
     Preset("tp_moe", tp=True, flags=dict(use_moe=True)),

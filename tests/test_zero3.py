@@ -38,3 +38,11 @@ def test_a_zero3_benchmark_cell_meters_this_ranks_shards(tmp_path):
     # AdamW's exp_avg and exp_avg_sq of those rows (rank 0's are never padding), a float32 step per parameter
     assert result["breakdown"]["optimizer"] == 2 * shards + 4 * len(list(dense.parameters()))
 
+
+
+def test_the_tp_sp_async_zero3_mode_is_fsdp2_over_the_tp_shards():
+    job = cli.resolve(["benchmark", "--kind", "memory", "--tp_size", "2", "--dp_size", "2", "--", "--modes",
+                       "tp_sp_async_zero3", *BENCH])
+    (run,) = check_benchmark(job)
+    par = run.par
+    assert (par.tp, par.dp, par.zero, par.sequence_parallel, par.async_communication) == (2, 2, 3, True, True)
