@@ -105,6 +105,56 @@ def test_the_predicted_peak_is_predict_memory_and_on_cuda_the_workspaces(device)
     assert [e.tokens_per_s for e in entries] == sorted((e.tokens_per_s for e in entries), reverse=True)
 
 
+def _uncached(monkeypatch):
+    """The memory model with nothing remembered: each stage's parameters, counts, ZeRO buffer and
+    schedule order computed from the full layout every time."""
+    from minimind_parallel.memory.analytic import predict, stage_sizes, zero_sizes
+    from minimind_parallel.pipeline_parallel.order import schedule_order
+    from minimind_parallel.zero.buckets import bucket_numel
+    monkeypatch.setattr(stage_sizes, "stage_parameter_counts", stage_sizes.build_stage_parameter_counts)
+    monkeypatch.setattr(predict, "zero_layout", lambda c, par, stage, dtype, mb: zero_sizes.build_zero_layout(
+        c, par, stage, bucket_numel(mb, dtype)) if par.zero else None)
+    monkeypatch.setattr(predict, "stage_order", lambda *a: tuple(schedule_order(*a)))
+
+
+def _sample(work, every=7):
+    """Every `every`-th layout of the space, and a pipeline of model chunks (virtual stages) per zero level."""
+    valid = enumerate_layouts(work)[0][::every]
+    chunks = [replace(k, pp=2, dp=2, tp=1, sequence_parallel=False, async_communication=False, shared_sp_gather=False)
+              for k in valid[:2]]
+    return [k.parallel for k in valid], [replace(k.parallel, virtual_stages=2) for k in chunks]
+
+
+def test_the_remembered_stage_sizes_and_predictions_equal_the_uncached_ones(monkeypatch):
+    from minimind_parallel.memory.analytic.stage_sizes import build_stage_parameter_counts, stage_parameter_counts
+    from minimind_parallel.memory.analytic.zero_sizes import build_zero_layout, zero_layout
+    from minimind_parallel.plan import build_stage_parameters, stage_parameters
+    from minimind_parallel.zero.buckets import bucket_numel
+    for work in (WORK, MOE_WORK):
+        c = work.model
+        layouts, chunked = _sample(work)
+        # each remembered size against the same computed from the whole layout (every field set)
+        for par in layouts + chunked:
+            for stage in range(par.pp):
+                experts = range(par.ep)   # a subset of the experts, as an EP rank holds
+                assert stage_parameters(c, par, stage) == build_stage_parameters(c, par, stage)
+                assert stage_parameters(c, par, stage, experts) == build_stage_parameters(c, par, stage, experts)
+                assert stage_parameter_counts(c, par, stage, experts) == build_stage_parameter_counts(c, par, stage, experts)
+                zeroed = replace(par, zero=1)
+                assert zero_layout(c, zeroed, stage, torch.bfloat16, 1.0) == build_zero_layout(
+                    c, zeroed, stage, bucket_numel(1.0, torch.bfloat16))
+        # a model that differs in one field is another key
+        assert stage_parameters(replace(c, num_hidden_layers=8), layouts[0]) != stage_parameters(c, layouts[0])
+        # and the predictions, to the byte, with every breakdown and moment
+        def predictions():
+            return [predict_memory(c, par, seq_len=work.seq_len, micro_batch_size=2, num_microbatches=2,
+                                   device=device) for par in layouts for device in ("cpu", "cuda")]
+        remembered = predictions()
+        with monkeypatch.context() as m:
+            _uncached(m)
+            assert predictions() == remembered
+
+
 def test_a_budget_cuts_the_layouts_over_it_by_their_peak():
     everything = plan(WORK, GPU_PROFILES["H100"], device="cuda", budget_bytes=2**40).fitting
     peaks = sorted(e.peak_bytes for e in everything)

@@ -269,7 +269,7 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
     if validation is not None:
         out["validation"] = validation
     with atomic_path(path) as tmp, open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
+        f.write(json.dumps(out))   # dumps without indent: the C encoder (thousands of layouts)
 
 
 def write_plot(path: str, result) -> None:

@@ -2,6 +2,7 @@
 breakdown by category: the largest of the moments of the stage's replayed schedule."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,13 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     return pick
 
 
+@functools.lru_cache(maxsize=1024)
+def stage_order(pp: int, stage: int, num_microbatches: int, schedule: Schedule, virtual_stages: int) -> tuple:
+    """The stage's schedule order (order.schedule_order), remembered: the planner replays the same few
+    orders for thousands of layouts."""
+    return tuple(schedule_order(pp, stage, num_microbatches, schedule, virtual_stages))
+
+
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                    num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0,
                    bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryPrediction:
@@ -77,7 +85,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     layout = zero_layout(c, par, stage, as_dtype(dtype), bucket_size_mb)
     stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
-    order = schedule_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
     if posted(order):
         raise NotImplementedError(f"predict_memory: the {schedule} schedule's chunks and W steps are not modelled "
                                   f"(gpipe and 1f1b are)")
