@@ -155,6 +155,41 @@ def test_the_remembered_stage_sizes_and_predictions_equal_the_uncached_ones(monk
             assert predictions() == remembered
 
 
+def test_the_space_plans_every_schedule_and_zero_level_the_memory_model_declares(monkeypatch):
+    """Today's space has the modelled schedules and levels only; once predict.py declares interleaved,
+    zb and --zero 2 modelled, they are enumerated, interleaved with its virtual_stages dimension, under
+    check_layout's and check_schedule's constraints."""
+    from minimind_parallel.memory.analytic.predict import MODELLED_SCHEDULES, MODELLED_ZERO_LEVELS
+    from minimind_parallel.pipeline_parallel.order import Schedule, check_schedule
+    from minimind_parallel.planning import space
+    valid = enumerate_layouts(WORK)[0]
+    assert {k.pp_schedule for k in valid if k.pp > 1} == set(MODELLED_SCHEDULES)
+    assert {k.zero for k in valid} == set(MODELLED_ZERO_LEVELS) and {k.virtual_stages for k in valid} == {1}
+    monkeypatch.setattr(space, "MODELLED_SCHEDULES", tuple(Schedule))
+    monkeypatch.setattr(space, "MODELLED_ZERO_LEVELS", (0, 1, 2))
+    work = replace(WORK, model=replace(TINY, num_hidden_layers=8), global_batch_size=12)
+    valid, cuts = enumerate_layouts(work)
+    piped = [k for k in valid if k.pp > 1]
+    assert {k.pp_schedule for k in piped} == set(Schedule) and {k.zero for k in valid} == {0, 1, 2}
+    chunked = [k for k in piped if k.pp_schedule == Schedule.INTERLEAVED]
+    # every V >= 2 dividing each stage's layers (8 / pp), and M a multiple of pp (Megatron-LM's groups)
+    assert {(k.pp, k.virtual_stages) for k in chunked} == {(2, 2), (2, 4), (4, 2)}
+    assert all(k.num_microbatches % k.pp == 0 for k in chunked)
+    assert all(k.virtual_stages == 1 for k in valid if k.pp_schedule != Schedule.INTERLEAVED or k.pp == 1)
+    for k in valid:
+        check_layout(work.model, k.parallel, seq_len=work.seq_len)
+        if k.pp > 1:
+            check_schedule(k.pp_schedule, k.parallel, k.num_microbatches)
+    reasons = {c.constraint for c in cuts}
+    assert "--zero 2 runs with the gpipe and 1f1b schedules" in reasons
+    assert "--pp_schedule interleaved needs num_microbatches a multiple of pp_size (Megatron-LM's groups of P " \
+           "microbatches per chunk)" in reasons
+    # each chunked layout's commands carry its chunks
+    from minimind_parallel.tasks.plan import flag_argv
+    argv = flag_argv(chunked[0])
+    assert argv[argv.index("--virtual_stages") + 1] == str(chunked[0].virtual_stages)
+
+
 def test_a_budget_cuts_the_layouts_over_it_by_their_peak():
     everything = plan(WORK, GPU_PROFILES["H100"], device="cuda", budget_bytes=2**40).fitting
     peaks = sorted(e.peak_bytes for e in everything)
@@ -211,6 +246,23 @@ def test_the_bubble_is_p_minus_1_microbatch_times_and_overlaps_hide_communicatio
     free = replace(SLOW, attention_flops=1e20, gemm_flops=1e20, memory_bandwidth=1e20)
     r, r_free = (step_time(ring, WORK, hw, stage_params=1000) for hw in (SLOW, free))
     assert r_free.cp_exposed > r.cp_exposed
+
+
+def test_interleaved_divides_the_bubble_by_its_chunks_and_zb_fills_it_with_weight_grads():
+    """1F1B idles (P - 1) microbatches; interleaved over V chunks (P - 1) / V of them (Narayanan et
+    al. 2021); ZB-H1 (P - 1) forwards, the weight-grad half of each backward filling the rest (Qi et al.
+    2023)."""
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    hw = replace(SLOW, intra=Link(latency_s=0.0, bandwidth=math.inf))
+    k = Candidate(pp=4, dp=1, num_microbatches=4, micro_batch_size=2)
+    work = replace(WORK, model=replace(TINY, num_hidden_layers=8))
+    plain, chunked, zb = (step_time(x, work, hw, stage_params=1000) for x in
+                          (k, replace(k, pp_schedule=Schedule.INTERLEAVED, virtual_stages=2),
+                           replace(k, pp_schedule=Schedule.ZERO_BUBBLE)))
+    per_mb, bwd = plain.parts["per_microbatch_ms"] / 1e3, plain.parts["backward_ms"] / 1e3
+    assert plain.bubble == pytest.approx(3 * per_mb) and chunked.bubble == pytest.approx(3 * per_mb / 2)
+    assert zb.bubble == pytest.approx(3 * (per_mb - bwd)) and zb.bubble == pytest.approx(plain.bubble / 3)
+    assert chunked.compute == plain.compute == zb.compute
 
 
 def test_zero_1_reduce_scatters_and_all_gathers_each_bucket_instead_of_the_all_reduce():

@@ -192,6 +192,8 @@ def flag_argv(k: Candidate) -> list[str]:
         argv += ["--cp_comm_type", str(k.cp_comm_type), "--cp_load_balance" if k.cp_load_balance else "--no-cp_load_balance"]
     if k.pp > 1:
         argv += ["--pp_schedule", str(k.pp_schedule)]
+    if k.virtual_stages > 1:
+        argv += ["--virtual_stages", str(k.virtual_stages)]
     return argv
 
 

@@ -20,6 +20,9 @@ from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
 
 # the schedules whose orders the model replays (interleaved's chunks and zb's W steps are not modelled)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+# the --zero levels it predicts (2: the grads alive depend on the buckets backward has finished; 3: FSDP2's
+# gathers); the planner enumerates these two tuples' members
+MODELLED_ZERO_LEVELS = (0, 1)
 
 
 @dataclass
