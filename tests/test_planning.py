@@ -15,6 +15,7 @@ from minimind_parallel.config import ConfigError, MiniMindConfig, ParallelConfig
 from minimind_parallel.memory import predict_memory
 from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enumerate_layouts, plan, step_time
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
+from minimind_parallel.planning.allocator_rounding import block_excess, fresh_block, rounding_bytes
 from minimind_parallel.planning.ranking import workspace_bytes
 from minimind_parallel.planning.space import RULES
 from minimind_parallel.planning.time_model import Collective, Op, block_matmul_params, expert_params, stage_compute
@@ -100,7 +101,7 @@ def test_the_predicted_peak_is_predict_memory_and_on_cuda_the_workspaces(device)
         pred = predict_memory(TINY, k.parallel, seq_len=WORK.seq_len, micro_batch_size=k.micro_batch_size,
                               dtype=torch.bfloat16, device=device, num_microbatches=k.num_microbatches,
                               schedule=k.pp_schedule)
-        extra = workspace_bytes(hw) if device == "cuda" else 0
+        extra = workspace_bytes(hw) + rounding_bytes(pred, k.parallel) if device == "cuda" else 0
         assert e.peak_bytes == pred.peak_bytes + extra
     assert [e.tokens_per_s for e in entries] == sorted((e.tokens_per_s for e in entries), reverse=True)
 
@@ -188,6 +189,30 @@ def test_the_space_plans_every_schedule_and_zero_level_the_memory_model_declares
     from minimind_parallel.tasks.plan import flag_argv
     argv = flag_argv(chunked[0])
     assert argv[argv.index("--virtual_stages") + 1] == str(chunked[0].virtual_stages)
+
+
+def test_the_cuda_peak_rounds_each_held_tensor_to_the_block_a_fresh_segment_gives_it():
+    """The allocator model's first block for a request (memory/allocator.py) is `fresh_block`; a [N, I/T]
+    SwiGLU output of the book's first layout (N 8192, I/T 1216, bf16: 19 MiB) holds its 20 MiB
+    segment whole, a 12 MiB [N, H] input exactly 12 MiB; the peak adds each held block's excess."""
+    from minimind_parallel.memory.allocator import CachingAllocatorModel
+    mib = 2**20
+    for n in (100, 512, 600_000, 6 * mib, 9 * mib + 123, 10 * mib + mib // 2, 11 * mib + mib // 5, 12 * mib,
+              19 * mib, 8192 * 1216 * 2, 24 * mib + 1):
+        assert CachingAllocatorModel().malloc(n).size == fresh_block(n), n
+    assert fresh_block(8192 * 1216 * 2) == 20 * mib and fresh_block(8192 * 768 * 2) == 12 * mib
+    book = MiniMindConfig(hidden_size=768, num_hidden_layers=32, num_attention_heads=8, num_key_value_heads=4,
+                          vocab_size=6400, tie_word_embeddings=False)
+    par = ParallelConfig(tp=2, dp=4, zero=1, async_communication=True, vocab_parallel=True, loss_chunks=8)
+    pred = predict_memory(book, par, seq_len=2048, micro_batch_size=4, device="cuda")
+    assert block_excess(pred.activations_by_kind, par) == 4 * mib          # the SwiGLU's four outputs
+    assert rounding_bytes(pred, par) == 32 * 4 * mib                        # on each of the 32 layers
+    lean = replace(par, recompute="selective")
+    assert block_excess(predict_memory(book, lean, seq_len=2048, micro_batch_size=4).activations_by_kind,
+                        lean) == 2 * mib                                    # gate and up, re-made the rest
+    full = replace(par, recompute="full")                                   # a block holds its input alone
+    assert block_excess(predict_memory(book, full, seq_len=2048, micro_batch_size=4).activations_by_kind,
+                        full) == fresh_block(2 * 8192 * 768) - 2 * 8192 * 768 == 0
 
 
 def test_a_budget_cuts_the_layouts_over_it_by_their_peak():

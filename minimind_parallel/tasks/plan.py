@@ -322,7 +322,7 @@ def print_plan(result, args, hw, seconds: float) -> None:
         b = e.breakdown
         parts = "/".join(f"{b[c] / GIB:.2f}" for c in ("params", "grads", "optimizer", "activations", "temporaries"))
         if "workspaces" in b:
-            parts += f" +{b['workspaces'] / MIB:.0f} MiB ws"
+            parts += f" +{b['workspaces'] / MIB:.0f} MiB ws +{b['rounding'] / MIB:.1f} MiB rounding"
         print(f"{i:>3} {e.candidate.describe():<58} {e.peak_bytes / GIB:>8.2f} {e.step_ms:>9.2f} "
               f"{e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {parts}")
     if not result.fitting:
