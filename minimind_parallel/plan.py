@@ -244,7 +244,7 @@ def stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0,
     return dict(_remembered_stage_parameters(Frozen(c), shape, stage, experts))
 
 
-# the ParallelConfig fields that stage parameters depend on (tests/test_plan.py checks the others do not matter)
+# the ParallelConfig fields that stage parameters depend on (tests/test_planning.py checks the others do not matter)
 SHAPE_FIELDS = ("tp", "pp", "vocab_parallel", "virtual_stages")
 
 

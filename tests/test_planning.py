@@ -466,3 +466,54 @@ def test_validate_takes_the_top_k_and_k_others_at_random():
     assert chosen[:3] == result.fitting[:3] and len(chosen) == 6
     assert all(e in result.fitting[3:] for e in chosen[3:]) and len({id(e) for e in chosen}) == 6
     assert validation_layouts(result, 3, seed=1) == chosen
+
+
+def test_validate_times_every_layout_once_a_round_at_that_rounds_rates_and_takes_the_medians(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """The memory cells once, then --validate_rounds rounds of every layout's throughput cell, each round
+    predicted at the rates calibrated just before it; the medians are compared. --no-validate_time: the
+    memory cells alone (as at world 4 on 2 cores)."""
+    from minimind_parallel.planning import calibrate as calibration
+    from minimind_parallel.planning.ranking import evaluate, model_flops_per_token
+    from minimind_parallel.tasks import plan as plan_task
+    from minimind_parallel.tasks.benchmark.outputs import Status
+    calls = []
+
+    def cell(argv, out_dir, name):
+        calls.append(name)
+        if name.endswith("_memory"):
+            return {"status": Status.OK, "peak_mib": "1.0"}
+        layout, r = map(int, name.split("_throughput_"))
+        return {"status": Status.OK, "step_ms": str(10.0 * (r + 1) + layout)}
+
+    rates = [replace(SLOW, gemm_flops=1e9 * (r + 1)) for r in range(3)]
+    monkeypatch.setattr(plan_task, "run_cell", cell)
+    calibrated = []
+
+    def calibrate(device, dtype):
+        calibrated.append(len(calls))            # when: after the memory cells, before each round
+        return rates[len(calibrated) - 1]
+
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
+    code, out = run_plan(tmp_path, "--validate", "1")
+    assert code == 0
+    v = json.loads(out.read_text())["validation"]
+    n = len(v["layouts"])
+    assert n == 2 and calls == [f"{i}_memory" for i in range(n)] + [f"{i}_throughput_{r}" for r in range(3) for i in range(n)]
+    assert calibrated == [2, 4, 6]
+    data = json.loads(out.read_text())
+    fitting = plan(WORK, GPU_PROFILES["H100"], device="cuda", budget_bytes=24 * 2**30).fitting
+    for i, row in enumerate(v["layouts"]):
+        k = next(e.candidate for e in fitting if e.candidate.describe() == row["layout"])
+        at = [evaluate(k, WORK, hw, "cuda", model_flops_per_token(WORK)).step_ms for hw in rates]
+        assert [t["predicted_step_ms"] for t in row["rounds"]] == pytest.approx(at)
+        assert row["predicted_step_ms"] == pytest.approx(sorted(at)[1]) and row["measured_step_ms"] == 20.0 + i
+    assert v["time_mape_pct"] > 0 and "spearman" in v and [r["hardware"]["gemm_flops"] for r in v["rounds"]] == [1e9, 2e9, 3e9]
+    assert v["memory_max_abs_diff_mib"] == pytest.approx(max(abs(r["predicted_peak_mib"] - 1.0) for r in v["layouts"]))
+    assert data["layouts"][0]["predicted_peak_mib"] == v["layouts"][0]["predicted_peak_mib"]
+    calls.clear()
+    (tmp_path / "memory").mkdir()
+    code, out = run_plan(tmp_path / "memory", "--validate", "1", "--no-validate_time")
+    v = json.loads(out.read_text())["validation"]
+    assert code == 0 and calls == ["0_memory", "1_memory"] and "time_mape_pct" not in v and not v["rounds"]
+    assert "pred ms" not in capsys.readouterr().out.split("validating")[-1]

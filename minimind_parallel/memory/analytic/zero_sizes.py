@@ -34,7 +34,7 @@ def zero_layout(c: MiniMindConfig, par: ParallelConfig, stage: int, dtype, bucke
 
 
 # the ParallelConfig fields a stage's buffer depends on: its parameters' (plan.SHAPE_FIELDS) and the
-# sharding's (tests/test_memory.py checks the others do not matter)
+# sharding's (tests/test_planning.py checks the others do not matter)
 LAYOUT_FIELDS = (*SHAPE_FIELDS, "dp", "cp", "ep", "zero")
 
 
