@@ -156,6 +156,22 @@ def test_the_remembered_stage_sizes_and_predictions_equal_the_uncached_ones(monk
             assert predictions() == remembered
 
 
+def test_the_worst_stages_alone_give_the_same_prediction_as_every_stage():
+    """The planner predicts the first, second and last stage only (`candidate_stages`): on every
+    pipelined layout of an 8-stage space the peak, breakdown, moment and microbatches in flight are
+    those of all the stages."""
+    from dataclasses import asdict
+    work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
+    piped = [k for k in enumerate_layouts(work)[0] if k.pp > 2]
+    assert {k.pp for k in piped} == {4, 8} and {k.pp_schedule for k in piped} == {"gpipe", "1f1b"}
+    for k in piped[::8]:
+        kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
+                  schedule=k.pp_schedule, device="cuda")
+        every, worst = predict_memory(work.model, k.parallel, **kw), predict_memory(work.model, k.parallel, worst_only=True, **kw)
+        assert len(worst.per_stage) == 3 and max(worst.per_stage) == max(every.per_stage) == every.peak_bytes
+        assert {**asdict(worst), "per_stage": None} == {**asdict(every), "per_stage": None}, k.describe()
+
+
 def test_the_space_plans_every_schedule_and_zero_level_the_memory_model_declares(monkeypatch):
     """Today's space has the modelled schedules and levels only; once predict.py declares interleaved,
     zb and --zero 2 modelled, they are enumerated, interleaved with its virtual_stages dimension, under

@@ -64,7 +64,7 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
     workspaces, the estimated block rounding)."""
     pred = predict_memory(w.model, k.parallel, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
                           dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
-                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B)
+                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True)
     breakdown = dict(pred.breakdown)
     peak = pred.peak_bytes
     if device == "cuda":

@@ -44,14 +44,16 @@ class MemoryPrediction:
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
-                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryPrediction:
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB, worst_only: bool = False) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
     there). The prediction of every stage is in `per_stage`. Under CP `cp_rank` picks the CP rank
     (None: the worst; with the load-balanced split every CP rank holds the same bytes, with the
     contiguous one the later ranks' attention sees more blocks). Under --zero 1 (`par.zero`) the
-    distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py)."""
+    distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py). `worst_only`
+    (with stage None): only the stages that can hold the worst peak (`candidate_stages`), which
+    `per_stage` then lists; the prediction is the same."""
     c = model_config
     if par.zero > 1:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (--zero 2: the grads alive depend "
@@ -65,10 +67,21 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
                                   cp_rank=r, bucket_size_mb=bucket_size_mb) for r in cp_ranks), key=lambda s: s.peak_bytes)
-              for p in range(par.pp)]
+              for p in (candidate_stages(par, schedule) if worst_only and stage is None else range(par.pp))]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
     pick.per_stage = [s.peak_bytes for s in stages]
     return pick
+
+
+def candidate_stages(par: ParallelConfig, schedule: Schedule) -> list[int]:
+    """The stages that can hold a step's worst peak, in order. Under gpipe and 1f1b without model
+    chunks the middle stages 1 .. P-2 hold the same sizes (L/P layers each, neither the embedding
+    nor the head) and stage 1 as many microbatches in flight as any of them, at every moment (GPipe:
+    all M; 1F1B: min(P - p, M) on stage p): so the first, the second and the last stage. Otherwise
+    every stage."""
+    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and par.virtual_stages == 1:
+        return sorted({0, min(1, par.pp - 1), par.pp - 1})
+    return list(range(par.pp))
 
 
 @functools.lru_cache(maxsize=1024)
