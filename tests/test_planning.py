@@ -415,6 +415,15 @@ def assert_commands_are_the_layouts(layouts, *, moe=False):
         assert run.sizes["micro_batch_size"] == row["flags"]["micro_batch_size"]
 
 
+def test_the_layouts_over_the_memory_are_printed_with_the_least_overflow(tmp_path, capsys):
+    code = cli.main(["plan", "--", "--world_size", "4", "--device", "cpu", "--device_memory_gib", "0.005", *TINY_ARGS,
+                     "--output_json", str(tmp_path / "plan.json")])
+    printed = capsys.readouterr().out
+    least = json.loads((tmp_path / "plan.json").read_text())["cut"][-1]
+    assert code == 0 and least["constraint"] == "predicted peak over the device memory"
+    assert f"(e.g. {least['example']}: {least['reason']})" in printed and "the least over: " in least["reason"]
+
+
 def test_a_moe_plan_spreads_the_experts_and_its_commands_run(tmp_path, capsys):
     code, out = run_plan(tmp_path, *MOE_ARGS)
     printed = capsys.readouterr().out

@@ -341,7 +341,8 @@ def print_plan(result, args, hw, seconds: float) -> None:
     print("not enumerated (dominated): " + "; ".join(DOMINATED))
     print("cut:")
     for row in cut_summary(result):
-        values = row["reason"][len(row["constraint"]):].lstrip("; ")
+        reason = row["reason"]
+        values = reason[len(row["constraint"]):].lstrip("; ") if reason.startswith(row["constraint"]) else reason
         print(f"  {row['layouts']:>5} x {row['constraint']} (e.g. {row['example']}{': ' + values if values else ''})")
 
 
