@@ -424,6 +424,24 @@ def test_the_layouts_over_the_memory_are_printed_with_the_least_overflow(tmp_pat
     assert f"(e.g. {least['example']}: {least['reason']})" in printed and "the least over: " in least["reason"]
 
 
+def test_the_book_plans_first_layout_estimates_within_1_percent_of_its_cuda_peak(tmp_path, capsys):
+    """The done-when check on the book's model (L 32, S 2048, global batch 16) over 8 GPUs of 24 GiB: the
+    first layout's estimate_command (the allocator replayed on fake tensors) gives cuda_allocated_mib
+    within 1 % of its predicted_peak_mib (1.05 % under without the estimated block rounding)."""
+    out, csv_path = tmp_path / "plan.json", tmp_path / "estimate.csv"
+    book = ["--hidden_size", "768", "--num_hidden_layers", "32", "--num_attention_heads", "8", "--num_key_value_heads",
+            "4", "--vocab_size", "6400", "--seq_len", "2048", "--global_batch_size", "16"]
+    assert cli.main(["plan", "--", "--world_size", "8", "--device", "cuda", "--device_memory_gib", "24", *book,
+                     "--output_json", str(out)]) == 0
+    first = json.loads(out.read_text())["layouts"][0]
+    assert cli.main([*shlex.split(first["estimate_command"])[3:], "--output_csv", str(csv_path)]) == 0
+    (cell,) = list(csv.DictReader(open(csv_path)))
+    measured, predicted = float(cell["cuda_allocated_mib"]), first["predicted_peak_mib"]
+    assert abs(measured - predicted) <= 0.01 * predicted
+    rounding = first["breakdown_mib"]["rounding"]
+    assert abs(measured - (predicted - rounding)) > 0.01 * (predicted - rounding)   # the rounding is what brings it in
+
+
 def test_a_moe_plan_spreads_the_experts_and_its_commands_run(tmp_path, capsys):
     code, out = run_plan(tmp_path, *MOE_ARGS)
     printed = capsys.readouterr().out
