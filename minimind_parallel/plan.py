@@ -38,6 +38,7 @@ from enum import Enum
 from typing import Callable
 
 from .config import MiniMindConfig, ParallelConfig
+from .memo import Frozen
 
 
 class Style(Enum):
@@ -234,7 +235,28 @@ def stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0,
                      experts: range | None = None) -> dict[str, tuple[int, ...]]:
     """The parameters of one rank of pipeline stage `stage` with their local shapes, in the model's
     order (the optimizer's); a weight tied within the stage is listed once, under its first name.
-    `experts`: the MoE experts this rank holds (default all)."""
+    `experts`: the MoE experts this rank holds (default all).
+
+    Remembered on the model and the layout fields it reads (`SHAPE_FIELDS`; each call gets its own
+    dict): the memory model asks it for every stage of every layout the planner weighs."""
+    experts = range(c.num_experts) if experts is None else experts
+    shape = tuple(getattr(par, name) for name in SHAPE_FIELDS)
+    return dict(_remembered_stage_parameters(Frozen(c), shape, stage, experts))
+
+
+# the ParallelConfig fields that stage parameters depend on (tests/test_planning.py checks the others do not matter)
+SHAPE_FIELDS = ("tp", "pp", "vocab_parallel", "virtual_stages")
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered_stage_parameters(model: Frozen, shape: tuple, stage: int, experts: range) -> tuple:
+    par = ParallelConfig(**dict(zip(SHAPE_FIELDS, shape)))
+    return tuple(build_stage_parameters(model.config, par, stage, experts).items())
+
+
+def build_stage_parameters(c: MiniMindConfig, par: ParallelConfig, stage: int = 0,
+                           experts: range | None = None) -> dict[str, tuple[int, ...]]:
+    """`stage_parameters` computed from the table (not remembered)."""
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     experts = range(c.num_experts) if experts is None else experts
     rows = [e for e in PLAN if e.applies(c)]

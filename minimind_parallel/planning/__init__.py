@@ -8,8 +8,10 @@ calibrated time model, ranked by predicted tokens/s (docs/planning.md).
                     sources, the calibration file
     time_model.py   `step_time`: GEMM / attention FLOPs, elementwise bytes, each collective's bytes
                     over its group's link, the overlaps, the pipeline bubble
-    ranking.py      `plan`: each candidate's memory (analytic; allocator workspaces on CUDA) and
+    ranking.py      `plan`: each candidate's memory (analytic; on CUDA the allocator level) and
                     time, the fitting ones ranked, the others with why
+    allocator_rounding.py  the CUDA allocator's block rounding at the peak, estimated from the
+                    analytic model's saved tensors
     calibrate.py    `calibrate`: this machine's rates, measured
     agreement.py    predicted against measured: MAPE, Spearman's rank correlation
 """

@@ -1,5 +1,6 @@
 """`plan`: every layout of the space with its predicted per-rank peak (the analytic model; on
-CUDA plus the cuBLAS workspaces the allocator holds, memory/allocator.py) and step time
+CUDA the allocator level: plus the cuBLAS workspaces it holds, memory/allocator.py, and its block
+rounding, estimated by allocator_rounding.py) and step time
 (time_model.py), the fitting ones ranked by predicted tokens/s, the others with why they were cut."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ..config import DTYPES
 from ..memory import predict_memory
 from ..memory.allocator import CudaSetup
 from ..pipeline_parallel.order import Schedule
+from .allocator_rounding import rounding_bytes
 from .hardware import Hardware
 from .space import Candidate, Cut, Workload, enumerate_layouts
 from .time_model import StepTime, expert_params, step_time
@@ -20,7 +22,7 @@ MIB = 2**20
 class PlanEntry:
     candidate: Candidate
     peak_bytes: int
-    breakdown: dict           # CATEGORIES -> bytes at the peak (+ "workspaces" on CUDA)
+    breakdown: dict           # CATEGORIES -> bytes at the peak (+ "workspaces" and "rounding" on CUDA)
     time: StepTime
     tokens_per_s: float
     mfu: float
@@ -56,15 +58,18 @@ def workspace_bytes(hw: Hardware) -> int:
     return sum(CudaSetup.from_env(capability=hw.cuda_capability or (9, 0)).workspaces())
 
 
-def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_token: float) -> PlanEntry:
+def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_token: float,
+             workspaces: int = 0) -> PlanEntry:
+    """Layout `k`'s predicted peak and step; on CUDA at the allocator level (`workspaces` bytes of cuBLAS
+    workspaces, the estimated block rounding)."""
     pred = predict_memory(w.model, k.parallel, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
                           dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
-                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B)
+                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True)
     breakdown = dict(pred.breakdown)
     peak = pred.peak_bytes
     if device == "cuda":
-        breakdown["workspaces"] = workspace_bytes(hw)
-        peak += breakdown["workspaces"]
+        breakdown["workspaces"], breakdown["rounding"] = workspaces, rounding_bytes(pred, k.parallel)
+        peak += workspaces + breakdown["rounding"]
     params = pred.breakdown["params"] // DTYPES[w.dtype].itemsize
     experts = w.model.num_hidden_layers // k.pp * w.model.num_experts // k.ep * expert_params(w.model) \
         if w.model.use_moe else 0                                       # this rank's experts' elements
@@ -80,8 +85,9 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int) -> Plan:
     valid, cuts = enumerate_layouts(w)
     result = Plan(workload=w, hardware=hw, budget_bytes=budget_bytes, cuts=cuts)
     flops = model_flops_per_token(w)
+    workspaces = workspace_bytes(hw) if device == "cuda" else 0
     for k in valid:
-        e = evaluate(k, w, hw, device, flops)
+        e = evaluate(k, w, hw, device, flops, workspaces)
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (-e.tokens_per_s, e.peak_bytes))
     result.over_budget.sort(key=lambda e: e.peak_bytes)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
 from ..config import ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
-from ..memory.analytic.predict import MODELLED_SCHEDULES
-from ..pipeline_parallel.order import Schedule
+from ..memory.analytic.predict import MODELLED_SCHEDULES, MODELLED_ZERO_LEVELS
+from ..pipeline_parallel.order import Schedule, check_schedule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,7 @@ class Candidate:
     cp_load_balance: bool = True
     num_microbatches: int = 1
     pp_schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
     micro_batch_size: int = 1
 
     GRID = ("tp", "pp", "cp", "dp", "ep", "zero")
@@ -66,7 +67,7 @@ class Candidate:
                               async_communication=self.async_communication, shared_sp_gather=self.shared_sp_gather,
                               vocab_parallel=self.vocab_parallel, recompute=self.recompute,
                               loss_chunks=self.loss_chunks, cp_comm_type=self.cp_comm_type,
-                              cp_load_balance=self.cp_load_balance)
+                              cp_load_balance=self.cp_load_balance, virtual_stages=self.virtual_stages)
 
     @property
     def flags(self) -> dict:
@@ -88,6 +89,8 @@ class Candidate:
             parts.append(str(self.cp_comm_type))
         if self.pp > 1:
             parts.append(f"{self.pp_schedule} M={self.num_microbatches}")
+        if self.virtual_stages > 1:
+            parts.append(f"V={self.virtual_stages}")
         parts.append(f"b={self.micro_batch_size}")
         return " ".join(parts)
 
@@ -143,8 +146,8 @@ DIMENSIONS = (
     Dimension("pp", lambda w, c: divisors(w.world_size // c["tp"])),
     Dimension("cp", lambda w, c: divisors(w.world_size // (c["tp"] * c["pp"]))),
     Dimension("dp", lambda w, c: [w.world_size // (c["tp"] * c["pp"] * c["cp"])]),
-    # the levels predict_memory models (2 and 3 are measured, not modelled), where a DP x CP group shards
-    Dimension("zero", lambda w, c: [0, 1], lambda c: c["dp"] * c["cp"] > 1),
+    # the levels predict_memory models (MODELLED_ZERO_LEVELS), where a DP x CP group shards
+    Dimension("zero", lambda w, c: list(MODELLED_ZERO_LEVELS), lambda c: c["dp"] * c["cp"] > 1),
     # a MoE model's experts over ep of the dp x cp ranks, each holding num_experts / ep of them
     Dimension("ep", lambda w, c: _expert_parallel_sizes(w, c)),
     Dimension("sequence_parallel", BOOLS, lambda c: c["tp"] > 1),
@@ -160,8 +163,11 @@ DIMENSIONS = (
     # only with pp > 1); a pipeline: every count >= pp that splits the replica's rows evenly
     Dimension("num_microbatches", lambda w, c: [m for m in divisors(max(1, _rows_per_replica(w, c))) if m >= c["pp"]],
               lambda c: c["pp"] > 1),
-    # the schedules whose memory the analytic model replays (interleaved and zb are measured, not modelled)
+    # the schedules whose memory the analytic model replays (MODELLED_SCHEDULES)
     Dimension("pp_schedule", lambda w, c: list(MODELLED_SCHEDULES), lambda c: c["pp"] > 1),
+    # model chunks per stage (interleaved 1F1B): every V >= 2 that splits each stage's layers evenly
+    Dimension("virtual_stages", lambda w, c: [v for v in divisors(w.model.num_hidden_layers // c["pp"]) if v > 1],
+              lambda c: c.get("pp_schedule") == Schedule.INTERLEAVED),
 )
 
 
@@ -254,6 +260,8 @@ def _expand(w: Workload, grid: dict, dims: tuple, valid: list, cuts: list) -> No
         cand = Candidate(**a, micro_batch_size=rows // a.get("num_microbatches", 1))
         try:
             check_layout(w.model, cand.parallel, seq_len=w.seq_len)
+            if cand.pp > 1:
+                check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)
         except ConfigError as e:
             cuts.append(Cut(cand, str(e)))
             continue

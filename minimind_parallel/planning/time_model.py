@@ -13,8 +13,12 @@
     context      all_gather: K/V gathered forward, their grads reduce-scattered backward; a2a: four
                  all-to-alls each way; ring: cp - 1 K/V block passes each way, each overlapped
                  with one block of attention
-    pipeline     (M + P - 1) x the slowest stage's microbatch (GPipe and 1F1B: the same bubble), each
-                 boundary's activation sent forward and its grad back
+    pipeline     M microbatches and the bubble of the schedule: (P - 1) x the slowest stage's microbatch
+                 (GPipe and 1F1B); divided by V with V model chunks per stage (interleaved, Narayanan et
+                 al. 2021), whose boundaries each send the activation V times; (P - 1) x its forward
+                 and communication, the backward's weight-grad half filling the rest (ZB-H1, Qi et
+                 al. 2023: (P - 1)(T_F + T_B - T_W) with T_B = T_W); each boundary's activation sent
+                 forward and its grad back
     experts      (--use_moe) the router's GEMM and the experts' at the routed token count, N k rows
                  per rank under balanced routing (whole on every TP rank; under SP each TP rank routes
                  its shard); under EP per MoE layer the count exchange and the tokens' all-to-all
@@ -37,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import DTYPES, Choice, CPCommType, MiniMindConfig, Recompute
+from ..pipeline_parallel.order import Schedule
 from ..zero.buckets import DEFAULT_BUCKET_MB
 from .hardware import Hardware, Link
 from .space import Candidate, Workload
@@ -235,6 +240,17 @@ def seconds(coll: list, link: Link) -> float:
     return sum(x.seconds(link) for x in coll)
 
 
+def pipeline_bubble(k: Candidate, per_mb: float, bwd: float) -> float:
+    """The idle time of the schedule's warm-up and cool-down, from one microbatch's time on a stage
+    (`per_mb`, of which `bwd` its backward)."""
+    p = k.pp
+    if k.pp_schedule == Schedule.INTERLEAVED:
+        return (p - 1) * per_mb / k.virtual_stages
+    if k.pp_schedule == Schedule.ZERO_BUBBLE:
+        return (p - 1) * (per_mb - bwd)
+    return (p - 1) * per_mb
+
+
 def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, expert_params: int = 0) -> StepTime:
     """The predicted step of layout `k` (`stage_params`: parameter elements of the largest stage's rank,
     `expert_params` of them its experts')."""
@@ -266,12 +282,12 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     ep = layers * (seconds(ef, ep_link) + seconds(eb, ep_link))
     # pipeline: each boundary's activation [S/C(/T), B, H] forward, its grad backward
     act = k.micro_batch_size * w.seq_len / k.cp * c.hidden_size * b / (k.tp if k.sequence_parallel else 1)
-    p2p = 2 * Collective(Op.P2P, act, 2).seconds(pp_link) if k.pp > 1 else 0.0
+    p2p = 2 * k.virtual_stages * Collective(Op.P2P, act, 2).seconds(pp_link) if k.pp > 1 else 0.0
     per_mb = fwd + bwd + tp + cp + ep + p2p
     m, p = k.num_microbatches, k.pp
     t.compute, t.tp_exposed, t.cp_exposed, t.pp_p2p = m * (fwd + bwd), m * tp, m * cp, m * p2p
     t.ep_exposed = m * ep
-    t.bubble = (p - 1) * per_mb
+    t.bubble = pipeline_bubble(k, per_mb, bwd)
     t.dp_exposed, buckets = data_parallel_seconds(k, w, dp_link, stage_params=stage_params,
                                                   expert_params=expert_params, backward=m * bwd)
     moe_tensors = 1 + 3 * c.num_experts // k.ep - 3 if c.use_moe else 0   # router + experts for the dense MLP

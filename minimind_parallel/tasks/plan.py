@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -77,6 +78,13 @@ def parser() -> argparse.ArgumentParser:
                    help="run the top K and K random fitting layouts as real benchmark cells here (memory and "
                         "throughput) and report predicted against measured")
     p.add_argument("--validate_iters", type=int, default=3, help="measured steps of each validation cell")
+    p.add_argument("--validate_time", action=argparse.BooleanOptionalAction, default=True,
+                   help="--validate: measure the step times too (--no-validate_time: the memory cells alone)")
+    p.add_argument("--validate_rounds", type=int, default=3,
+                   help="--validate: rounds of every layout's throughput cell; each layout's times are the medians")
+    p.add_argument("--validate_calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="--validate: measure this machine's rates (plan --calibrate's) before each round and "
+                        "predict the round's times at them (--no-validate_calibrate: the plan's rates)")
     p.add_argument("--seed", type=int, default=0, help="which random layouts --validate draws")
     return p
 
@@ -126,7 +134,8 @@ def check(job: Job) -> None:
         return
     if args.world_size is None:
         raise ConfigError("plan needs --world_size N (the ranks to lay out)")
-    check_at_least(args, 1, ("world_size", "nnodes", "global_batch_size", "top", "num_hidden_layers", "validate_iters"))
+    check_at_least(args, 1, ("world_size", "nnodes", "global_batch_size", "top", "num_hidden_layers", "validate_iters",
+                             "validate_rounds"))
     check_at_least(args, 0, ("validate",))
     if args.validate and args.nnodes > 1:
         raise ConfigError(f"--validate runs its cells on this machine, one node; got --nnodes {args.nnodes}")
@@ -192,6 +201,8 @@ def flag_argv(k: Candidate) -> list[str]:
         argv += ["--cp_comm_type", str(k.cp_comm_type), "--cp_load_balance" if k.cp_load_balance else "--no-cp_load_balance"]
     if k.pp > 1:
         argv += ["--pp_schedule", str(k.pp_schedule)]
+    if k.virtual_stages > 1:
+        argv += ["--virtual_stages", str(k.virtual_stages)]
     return argv
 
 
@@ -269,7 +280,7 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
     if validation is not None:
         out["validation"] = validation
     with atomic_path(path) as tmp, open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
+        f.write(json.dumps(out))   # dumps without indent: the C encoder (thousands of layouts)
 
 
 def write_plot(path: str, result) -> None:
@@ -320,7 +331,7 @@ def print_plan(result, args, hw, seconds: float) -> None:
         b = e.breakdown
         parts = "/".join(f"{b[c] / GIB:.2f}" for c in ("params", "grads", "optimizer", "activations", "temporaries"))
         if "workspaces" in b:
-            parts += f" +{b['workspaces'] / MIB:.0f} MiB ws"
+            parts += f" +{b['workspaces'] / MIB:.0f} MiB ws +{b['rounding'] / MIB:.1f} MiB rounding"
         print(f"{i:>3} {e.candidate.describe():<58} {e.peak_bytes / GIB:>8.2f} {e.step_ms:>9.2f} "
               f"{e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {parts}")
     if not result.fitting:
@@ -330,7 +341,8 @@ def print_plan(result, args, hw, seconds: float) -> None:
     print("not enumerated (dominated): " + "; ".join(DOMINATED))
     print("cut:")
     for row in cut_summary(result):
-        values = row["reason"][len(row["constraint"]):].lstrip("; ")
+        reason = row["reason"]
+        values = reason[len(row["constraint"]):].lstrip("; ") if reason.startswith(row["constraint"]) else reason
         print(f"  {row['layouts']:>5} x {row['constraint']} (e.g. {row['example']}{': ' + values if values else ''})")
 
 
@@ -383,42 +395,93 @@ def run_cell(argv: list[str], out_dir: str, name: str) -> dict:
 
 
 def validate(result, args) -> dict:
-    """Each chosen layout's memory cell (the measured peak against the prediction: exact on CPU) and
-    throughput cell (the measured step time against the predicted); MAPE and Spearman over them."""
+    """Each chosen layout's memory cell (the measured peak against the prediction: exact on CPU) and,
+    unless --no-validate_time, its throughput cell (the measured step time against the predicted);
+    MAPE and Spearman over them. The time is measured in --validate_rounds rounds, every layout once
+    per round (so a change of the machine's load falls on all of them), each round with this
+    machine's rates measured just before it (--validate_calibrate) and the layouts predicted at
+    them; each layout's predicted and measured time are the medians over the rounds."""
     chosen = validation_layouts(result, args.validate, args.seed)
     out_dir = os.path.splitext(args.output_json)[0] + "_validate"
     os.makedirs(out_dir, exist_ok=True)
     device = args.device
-    rows = []
+    iters = ["--warmup_iters", "1", "--benchmark_iters", str(args.validate_iters)]
     print(f"plan: validating {len(chosen)} layouts as benchmark cells on this machine ({device}), results in {out_dir}")
-    head = f"{'layout':<58} {'pred MiB':>10} {'meas MiB':>10} {'pred ms':>9} {'meas ms':>9} {'error':>7}"
+    memory = [run_cell([*cell_argv(e.candidate, args, kind=Kind.MEMORY, device=device), *iters], out_dir, f"{i}_memory")
+              for i, e in enumerate(chosen)]
+    rounds = time_rounds(result, args, chosen, out_dir, iters) if args.validate_time else []
+    rows = [validation_row(e, mem, [r["layouts"][i] for r in rounds]) for i, (e, mem) in enumerate(zip(chosen, memory))]
+    print_validation(rows, args.validate_time)
+    return validation_summary(rows, rounds, args.validate_time)
+
+
+def time_rounds(result, args, chosen: list, out_dir: str, iters: list[str]) -> list[dict]:
+    """--validate_rounds rounds of every chosen layout's throughput cell; in each the rates (calibrated
+    then, or the plan's) and, per layout, the step time predicted at them and the measured one."""
+    from ..planning.calibrate import calibrate
+    from ..planning.ranking import evaluate, model_flops_per_token
+    w, flops = result.workload, model_flops_per_token(result.workload)
+    rounds = []
+    for r in range(args.validate_rounds):
+        hw = calibrate(args.device, args.dtype) if args.validate_calibrate else result.hardware
+        print(f"plan: round {r + 1} of {args.validate_rounds}: GEMM {hw.gemm_flops / 1e9:.1f} GFLOP/s, op "
+              f"{1e6 * hw.op_overhead_s:.1f} us (load average {os.getloadavg()[0]:.1f})", flush=True)
+        layouts = []
+        for i, e in enumerate(chosen):
+            cell = run_cell([*cell_argv(e.candidate, args, kind=Kind.THROUGHPUT, device=args.device), *iters],
+                            out_dir, f"{i}_throughput_{r}")
+            ok = cell.get("status") == Status.OK
+            layouts.append({"predicted_step_ms": evaluate(e.candidate, w, hw, args.device, flops).step_ms,
+                            "measured_step_ms": float(cell["step_ms"]) if ok else None,
+                            "status": Status.OK if ok else f"throughput {cell.get('status')}"})
+        rounds.append({"hardware": hw.to_json(), "load_average": os.getloadavg()[0], "layouts": layouts})
+    return rounds
+
+
+def validation_row(e, mem: dict, timed: list[dict]) -> dict:
+    """One layout: its memory cell against the plan's peak, its rounds' medians (all rounds ok)."""
+    ok = mem.get("status") == Status.OK and all(t["status"] == Status.OK for t in timed)
+    failed = [f"memory {mem.get('status')}"] * (mem.get("status") != Status.OK) + \
+        [t["status"] for t in timed if t["status"] != Status.OK]
+    row = {"layout": e.candidate.describe(), "predicted_peak_mib": e.peak_bytes / MIB,
+           "measured_peak_mib": float(mem["peak_mib"]) if mem.get("status") == Status.OK else None,
+           "status": Status.OK if ok else ", ".join(failed)}
+    if timed:
+        row.update(predicted_step_ms=statistics.median(t["predicted_step_ms"] for t in timed),
+                   measured_step_ms=statistics.median(t["measured_step_ms"] for t in timed) if ok else None,
+                   rounds=timed)
+    return row
+
+
+def print_validation(rows: list[dict], timed: bool) -> None:
+    head = f"{'layout':<58} {'pred MiB':>10} {'meas MiB':>10}" + (f" {'pred ms':>9} {'meas ms':>9} {'error':>7}" if timed else "")
     print(head)
-    for i, e in enumerate(chosen):
-        k = e.candidate
-        iters = ["--warmup_iters", "1", "--benchmark_iters", str(args.validate_iters)]
-        mem = run_cell([*cell_argv(k, args, kind=Kind.MEMORY, device=device), *iters], out_dir, f"{i}_memory")
-        thr = run_cell([*cell_argv(k, args, kind=Kind.THROUGHPUT, device=device), *iters], out_dir, f"{i}_throughput")
-        ok = mem.get("status") == Status.OK and thr.get("status") == Status.OK
-        row = {"layout": k.describe(), "predicted_peak_mib": e.peak_bytes / MIB, "predicted_step_ms": e.step_ms,
-               "measured_peak_mib": float(mem["peak_mib"]) if ok else None,
-               "measured_step_ms": float(thr["step_ms"]) if ok else None,
-               "status": Status.OK if ok else f"memory {mem.get('status')}, throughput {thr.get('status')}"}
-        rows.append(row)
-        if ok:
+    for row in rows:
+        if row["status"] != Status.OK:
+            print(f"{row['layout']:<58} {row['status']}")
+            continue
+        line = f"{row['layout']:<58} {row['predicted_peak_mib']:>10.2f} {row['measured_peak_mib']:>10.2f}"
+        if timed:
             err = 100 * (row["predicted_step_ms"] - row["measured_step_ms"]) / row["measured_step_ms"]
-            print(f"{row['layout']:<58} {row['predicted_peak_mib']:>10.2f} {row['measured_peak_mib']:>10.2f} "
-                  f"{row['predicted_step_ms']:>9.1f} {row['measured_step_ms']:>9.1f} {err:>+6.1f}%", flush=True)
-        else:
-            print(f"{row['layout']:<58} {row['status']}", flush=True)
+            line += f" {row['predicted_step_ms']:>9.1f} {row['measured_step_ms']:>9.1f} {err:>+6.1f}%"
+        print(line, flush=True)
+
+
+def validation_summary(rows: list[dict], rounds: list[dict], timed: bool) -> dict:
+    """MAPE and Spearman of the medians, the largest memory difference (over the layouts that ran)."""
     done = [r for r in rows if r["status"] == Status.OK]
-    summary = {"layouts": rows, "load_average": os.getloadavg()[0]}
-    if len(done) >= 2:
+    summary = {"layouts": rows, "rounds": [{k: v for k, v in r.items() if k != "layouts"} for r in rounds],
+               "load_average": os.getloadavg()[0]}
+    if done:
+        summary["memory_max_abs_diff_mib"] = max(abs(r["predicted_peak_mib"] - r["measured_peak_mib"]) for r in done)
+    if timed and len(done) >= 2:
         pred, meas = [r["predicted_step_ms"] for r in done], [r["measured_step_ms"] for r in done]
-        summary.update(time_mape_pct=mape(pred, meas), spearman=spearman(pred, meas),
-                       memory_max_abs_diff_mib=max(abs(r["predicted_peak_mib"] - r["measured_peak_mib"]) for r in done))
+        summary.update(time_mape_pct=mape(pred, meas), spearman=spearman(pred, meas))
         print(f"plan: time MAPE {summary['time_mape_pct']:.1f}%, Spearman {summary['spearman']:.3f} over {len(done)} "
-              f"layouts; memory: largest |predicted - measured| {summary['memory_max_abs_diff_mib']:.3f} MiB "
-              f"(load average {summary['load_average']:.1f})")
+              f"layouts (medians of {len(rounds)} rounds)")
+    if done:
+        print(f"plan: memory: largest |predicted - measured| {summary['memory_max_abs_diff_mib']:.3f} MiB over "
+              f"{len(done)} layouts (load average {summary['load_average']:.1f})")
     return summary
 
 

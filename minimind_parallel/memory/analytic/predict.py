@@ -2,6 +2,7 @@
 breakdown by category: the largest of the moments of the stage's replayed schedule."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,9 @@ from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
 
 # the schedules whose orders the model replays (interleaved's chunks and zb's W steps are not modelled)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+# the --zero levels it predicts (2: the grads alive depend on the buckets backward has finished; 3: FSDP2's
+# gathers); the planner enumerates these two tuples' members
+MODELLED_ZERO_LEVELS = (0, 1)
 
 
 @dataclass
@@ -40,14 +44,16 @@ class MemoryPrediction:
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
-                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryPrediction:
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB, worst_only: bool = False) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
     there). The prediction of every stage is in `per_stage`. Under CP `cp_rank` picks the CP rank
     (None: the worst; with the load-balanced split every CP rank holds the same bytes, with the
     contiguous one the later ranks' attention sees more blocks). Under --zero 1 (`par.zero`) the
-    distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py)."""
+    distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py). `worst_only`
+    (with stage None): only the stages that can hold the worst peak (`candidate_stages`), which
+    `per_stage` then lists; the prediction is the same."""
     c = model_config
     if par.zero > 1:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (--zero 2: the grads alive depend "
@@ -61,10 +67,28 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
                                   cp_rank=r, bucket_size_mb=bucket_size_mb) for r in cp_ranks), key=lambda s: s.peak_bytes)
-              for p in range(par.pp)]
+              for p in (candidate_stages(par, schedule) if worst_only and stage is None else range(par.pp))]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
     pick.per_stage = [s.peak_bytes for s in stages]
     return pick
+
+
+def candidate_stages(par: ParallelConfig, schedule: Schedule) -> list[int]:
+    """The stages that can hold a step's worst peak, in order. Under gpipe and 1f1b without model
+    chunks the middle stages 1 .. P-2 hold the same sizes (L/P layers each, neither the embedding
+    nor the head) and stage 1 as many microbatches in flight as any of them, at every moment (GPipe:
+    all M; 1F1B: min(P - p, M) on stage p): so the first, the second and the last stage. Otherwise
+    every stage."""
+    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and par.virtual_stages == 1:
+        return sorted({0, min(1, par.pp - 1), par.pp - 1})
+    return list(range(par.pp))
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_order(pp: int, stage: int, num_microbatches: int, schedule: Schedule, virtual_stages: int) -> tuple:
+    """The stage's schedule order (order.schedule_order), remembered: the planner replays the same few
+    orders for thousands of layouts."""
+    return tuple(schedule_order(pp, stage, num_microbatches, schedule, virtual_stages))
 
 
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
@@ -77,7 +101,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     layout = zero_layout(c, par, stage, as_dtype(dtype), bucket_size_mb)
     stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
-    order = schedule_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
     if posted(order):
         raise NotImplementedError(f"predict_memory: the {schedule} schedule's chunks and W steps are not modelled "
                                   f"(gpipe and 1f1b are)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .saved_kinds import target_copy
-from .stage_sizes import StageSizes, chunk_rows, numel
+from .stage_sizes import StageSizes, chunk_rows
 
 
 def _last_forward_end(s: StageSizes) -> tuple[int, int]:
@@ -125,7 +125,7 @@ def optimizer_step(s: StageSizes, stepped: list[int] | None = None, grads: int |
     previous parameter's denom is still bound; the schedule's loss weights are gone, its reported
     loss not. `stepped`: the bytes of the tensors AdamW steps, in order (default: the parameters;
     --zero: the slices, zero_sizes.py), `grads` the grads alive (default: the parameters')."""
-    sizes = [0] + (stepped if stepped is not None else [s.b * numel(shape) for shape in s.shapes.values()])
+    sizes = [0] + (stepped if stepped is not None else [s.b * n for n in s.counts.each])
     scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
     saved = _batch_saved(s)
     return (s.param_bytes if grads is None else grads, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets

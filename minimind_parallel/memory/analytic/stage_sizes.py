@@ -10,6 +10,8 @@ block holds its input (`StageSizes.block`); its backward re-makes the rest
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -17,15 +19,13 @@ import torch
 
 from ...config import MiniMindConfig, ParallelConfig, Recompute
 from ...moe.placement import expert_of, local_experts
-from ...plan import is_first_stage, is_last_stage, stage_layers, stage_parameters
+from ...memo import Frozen
+from ...plan import SHAPE_FIELDS, build_stage_parameters, is_first_stage, is_last_stage, stage_layers
 from .saved_kinds import activations_by_kind
 
 
 def numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +48,7 @@ class StageSizes:
     last: bool
     tied_here: bool            # a weight tied within this stage (embedding and lm_head both here)
     shapes: dict               # this rank's parameters (plan.stage_parameters)
+    counts: ParameterCounts    # their elements, in the sums the moments read
     kinds: dict                # activations_by_kind
     layers: int                # layers on this stage
     block_params: int          # the parameters of one block
@@ -59,7 +60,7 @@ class StageSizes:
 
     @cached_property
     def param_bytes(self) -> int:
-        return self.b * sum(numel(s) for s in self.shapes.values())
+        return self.b * self.counts.total
 
     @cached_property
     def block(self) -> int:
@@ -151,7 +152,7 @@ class StageSizes:
     def ffn_w_grads(self) -> int:
         """One block's feed-forward weight grads (the MLP's three, or the router's and this rank's
         experts'): every block of the stage holds as many."""
-        return self.b * sum(numel(s) for k, s in self.shapes.items() if ".mlp." in k) // self.layers
+        return self.b * self.counts.ffn // self.layers
 
     @cached_property
     def head_w_grad(self) -> int:
@@ -173,7 +174,48 @@ class StageSizes:
         the experts' (DDP ignores them, `data_parallel.wrap_data_parallel`)."""
         if self.par.dp * self.par.cp == 1 or self.par.pp > 1 or self.par.zero:
             return 0
-        return self.b * sum(numel(s) for k, s in self.shapes.items() if expert_of(k) is None)
+        return self.b * self.counts.dense
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Elements of a stage's parameters: all, the feed-forward's (".mlp."), all but the experts', the
+    stage's first block's, each one's."""
+
+    total: int
+    ffn: int
+    dense: int
+    top_block: int
+    each: tuple[int, ...]    # every parameter's, in the model's order
+
+    @classmethod
+    def of(cls, shapes: dict, top: str) -> "ParameterCounts":
+        sizes = {k: numel(s) for k, s in shapes.items()}
+        return cls(total=sum(sizes.values()), ffn=sum(n for k, n in sizes.items() if ".mlp." in k),
+                   dense=sum(n for k, n in sizes.items() if expert_of(k) is None),
+                   top_block=sum(n for k, n in sizes.items() if k.startswith(top)), each=tuple(sizes.values()))
+
+
+def stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: int, experts: range
+                           ) -> tuple[dict, ParameterCounts]:
+    """This rank's parameters of stage `stage` (plan.stage_parameters, holding `experts`) and their
+    counts, remembered on what they depend on (plan.SHAPE_FIELDS): the planner asks for the same few
+    stages for thousands of layouts. The dict is shared: read it, do not change it."""
+    return _remembered_counts(Frozen(c), tuple(getattr(par, name) for name in SHAPE_FIELDS), stage, experts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered_counts(model: Frozen, shape: tuple, stage: int, experts: range) -> tuple[dict, ParameterCounts]:
+    c, par = model.config, ParallelConfig(**dict(zip(SHAPE_FIELDS, shape)))
+    return build_stage_parameter_counts(c, par, stage, experts)
+
+
+def build_stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: int, experts: range
+                                 ) -> tuple[dict, ParameterCounts]:
+    """`stage_parameter_counts` computed from the plan (not remembered)."""
+    shapes = build_stage_parameters(c, par, stage, experts)
+    top = f"model.layers.{stage_layers(c.num_hidden_layers, par.pp, stage)[0]}."
+    return shapes, ParameterCounts.of(shapes, top)
 
 
 def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
@@ -183,17 +225,17 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
     t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     # this rank's experts under expert parallelism (every EP rank holds as many)
-    shapes = stage_parameters(c, par, stage, experts=local_experts(c.num_experts, par.ep, 0) if c.use_moe else None)
+    experts = local_experts(c.num_experts, par.ep, 0) if c.use_moe else range(c.num_experts)
+    shapes, counts = stage_parameter_counts(c, par, stage, experts)
     layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
-    top = f"model.layers.{layers_at[0]}."
     return StageSizes(par=par, b=b, f=max(b, 4), n=n, nn=n // par.sequence_shards,
                       hid=c.hidden_size, inter=c.intermediate_size // t,
                       vocab=c.vocab_size // t if par.vocab_parallel else c.vocab_size, bsz=micro_batch_size,
                       mb=num_microbatches, first=first, last=last,
-                      tied_here=c.tie_word_embeddings and first and last, shapes=shapes,
+                      tied_here=c.tie_word_embeddings and first and last, shapes=shapes, counts=counts,
                       kinds=activations_by_kind(c, par, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype),
                       layers=len(layers_at),
-                      block_params=b * sum(numel(s) for k, s in shapes.items() if k.startswith(top)),
+                      block_params=b * counts.top_block,
                       heads=c.num_attention_heads // t, kv_heads=c.num_key_value_heads // t, head_dim=c.head_dim,
                       chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank)
 

@@ -13,21 +13,42 @@ what the flat buffers of the stage's parameters hold, from the same layout the o
 """
 from __future__ import annotations
 
+import functools
+
 from ...config import MiniMindConfig, ParallelConfig
-from ...plan import grad_is_shared_over_stages, stage_parameters
+from ...memo import Frozen
+from ...plan import SHAPE_FIELDS, grad_is_shared_over_stages, stage_parameters
 from ...zero.buckets import BufferLayout, bucket_numel, plan_buffer
 from .stage_sizes import numel
 
 
 def zero_layout(c: MiniMindConfig, par: ParallelConfig, stage: int, dtype, bucket_size_mb: float
                 ) -> BufferLayout | None:
-    """The stage's buffer layout under --zero (None without it)."""
+    """The stage's buffer layout under --zero (None without it). Remembered on the model, the layout
+    fields it reads (`LAYOUT_FIELDS`), the stage and the bucket size: the planner asks it for every
+    stage of every --zero layout."""
     if not par.zero:
         return None
+    shape = tuple(getattr(par, name) for name in LAYOUT_FIELDS)
+    return _remembered_layout(Frozen(c), shape, stage, bucket_numel(bucket_size_mb, dtype))
+
+
+# the ParallelConfig fields a stage's buffer depends on: its parameters' (plan.SHAPE_FIELDS) and the
+# sharding's (tests/test_planning.py checks the others do not matter)
+LAYOUT_FIELDS = (*SHAPE_FIELDS, "dp", "cp", "ep", "zero")
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered_layout(model: Frozen, shape: tuple, stage: int, bucket: int | None) -> BufferLayout:
+    return build_zero_layout(model.config, ParallelConfig(**dict(zip(LAYOUT_FIELDS, shape))), stage, bucket)
+
+
+def build_zero_layout(c: MiniMindConfig, par: ParallelConfig, stage: int, bucket: int | None) -> BufferLayout:
+    """`zero_layout` computed from the plan (not remembered), with buckets of `bucket` elements."""
     shapes = stage_parameters(c, par, stage)
     alone = par.pp > 1   # the tied copies are a bucket of their own only where the embedding group exists
     return plan_buffer([(name, numel(shape), alone and grad_is_shared_over_stages(name, c, par))
-                        for name, shape in shapes.items()], par.dp * par.cp, bucket_numel(bucket_size_mb, dtype))
+                        for name, shape in shapes.items()], par.dp * par.cp, bucket)
 
 
 def optimizer_state_bytes(layout: BufferLayout, b: int, device: str) -> int:

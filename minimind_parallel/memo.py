@@ -1,0 +1,26 @@
+"""`Frozen`: a configuration dataclass as an argument of a memoised function.
+
+The planner asks the memory model about thousands of layouts of one model; what depends only on
+the model and the layout's shape (a stage's parameters, its ZeRO buffer) is the same for most of
+them. `functools.lru_cache` remembers such pure functions, but needs hashable arguments, and the
+configurations (`MiniMindConfig`, whose `rope_scaling` is a dict) are mutable dataclasses. A
+`Frozen` carries the object and a key of its fields' values taken when it is made: two configs
+with equal fields are one key, and a config changed afterwards makes a new one.
+"""
+from __future__ import annotations
+
+
+class Frozen:
+    """`config` (a dataclass instance, no slots) keyed by the repr of its fields' values."""
+
+    __slots__ = ("config", "key")
+
+    def __init__(self, config):
+        self.config = config
+        self.key = (type(config), repr(vars(config)))
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Frozen) and self.key == other.key
