@@ -289,6 +289,39 @@ def test_the_zero_bubble_schedule_is_refused_until_its_w_pending_tensors_are_mod
         predict_memory(PIPE, ParallelConfig(pp=2), seq_len=S, micro_batch_size=B, num_microbatches=4, schedule="zb")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_bubble_w_step_frees_each_deferred_linears_output_grad_and_input(dtype):
+    """ZB-H1's W-pending tensors, per unit until its W (docs/pipeline.md): every deferred linear's
+    output grad dY -- q, o, down [N, H], k, v [N, kv d], gate, up [N, I] -- and saved input X --
+    q/k/v's and gate/up's shared [N, H], o's [N, H], down's [N, I] -- per block. Measured on fake
+    tensors: the tracker's live bytes across each W of stage 0 (after the first W, which makes the
+    weights' grads)."""
+    from minimind_parallel.pipeline_parallel import schedules
+    trackers, freed = [], []
+
+    class Watching(StorageTracker):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            trackers.append(self)
+
+    def weight(stage, unit, plain=schedules._Stage.weight):
+        before = dict(trackers[-1].live)
+        plain(stage, unit)
+        freed.append({k: before[k] - v for k, v in trackers[-1].live.items()})
+
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=4, schedule="zb", stage=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(schedules._Stage, "weight", weight)
+        estimate_step_memory(PIPE, ParallelConfig(pp=2), iters=1, tracker_type=Watching, **kw)
+    c, b, n = PIPE, torch.empty((), dtype=dtype).element_size(), S * B
+    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * c.head_dim
+    blocks = c.num_hidden_layers // 2
+    d_y, x = blocks * b * n * (3 * h + 2 * kv + 2 * i), blocks * b * n * (3 * h + i)
+    assert len(freed) == 4
+    for f in freed[1:]:
+        assert f == dict(params=0, grads=0, optimizer=0, activations=x, temporaries=d_y), f
+
+
 def _measure_stages(cases):
     """A real gloo run of each (schedule, layout, microbatches) (a warm-up step, then the meter
     around one step)."""
