@@ -261,7 +261,7 @@ def test_every_pipeline_stage_is_predicted_to_the_byte(par, schedule, m, dtype, 
 POSTED_CASES = [   # (layers, layout, schedule, microbatches, dtype, tied)
     (4, dict(pp=2, virtual_stages=2), "interleaved", 4, torch.float32, False),
     (8, dict(pp=2, virtual_stages=4), "interleaved", 2, torch.bfloat16, True),
-    (8, dict(pp=4, virtual_stages=2), "interleaved", 4, torch.float32, False),
+    (16, dict(pp=4, virtual_stages=4), "interleaved", 4, torch.bfloat16, True),
     (4, dict(pp=2, virtual_stages=2, tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True),
      "interleaved", 4, torch.bfloat16, True),
     (4, dict(pp=2, virtual_stages=2, cp=2, cp_comm_type="ring"), "interleaved", 2, torch.bfloat16, True),
