@@ -12,14 +12,14 @@ from ...pipeline_parallel.releases import release_points
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .moe_sizes import moe_report, moe_temporaries
-from .saved_kinds import as_dtype
 from .posted_replay import replay_posted
+from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import chunk_sizes, stage_sizes
 from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
 
 
-# the schedules whose orders the model replays (interleaved's chunks and zb's W steps are not modelled)
+# the schedules whose orders the model replays (zb's W-pending tensors are not modelled yet)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
 
 
@@ -83,9 +83,9 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     layout = zero_layout(c, par, stage, as_dtype(dtype), bucket_size_mb)
     stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
-    orders = [schedule_order(par.pp, p, num_microbatches, schedule, par.virtual_stages) for p in range(par.pp)]
-    order = orders[stage]
-    if posted(order):
+    order = schedule_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    if posted(order):   # its sends' release points come from every stage's order
+        orders = [schedule_order(par.pp, p, num_microbatches, schedule, par.virtual_stages) for p in range(par.pp)]
         chunks = chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
                              num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
         releases = release_points(orders, par.pp, par.virtual_stages)[stage]
