@@ -1,7 +1,8 @@
 """The analytic memory model against --estimate on random layouts: every byte, every stage.
 
 Each case draws a small model and a layout (TP 1/2/4, PP 1/2/4, DP 1/2, SP, async, shared gather,
-VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe or 1F1B, one stage; with --cp
+VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe, 1F1B or interleaved (2 or 4 chunks
+per stage, M a multiple of P), one stage; with --cp
 also CP 1/2/4 with every comm type and load balance on or off, --recompute none/selective/full and
 --loss_chunks 1/2/3/4/8)
 from a seeded generator, measures one step on fake tensors and compares the model's peak with it.
@@ -25,6 +26,7 @@ from minimind_parallel import MiniMindConfig, ParallelConfig
 from minimind_parallel.config import CPCommType, Recompute
 from minimind_parallel.memory import estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.predict import MODELLED_SCHEDULES
+from minimind_parallel.pipeline_parallel import Schedule
 
 
 def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = False):
@@ -50,7 +52,16 @@ def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = Fa
     sizes = dict(seq_len=rng.choice(seqs), micro_batch_size=bsz, num_microbatches=rng.choice([1, 2, 3, 5]),
                  schedule=rng.choice(list(MODELLED_SCHEDULES)), dtype=rng.choice([torch.float32, torch.bfloat16]),
                  stage=rng.randrange(pp))
-    return c, par, sizes
+    return _chunked(rng, c, par, sizes)
+
+
+def _chunked(rng: random.Random, c: MiniMindConfig, par: ParallelConfig, sizes: dict):
+    """Interleaved: V = 2 or 4 chunks of one layer per stage, M a multiple of P (one stage: V = 1)."""
+    if sizes["schedule"] != Schedule.INTERLEAVED or par.pp == 1:
+        return c, replace(par, virtual_stages=1), sizes
+    v = rng.choice([2, 4])
+    sizes = dict(sizes, num_microbatches=par.pp * rng.choice([1, 2]))
+    return replace(c, num_hidden_layers=par.pp * v), replace(par, virtual_stages=v), sizes
 
 
 def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
@@ -76,7 +87,7 @@ def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
     seqs = [s for s in (16, 32, 64, 128) if s % chunks == 0 and s * sizes["micro_batch_size"]
             >= min_tokens_per_hidden * c.hidden_size * cp] or [256]
     sizes = dict(sizes, seq_len=rng.choice(seqs), stage=rng.randrange(pp), cp_rank=rng.randrange(cp))
-    return c, par, sizes
+    return _chunked(rng, c, par, sizes)
 
 
 def main() -> int:
@@ -100,7 +111,7 @@ def main() -> int:
         print(f"{'ok ' if diff == 0 else 'BAD'} {diff:+9d} B  {pred.peak_at:28} H{c.hidden_size} L{c.num_hidden_layers} "
               f"heads {c.num_attention_heads}/{c.num_key_value_heads} V{c.vocab_size} tied {c.tie_word_embeddings:d} "
               f"S{sizes['seq_len']} B{sizes['micro_batch_size']} M{sizes['num_microbatches']} {sizes['schedule']} "
-              f"{str(sizes['dtype'])[6:]} stage {sizes['stage']} cp rank {sizes.get('cp_rank', 0)}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
+              f"V{par.virtual_stages} {str(sizes['dtype'])[6:]} stage {sizes['stage']} cp rank {sizes.get('cp_rank', 0)}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
               f"async{par.async_communication:d} shared{par.shared_sp_gather:d} vp{par.vocab_parallel:d} "
               f"cp{par.cp} {par.cp_comm_type} lb{par.cp_load_balance:d} {par.recompute} chunks{par.loss_chunks}", flush=True)
     print(f"{done - bad} of {done} cases equal to the byte")

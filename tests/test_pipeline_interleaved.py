@@ -9,6 +9,7 @@ and wgrad in W. Both schedules give the dense model's numbers (logits, loss, eve
 AdamW steps) at pp2 and pp4, with TP + SP + async + VP, CP, DP, tied embeddings and
 --recompute selective|full; the layouts of one world size run in one launch. Bad input is one
 line before launch."""
+import random
 from unittest import mock
 
 import pytest
@@ -21,6 +22,7 @@ from minimind_parallel.data.batches import dp_rows, random_batch, split_microbat
 from minimind_parallel.pipeline_parallel import schedules
 from minimind_parallel.pipeline_parallel.order import (Schedule, Step, backward, check_order, forward, idle_share,
                                                        schedule_order, simulate, weight)
+from minimind_parallel.pipeline_parallel.releases import release_points
 from minimind_parallel.pipeline_parallel.schedules import bubble_fraction
 from minimind_parallel.plan import stage_chunks, stage_of, stage_parameters
 from minimind_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -93,6 +95,44 @@ def test_simulate_finds_a_deadlock_and_a_link_out_of_order():
         simulate([[forward(0), backward(0), forward(1), backward(1)], [forward(0), forward(1), backward(0), backward(1)]], 2)
     with pytest.raises(ValueError, match="stage 0 sends stage 1 its messages in another order than it receives"):
         simulate([fine[0], [forward(1), forward(0), backward(0), backward(1)]], 2)
+
+
+@pytest.mark.parametrize("pp,m,schedule,v", [(2, 4, INTERLEAVED, 2), (4, 8, INTERLEAVED, 2), (2, 4, ZB, 1),
+                                             (4, 6, ZB, 1)])
+def test_each_send_is_released_after_a_receive_that_follows_the_peers_receive_whatever_the_timing(pp, m, schedule, v):
+    """release_points: a send is freed after the receive of an action that starts, in every timing,
+    after the peer has received it (so the wait there returns at once), or at the end."""
+    orders = _orders(pp, m, schedule, v)
+    releases = release_points(orders, pp, v)
+    rng = random.Random(0)
+    for _ in range(5):
+        times = {step: rng.uniform(0.1, 3) for step in Step}
+        spans = simulate(orders, pp, v, times)
+        received = _receiving_starts(orders, spans, pp, v)
+        for p, points in enumerate(releases):
+            for k, j in points.items():
+                if j == len(orders[p]):
+                    continue
+                assert spans[p][j][0] >= received[(p, k)], (p, orders[p][k], orders[p][j])
+    assert any(j < len(orders[p]) for p, points in enumerate(releases) for j in points.values())
+
+
+def _receiving_starts(orders, spans, pp, v):
+    """(stage, index of a sending action) -> when the peer's action that receives it starts."""
+    last, sends, starts = pp * v - 1, {}, {}
+    for p, order in enumerate(orders):
+        for k, a in enumerate(order):
+            vs = a.chunk * pp + p
+            if a.step is Step.FORWARD and vs < last:
+                sends[(a.microbatch, vs + 1, Step.FORWARD)] = (p, k)
+            elif a.step is Step.BACKWARD and vs > 0:
+                sends[(a.microbatch, vs - 1, Step.BACKWARD)] = (p, k)
+    for p, order in enumerate(orders):
+        for k, a in enumerate(order):
+            key = (a.microbatch, a.chunk * pp + p, a.step)
+            if key in sends:
+                starts[sends[key]] = spans[p][k][0]
+    return starts
 
 
 def test_orders_with_weight_steps_are_checked():

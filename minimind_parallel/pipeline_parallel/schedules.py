@@ -32,6 +32,7 @@ from ..loss_normalisation import (aux_loss_factor, aux_loss_weight, backward_los
 from . import p2p
 from ..tensor_parallel.deferred_wgrad import WeightGradStore, attach_weight_grad_store
 from .order import Action, Schedule, Step, forward, posted, schedule_order, virtual_stage
+from .releases import release_points, released_at
 
 
 @dataclass
@@ -182,15 +183,16 @@ class _Stage:
         return mine if self.groups.is_last_stage else None
 
 
-def run_order(stage: _Stage, order: list[Action]) -> None:
+def run_order(stage: _Stage, order: list[Action], releases: dict[int, int] | None = None) -> None:
     """Execute this stage's actions in order. A forward receives its input, runs and sends its
     output; a backward receives its output's grad, runs and sends its input's grad. A paired
     action's send and the next action's receive are one exchange (order.py), whose result is
     that next action's input. Every received grad, sent input grad and finished output is
     dropped as soon as it is dead: nothing of an earlier microbatch stays bound. An order with
-    chunks or W steps runs with posted sends (`run_posted`)."""
+    chunks or W steps runs with posted sends (`run_posted`), freeing each send at its point of
+    `releases` (releases.py)."""
     if posted(order):
-        run_posted(stage, order)
+        run_posted(stage, order, releases)
         return
     groups, like = stage.groups, stage.like
     inbox, received = None, False    # the next action's input, when a paired exchange brought it
@@ -220,58 +222,59 @@ def run_order(stage: _Stage, order: list[Action]) -> None:
         received = action.paired
 
 
-def run_posted(stage: _Stage, order: list[Action]) -> None:
+def run_posted(stage: _Stage, order: list[Action], releases: dict[int, int]) -> None:
     """Execute an order with chunks (virtual stage chunk*P + p) or W steps. A forward waits for
     its input from the previous virtual stage (stage p-1, or P-1 for chunk c > 0 of stage 0),
     a backward for its output's grad from the next; every send is posted and not waited for
-    (p2p.post_send; order.simulate proves the orders finish so), its output deallocated once the
-    send is done. Under zb a WeightGradStore is handed to the model's linears for the step: B
-    queues their wgrads, W runs them."""
+    (p2p.post_send; order.simulate proves the orders finish so). `releases` (releases.py) says
+    after which action's receive each send is waited and what it sent freed (a sent output
+    deallocated): the first whose message proves the peer has it, so the wait returns at once and
+    every buffer dies at a fixed point of the order. Under zb a WeightGradStore is handed to the
+    model's linears for the step: B queues their wgrads, W runs them."""
     groups, like, pp = stage.groups, stage.like, stage.groups.par.pp
     last = pp * groups.par.virtual_stages - 1
-    sends = []                              # [(handle, sent output or None)] not known done
+    due = released_at(releases)
+    sends = {}                              # index of the sending action -> (handle, what it sent, output?)
     if any(a.step is Step.WEIGHT for a in order):
         stage.weight_grads = WeightGradStore()
         attach_weight_grad_store(stage.model, stage.weight_grads)
     try:
-        for action in order:
+        for k, action in enumerate(order):
             vs = virtual_stage(action, pp, groups.pp_rank)
             if action.step is Step.FORWARD:
                 x = p2p.recv_posted(groups, like, forward=True) if vs > 0 else None
+                _release(sends, due.get(k, ()))
                 out = stage.forward(action.microbatch, x, action.chunk)
                 stage.hold(action.unit, x, out)
                 x = None
                 if vs < last:
-                    sends.append((p2p.post_send(out, groups, forward=True), out))
+                    sends[k] = (p2p.post_send(out, groups, forward=True), out, True)
                 out = None
             elif action.step is Step.BACKWARD:
                 grad = p2p.recv_posted(groups, like, forward=False) if vs < last else None
+                _release(sends, due.get(k, ()))
                 input_grad = stage.backward(action.unit, grad)
                 grad = None
                 if vs > 0:
-                    sends.append((p2p.post_send(input_grad, groups, forward=False), None))
+                    sends[k] = (p2p.post_send(input_grad, groups, forward=False), input_grad, False)
                 input_grad = None
             else:
                 stage.weight(action.unit)
-            sends = _settle(sends)
-        _settle(sends, wait=True)    # not on an error: a peer that failed would never receive
+        _release(sends, list(sends))    # not on an error: a peer that failed would never receive
     finally:
         if stage.weight_grads is not None:
             attach_weight_grad_store(stage.model, None)
 
 
-def _settle(sends: list, *, wait: bool = False) -> list:
-    """Complete the posted sends that are done (all of them with `wait`), deallocating each sent
-    output (`deallocate_output_tensor`) -> those still in flight."""
-    pending = []
-    for handle, out in sends:
-        if wait or handle.done():
-            handle.wait()
-            if out is not None:
-                deallocate_output_tensor(out)
-        else:
-            pending.append((handle, out))
-    return pending
+def _release(sends: dict, indices) -> None:
+    """Wait the posted sends of the actions `indices` and free what they sent (a sent output is
+    deallocated to its one-element stand-in, an input grad dropped)."""
+    for k in indices:
+        handle, sent, is_output = sends.pop(k)
+        handle.wait()
+        if is_output:
+            deallocate_output_tensor(sent)
+        handle = sent = None
 
 
 def all_forwards(stage: _Stage) -> None:
@@ -283,8 +286,9 @@ def all_forwards(stage: _Stage) -> None:
             for i in range(len(stage.microbatches)):
                 stage.send_forward(stage.forward(i, p2p.recv_forward(groups, stage.like)))
             return
-        order = [forward(i, chunk=c) for c in range(groups.par.virtual_stages) for i in range(len(stage.microbatches))]
-        run_posted(stage, order)
+        pp, v = groups.par.pp, groups.par.virtual_stages
+        orders = [[forward(i, chunk=c) for c in range(v) for i in range(len(stage.microbatches))] for _ in range(pp)]
+        run_posted(stage, orders[groups.pp_rank], release_points(orders, pp, v)[groups.pp_rank])
 
 
 def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list, *,
@@ -303,8 +307,10 @@ def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list
     if forward_only:      # no schedule: every microbatch (chunk by chunk) through
         all_forwards(stage)
     else:
-        run_order(stage, schedule_order(groups.par.pp, groups.pp_rank, len(microbatches), schedule,
-                                        groups.par.virtual_stages))
+        pp, v = groups.par.pp, groups.par.virtual_stages
+        orders = [schedule_order(pp, p, len(microbatches), schedule, v) for p in range(pp)]
+        order = orders[groups.pp_rank]
+        run_order(stage, order, release_points(orders, pp, v)[groups.pp_rank] if posted(order) else None)
     return stage.result(time.perf_counter() - start)
 
 

@@ -10,6 +10,8 @@ of what is alive then. One file per facet; a new parallelism adds its own:
     cp_attention_moments.py  context parallelism: inside a block's attention backward
     schedule_replay.py       the stage's schedule replayed (the order the runtime executes), the
                              forward ends and the optimizer step
+    posted_replay.py         the posted orders (interleaved's chunks) replayed unit by unit, with
+                             each send alive until its release point
     predict.py               `predict_memory`: the worst moment of every stage (and CP rank)
 
 The moments are those the tracker found on every configuration tried; tests/test_memory.py

@@ -8,18 +8,20 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
-from ...pipeline_parallel.order import Schedule, posted, schedule_order
+from ...pipeline_parallel.order import Schedule, check_schedule, posted, schedule_order
+from ...pipeline_parallel.releases import release_points
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .moe_sizes import moe_report, moe_temporaries
+from .posted_replay import replay_posted
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
-from .stage_sizes import stage_sizes
+from .stage_sizes import chunk_sizes, stage_sizes
 from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
 
 
-# the schedules whose orders the model replays (interleaved's chunks and zb's W steps are not modelled)
-MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+# the schedules whose orders the model replays (zb's W-pending tensors are not modelled yet)
+MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
 # the --zero levels it predicts (2: the grads alive depend on the buckets backward has finished; 3: FSDP2's
 # gathers); the planner enumerates these two tuples' members
 MODELLED_ZERO_LEVELS = (0, 1)
@@ -61,6 +63,10 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
+    check_schedule(schedule, par, num_microbatches)
+    if par.pp > 1 and schedule not in MODELLED_SCHEDULES:
+        raise NotImplementedError(f"predict_memory: the {schedule} schedule is not modelled "
+                                  f"({', '.join(map(str, MODELLED_SCHEDULES))} are)")
     if cp_rank is not None and not 0 <= cp_rank < par.cp:
         raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
     cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
@@ -102,10 +108,14 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
-    if posted(order):
-        raise NotImplementedError(f"predict_memory: the {schedule} schedule's chunks and W steps are not modelled "
-                                  f"(gpipe and 1f1b are)")
-    moments, in_flight = replay_schedule(s, order)
+    if posted(order):   # its sends' release points come from every stage's order
+        orders = [stage_order(par.pp, p, num_microbatches, schedule, par.virtual_stages) for p in range(par.pp)]
+        chunks = chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                             num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
+        releases = release_points(orders, par.pp, par.virtual_stages)[stage]
+        moments, in_flight = replay_posted(s, chunks, order, releases)
+    else:
+        moments, in_flight = replay_schedule(s, order)
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if layout is None:

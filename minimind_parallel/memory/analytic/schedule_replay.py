@@ -71,7 +71,7 @@ def _earlier_forward_end(s: StageSizes) -> tuple[int, int]:
     return s.held - s.held_temps, residual * s.b * s.nn * s.hid
 
 
-def _batch_saved(s: StageSizes) -> int:
+def batch_saved(s: StageSizes) -> int:
     """The tracker files a storage under activations from the first time autograd saves it: the
     ids once the embedding saves them (and the targets, when the replicated head's loss saves a
     view of them: one sequence)."""
@@ -79,7 +79,7 @@ def _batch_saved(s: StageSizes) -> int:
     return (8 * s.n * s.mb if s.first and not vp else 0) + (8 * s.n * s.mb if s.last and not vp and s.bsz == 1 else 0)
 
 
-def _forward_moment(s: StageSizes, n_held: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
+def forward_moment(s: StageSizes, n_held: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
     """The end of a forward, `n_held` microbatches held before it. The runtime binds nothing of
     earlier microbatches (it drops each received grad, sent input grad and loss once dead:
     pipeline_parallel.schedules.run_order)."""
@@ -97,17 +97,17 @@ def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
     """Every moment of the stage's `order` (its schedule's actions) -> (grads, activations,
     temporaries), and how many microbatches each finds in flight."""
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
-    inner, batch_saved = backward_moments(s), _batch_saved(s)
+    inner, batch = backward_moments(s), batch_saved(s)
     for action in order:
         i = action.microbatch
         grads = s.param_bytes if n_bwd else 0      # after the first backward every grad exists
         # the fp32 loss weights are filed as activations once a loss scaling saves them
-        saved = batch_saved + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
+        saved = batch + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
         # the last stage's losses so far (and a backward's seed, d loss / d loss)
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
         extra += s.loss_scalar if action.step is Step.BACKWARD and s.last else 0
         if action.step is Step.FORWARD:
-            moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, grads, saved, extra)
+            moments[f"forward_end[{i}]"] = forward_moment(s, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             continue
@@ -127,6 +127,6 @@ def optimizer_step(s: StageSizes, stepped: list[int] | None = None, grads: int |
     --zero: the slices, zero_sizes.py), `grads` the grads alive (default: the parameters')."""
     sizes = [0] + (stepped if stepped is not None else [s.b * n for n in s.counts.each])
     scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
-    saved = _batch_saved(s)
+    saved = batch_saved(s)
     return (s.param_bytes if grads is None else grads, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets
             + (s.loss_scalar if s.last else 0))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -238,6 +238,14 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
                       block_params=b * counts.top_block,
                       heads=c.num_attention_heads // t, kv_heads=c.num_key_value_heads // t, head_dim=c.head_dim,
                       chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank)
+
+
+def chunk_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, **kw) -> list[StageSizes]:
+    """The sizes of each model chunk of pipeline stage `stage` (one without virtual stages): chunk
+    v is virtual stage v P + stage, sized as that stage of a P V-stage pipeline (its layers, the
+    embedding on the first, the head on the last; the plan's `stage_chunks`)."""
+    chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1)
+    return [stage_sizes(c, chunked, v * par.pp + stage, **kw) for v in range(par.virtual_stages)]
 
 
 def chunk_rows(n: int, chunks: int) -> list[int]:

@@ -1,0 +1,74 @@
+"""The posted orders replayed (interleaved's model chunks): every moment of one stage's step,
+unit by unit.
+
+The moments are schedule_replay.py's, summed per (microbatch, chunk) unit instead of counted
+per microbatch: each held unit keeps what its chunk's forward saved (`chunks[c]`, the sizes of
+virtual stage c P + p as a stage of a P V-stage pipeline: its blocks, the received input, the
+embedding on virtual stage 0, the head and loss on the last), and a chunk's grads exist from
+its first backward on. And what a posted send sent is alive until its release point
+(pipeline_parallel.releases): a sent output whole, [S(/T), B, H], instead of its one-element
+stand-in, an input grad of that shape. (zb's W steps are not replayed: from its B to its W a
+unit keeps every deferred linear's output grad and saved input, docs/pipeline.md.)
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ...pipeline_parallel.order import Action, Step
+from .backward_moments import backward_moments
+from .schedule_replay import batch_saved, forward_moment
+from .stage_sizes import StageSizes
+
+
+def _sent(s: StageSizes, action: Action) -> int:
+    """The bytes a posted send keeps alive past its stand-in until released: a sent output
+    (whole, its stand-in counted in held_temps) or an input grad."""
+    boundary = s.b * s.nn * s.hid
+    return boundary - s.b if action.step is Step.FORWARD else boundary
+
+
+def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
+                  releases: dict[int, int]) -> tuple[dict, dict]:
+    """Every moment of the stage's posted `order` (chunks, no W steps) -> (grads, activations,
+    temporaries), and how many units each finds held. `s`: the stage's sizes (batch, loss
+    scalars), `chunks[c]` those of its chunk c, `releases` the send release points."""
+    moments, in_flight = {}, {}
+    held: dict = {}                 # unit -> chunk sizes, forwarded and not backwarded
+    backwarded: set = set()         # chunks whose grads exist
+    sending: dict = {}              # index of a sending action -> bytes alive until its release
+    n_fwd_last = 0
+    targets = batch_saved(replace(s, first=False))   # the last stage's share of batch_saved
+    inner = [backward_moments(cs) for cs in chunks]
+    for k, action in enumerate(order):
+        i, c = action.unit
+        cs = chunks[c]
+        sending = {j: v for j, v in sending.items() if releases[j] > k}   # released after this receive
+        grads = sum(chunks[x].param_bytes for x in backwarded)
+        # the last chunk's targets are saved from its first forward on (the ids from the first's)
+        loss_seen = n_fwd_last > 0 or (action.step is Step.FORWARD and cs.last)
+        saved = batch_saved(s) - (0 if loss_seen else targets)
+        saved += 4 * s.mb if s.last and s.weight == 0 and n_fwd_last else 0
+        extra = s.batch - saved + s.ddp_buckets + (n_fwd_last * s.loss_scalar if s.last else 0)
+        extra += sum(sending.values())
+        held.pop(action.unit, None)       # a backward's own unit: in its moments' own terms
+        others_acts = sum(u.held - u.held_temps for u in held.values())
+        others_temps = sum(u.held_temps for u in held.values())
+        if action.step is Step.FORWARD:
+            g, a, t = forward_moment(cs, 0, grads, saved, extra)
+            moments[f"forward_end[{i}.{c}]"] = (g, a + others_acts, t + others_temps)
+            in_flight[f"forward_end[{i}.{c}]"] = len(held) + 1
+            held[action.unit] = cs
+            n_fwd_last += cs.last
+            if releases.get(k) is not None:
+                sending[k] = _sent(cs, action)
+            continue
+        extra += s.loss_scalar if cs.last and s.last else 0
+        for name, (new_grads, a, temp) in inner[c].items():
+            g = grads if c in backwarded else grads + new_grads
+            moments[f"{name}[{i}.{c}]"] = (g, saved + others_acts + a - cs.held_temps,
+                                           extra + temp + others_temps + cs.held_temps)
+            in_flight[f"{name}[{i}.{c}]"] = len(held) + 1
+        backwarded.add(c)
+        if releases.get(k) is not None:
+            sending[k] = _sent(cs, action)
+    return moments, in_flight
