@@ -16,6 +16,7 @@ from minimind_parallel.data.batches import dp_rows, random_batch
 from minimind_parallel.loss_normalisation import equal_replicas_mean
 from minimind_parallel.memory import MemoryMeter, estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
+from minimind_parallel.memory.analytic.zero_sizes import zero_layouts
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, unwrap, wrap_data_parallel
 from minimind_parallel.validation import compare_with_dense, dense_slice, failures, format_report
@@ -323,25 +324,61 @@ def _ckpt_save(save_dir: str):
     return _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
 
 
+def _ckpt_chunks(save_dir: str) -> dict:
+    """{optimizer state key: [chunk elements]} of the saved index, and the parameters' elements."""
+    import torch.distributed.checkpoint as dcp
+    from minimind_parallel.checkpoint import resolve_checkpoint
+    index = dcp.FileSystemReader(resolve_checkpoint(save_dir)).read_metadata().state_dict_metadata
+    return {fqn: [c.sizes.numel() for c in md.chunks] for fqn, md in index.items()
+            if fqn.startswith("optim.") and fqn.endswith(".exp_avg")}
+
+
 def _ckpt_resume(save_dir: str, layouts: list[dict]):
     """The checkpoint loaded onto each layout (another initialisation first), the later losses."""
     out = []
-    for layout in layouts:
+    for i, layout in enumerate(layouts):
         groups, config, model, optimizer = _ckpt_setup(ParallelConfig(**layout), seed=1)
         load_checkpoint(save_dir, model=model, optimizer=optimizer, config=config, par=groups.par, groups=groups)
-        out.append(_ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config))
+        losses = _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
+        if groups.par.zero:   # this layout's own sliced save loads back bit for bit
+            again = f"{save_dir}/again{i}"
+            save_checkpoint(again, CKPT_STEPS, model=model, optimizer=optimizer, config=config, par=groups.par,
+                            groups=groups, extra={})
+            _, _, fresh, fresh_optimizer = _ckpt_setup(groups.par, seed=2)
+            load_checkpoint(again, model=fresh, optimizer=fresh_optimizer, config=config, par=groups.par,
+                            groups=groups)
+            for main, loaded in zip(optimizer.inner.param_groups[0]["params"],
+                                    fresh_optimizer.inner.param_groups[0]["params"], strict=True):
+                assert all(torch.equal(optimizer.inner.state[main][k], fresh_optimizer.inner.state[loaded][k])
+                           for k in ("step", "exp_avg", "exp_avg_sq")), layout
+        out.append(losses)
     return out
 
 
-def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_and_zero2_tp2_dp2(tmp_path):
-    """The checkpoint holds whole states (gathered from the slices, placed by the plan): it loads at
-    any zero level and DP size, and the run continues at round-off (float32, 2 AdamW steps)."""
+def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_zero2_tp2_dp2_and_pp2(tmp_path):
+    """Each rank writes its slices of the states as chunks of the dense tensors (nothing gathered):
+    the checkpoint loads at any zero level, DP size and layout, and the run continues at round-off
+    (float32, 2 AdamW steps); the sliced saves of tp2 x dp2 (zero2, SP) and pp2 x dp2 (tied
+    copies) load back bit for bit."""
     uninterrupted = run_ranks(_ckpt_save, 4, str(tmp_path))[0]
-    four = run_ranks(_ckpt_resume, 4, str(tmp_path), [dict(dp=2, tp=2, zero=2, sequence_parallel=True),
-                                                      dict(dp=4, zero=1)])[0]
+    # each rank wrote its slices only: every state's chunks add up to the tensor once, and a
+    # parameter larger than a rank's share of its bucket is in several ranks' chunks
+    chunks = _ckpt_chunks(str(tmp_path))
+    config = MiniMindConfig(**TINY, tie_word_embeddings=True)
+    dense = dict(MiniMindForCausalLM(config).named_parameters())
+    assert {f"optim.{n}.exp_avg" for n in dense} == set(chunks)
+    for name, p in dense.items():
+        assert sum(chunks[f"optim.{name}.exp_avg"]) == p.numel(), name
+    layout = zero_layouts(config, ParallelConfig(dp=4, zero=1), 0, torch.float32, SMALL_BUCKETS)[0]
+    largest_slice = max(b.shard_numel for b in layout.buckets)
+    assert max(n for c in chunks.values() for n in c) <= largest_slice < dense["model.embed_tokens.weight"].numel()
+    assert len(chunks["optim.model.embed_tokens.weight.exp_avg"]) >= 4   # a part on each of the 4 ranks
+    every = run_ranks(_ckpt_resume, 4, str(tmp_path), [dict(dp=2, tp=2, zero=2, sequence_parallel=True),
+                                                       dict(dp=4, zero=1), dict(dp=2, pp=2, zero=1)])
+    four = [next(rank[i] for rank in every if rank[i][0] is not None) for i in range(3)]   # pp2: the last stage's
     two = run_ranks(_ckpt_resume, 2, str(tmp_path), [dict(dp=2), dict(dp=2, zero=2)])[0]
     assert four[1] == uninterrupted            # the same layout: bit for bit
-    for resumed in (four[0], *two):
+    for resumed in (four[0], four[2], *two):
         assert resumed == pytest.approx(uninterrupted, rel=1e-5, abs=0), (resumed, uninterrupted)
     other_init = run_ranks(_ckpt_resume_nothing, 2)[0]
     assert other_init != pytest.approx(uninterrupted, rel=1e-3, abs=0)   # the check can fail

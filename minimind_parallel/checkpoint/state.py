@@ -6,8 +6,9 @@ What one checkpoint holds (DCP keys; dense parameter names, see `placement`):
     model.<name>                     every parameter, as the plan places it
     optim.<name>.<state>             every optimizer state: AdamW's exp_avg, exp_avg_sq (placed
                                      like the parameter) and step (a scalar every rank holds);
-                                     under --zero gathered from the slices on save and sliced
-                                     again on load (any zero level, DP size or layout resumes it)
+                                     under --zero each rank writes its slices as chunks of them
+                                     (slices.py: nothing gathered) and a load slices again what
+                                     it reads (any zero level, DP size or layout resumes it)
     rng.rank<r>.<device type>        rank r's random generator states (cpu, and the accelerator's)
     meta.json                        step, model config, layout, optimizer hyper-parameters, extra
 """
@@ -31,6 +32,7 @@ from ..zero import DistributedOptimizer
 from .directory import (META, check_checkpoint_config, new_temp_dir, prune, publish, read_meta, resolve_checkpoint,
                         write_json)
 from .placement import checkpoint_key, local_part, placed, tp_mesh
+from .slices import sliced_states
 
 FORMAT_VERSION = 1
 
@@ -55,7 +57,7 @@ def save_checkpoint(save_dir: str, step: int, *, model: nn.Module, optimizer: to
     if error is None:
         mesh = tp_mesh(groups, _device_type(model))
         state = {"model": _model_tensors(model, config, par, mesh),
-                 "optim": _optimizer_tensors(model, optimizer, config, par, mesh),
+                 "optim": _optimizer_tensors(model, optimizer, config, par, mesh, groups),
                  "rng": {f"rank{groups.rank}": _rng_states(model)}}
         try:
             dcp.save(state, checkpoint_id=temp)
@@ -136,14 +138,16 @@ def _model_tensors(model, config, par, mesh) -> dict:
             for n, p in unwrap(model).named_parameters()}
 
 
-def _optimizer_tensors(model, optimizer, config, par, mesh) -> dict:
+def _optimizer_tensors(model, optimizer, config, par, mesh, groups) -> dict:
     """{key: {state: tensor}} of every parameter with optimizer state ({} before the first step).
-    Under --zero the distributed optimizer's slices are gathered into each parameter's states
-    first, so a checkpoint is the same whatever the zero level (and loads at any)."""
+    Under --zero each rank writes the distributed optimizer's slices as chunks of the dense states
+    (`slices.sliced_states`), so a checkpoint describes the same tensors whatever the zero level
+    (and loads at any)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return sliced_states(optimizer, config, par, groups)
     out = {}
-    whole = optimizer.param_states() if isinstance(optimizer, DistributedOptimizer) else None
     for name, p in unwrap(model).named_parameters():
-        states = whole.get(name, {}) if whole is not None else optimizer.state.get(p, {})
+        states = optimizer.state.get(p, {})
         out_p = {}
         for state, value in states.items():
             if not isinstance(value, torch.Tensor):

@@ -270,27 +270,10 @@ class DistributedOptimizer:
         for b in self.buffers:
             b.gather()
 
-    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's AdamW states whole (as the replicated optimizer holds them: exp_avg and
-        exp_avg_sq shaped like the parameter, the step counter), gathered from the slices; {} before
-        the first step. Collective over the reduction groups (a checkpoint's save)."""
-        if not self.inner.state:
-            return {}
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for b in self.buffers:
-            step = self.inner.state[b.mains[0]]["step"]
-            for key in ("exp_avg", "exp_avg_sq"):
-                whole = torch.zeros_like(b.flat)                                         # [numel padded]
-                for main, bucket in zip(b.mains, b.layout.buckets):
-                    whole[slice(*bucket.shard_range(b.rank))].copy_(self.inner.state[main][key])
-                b.gather_into(whole)
-                for name in b.params:
-                    out.setdefault(name, {"step": step.clone()})[key] = b.view(whole, name).clone()
-        return out
-
     def slice_states(self, states: dict[str, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
         """The inner AdamW's state (by its parameter index) from every parameter's whole states
-        (`param_states`' form, as a checkpoint holds them): each rank keeps its slices."""
+        ({name: {"step", "exp_avg", "exp_avg_sq"}}, as a checkpoint's load reads them): each rank
+        keeps its slices."""
         out, index = {}, 0
         for b in self.buffers:
             whole = {key: torch.zeros_like(b.flat) for key in ("exp_avg", "exp_avg_sq")}   # [numel padded]
