@@ -216,8 +216,8 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
     check_pipeline_chunks(model, par)
     if model.use_moe and par.virtual_stages > 1:   # a stage's aux loss is its layers' of the last forward
         raise ConfigError(f"--use_moe runs one model chunk per pipeline stage; got virtual_stages={par.virtual_stages}")
-    if model.use_moe and par.zero == 3:   # FSDP2's mesh is DP x CP: the experts' EDP group is not wired to it
-        raise ConfigError(f"--zero 3 with --use_moe is not supported (levels 1 and 2 are, at any ep_size); "
+    if model.use_moe and par.zero == 3 and par.ep > 1:   # FSDP2's mesh is DP x CP: the experts' EDP group is not wired to it
+        raise ConfigError(f"--zero 3 with --use_moe is supported with ep_size 1 (levels 1 and 2 at any ep_size); "
                           f"got zero={par.zero}, ep_size={par.ep}")
     if seq_len is not None:
         if seq_len < 2:
@@ -301,9 +301,9 @@ def check_zero(par: ParallelConfig) -> None:
     """--zero names a level the library shards at, over a DP x CP group of more than one rank."""
     if par.zero not in ZERO_LEVELS:
         raise ConfigError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}; got zero={par.zero}")
-    if par.zero == 3 and (par.tp > 1 or par.pp > 1):
-        raise ConfigError(f"--zero 3 (FSDP2's fully_shard) is composed with data and context parallelism only, not "
-                          f"with the project's tensor or pipeline parallelism; got tp_size={par.tp}, pp_size={par.pp}")
+    if par.zero == 3 and par.pp > 1:
+        raise ConfigError(f"--zero 3 (FSDP2's fully_shard) is composed with data, context and tensor parallelism, "
+                          f"not with the project's pipeline parallelism; got pp_size={par.pp}")
     if par.zero and par.dp * par.cp == 1:
         raise ConfigError(f"--zero {par.zero} shards over the data-parallel x context-parallel ranks and needs "
                           f"dp_size x cp_size > 1; got dp_size={par.dp}, cp_size={par.cp}")

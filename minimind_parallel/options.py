@@ -128,6 +128,7 @@ PRESETS = (
     Preset("tp_zero1", tp=True, flags=dict(zero=1)),
     Preset("tp_sp_async_zero1", tp=True, flags={**SP_ASYNC, "zero": 1}),
     Preset("tp_zero2", tp=True, flags=dict(zero=2)),
+    Preset("tp_sp_async_zero3", tp=True, flags={**SP_ASYNC, "zero": 3}),
     # MiniMind's mixture-of-experts model (--use_moe): router and experts whole on every TP rank
     Preset("moe", flags=dict(use_moe=True)),
     Preset("tp_moe", tp=True, flags=dict(use_moe=True)),
@@ -330,14 +331,6 @@ def check_common(job, runs: list, *, steps: str | None, kernels: bool = True,
     for run_args, par in runs:
         check_run(run_args, par)
     check_world(job.launch, job.parallel.world_size, args.dtype, kernels=kernels)
-
-
-def check_fully_sharded(task: str, par: ParallelConfig) -> None:
-    """--zero 3 (FSDP2's DTensor parameters) runs in validate only: checkpoints, the memory meter and
-    --estimate read plain tensors."""
-    if par.zero == 3:
-        raise ConfigError(f"{task} does not take --zero 3 (FSDP2's sharded parameters are checked by validate only: "
-                          f"checkpoints, the memory meter and --estimate read plain tensors); use --zero 1 or 2")
 
 
 def check_launcher(launch) -> None:

@@ -2,7 +2,8 @@
 # The GPU path on one CUDA device: NCCL init, validate against the dense model on the GPU, and
 # the CUDA memory meter (torch.cuda.max_memory_allocated) beside the analytic model, the
 # fake-tensor estimate and the allocator's prediction from a CPU, at the book's section 4.1 model
-# size; then step time, and a short train run (stopped half-way, resumed), export and generate.
+# size; MiniMind's MoE (validate, and step time with the grouped expert GEMMs); then step time,
+# and a short train run (stopped half-way, resumed), export and generate.
 # One GPU means world size 1 (NCCL refuses two ranks on one device), so TP/SP/PP on NCCL need a
 # multi-GPU machine. Written for a few minutes of GPU time (about 5 on an H200, most of it starting jobs).
 #   bash scripts/gpu_check.sh [OUT_DIR]
@@ -35,6 +36,14 @@ $py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-c
   --recompute selective
 $py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype bfloat16 --optimizer_steps 3 \
   --recompute selective
+echo "== MiniMind's MoE on CUDA: validate in float32 (per-expert loop) and bfloat16 (torch._grouped_mm at capability >= 9.0)"
+$py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype float32 --optimizer_steps 3 \
+  --use_moe --num_experts 4 --num_experts_per_tok 2
+$py -m evaluation.parallel validate --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- $tiny --dtype bfloat16 --optimizer_steps 3 \
+  --use_moe --num_experts 4 --num_experts_per_tok 2
+echo "== MoE step time on CUDA: dense, sorted experts (grouped GEMM in bfloat16), MiniMind's loop"
+$py scripts/moe_step_time.py --device ${DEVICE:-cuda} --hidden_size 768 --num_hidden_layers 8 --seq_len 2048 --batch 2 --iters 10
+$py scripts/moe_step_time.py --device ${DEVICE:-cuda} --dtype bfloat16 --hidden_size 768 --num_hidden_layers 8 --seq_len 2048 --batch 2 --iters 10
 echo "== step time on CUDA (ddp, world 1) at the same size, 8 layers"
 $py -m evaluation.parallel benchmark --kind throughput --tp_size 1 --pp_size 1 --device ${DEVICE:-cuda} -- --modes ddp ${BENCH_MODES:-} \
   --num_hidden_layers 8 $seed --dtype bfloat16 --warmup_iters 3 --benchmark_iters ${BENCH_ITERS:-20} \

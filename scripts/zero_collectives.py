@@ -1,4 +1,4 @@
-"""Collectives of one training step under DDP and --zero 1 / 2, counted from the real calls.
+"""Collectives of one training step under DDP and --zero 1 / 2 / 3, counted from the real calls.
 
 Spawns W gloo ranks (data-parallel, one thread each), takes a warm-up step, then one step inside
 `profiling.CollectiveLog` (every c10d operator with the bytes this rank hands it), split into the
@@ -28,7 +28,7 @@ from minimind_parallel.profiling.collectives import CollectiveLog
 from minimind_parallel.training import build_parallel_model, finalize_grads, make_optimizer, train_step
 from minimind_parallel.training import wrap_data_parallel
 
-LEVELS = (0, 1, 2)
+LEVELS = (0, 1, 2, 3)
 
 
 def _rank(rank: int, world: int, store: str, args, out: dict) -> None:

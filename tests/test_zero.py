@@ -1,9 +1,14 @@
 """Sharded data parallelism (--zero 1 and 2, the distributed optimizer) gives the dense model's
 numbers: logits, loss, the grad of every slice a rank owns, several AdamW steps (parameters
 all-gathered), at dp2 and dp4, with TP (SP, async, VP), PP, CP, tied embeddings and gradient
-accumulation; the global grad norm over the slices counts every parameter once (float64, a
-clipped step); each rank's AdamW states are its slices only; the bucket layout covers every
-parameter once. The layouts of one world size run in one `run_ranks` launch."""
+accumulation, and so does --zero 3 (FSDP2) over DP, CP and TP (SP, async, VP); --zero 1 and 2
+with the MoE model under expert parallelism; the global grad norm over the slices counts every
+parameter once (float64, a clipped step; at --zero 3 with TP and with MoE experts too); the tracker,
+--estimate and (--zero 1, 2) predict_memory agree to the byte; each rank's AdamW states are its
+slices only; the bucket layout covers every parameter once. The layouts of one world size run in
+one `run_ranks` launch. Checkpoints resume across zero levels, DP sizes and TP (FSDP2's DTensors at
+--zero 3; --zero 1/2 write their slices as chunks), and a --zero 3 train run saved under TP
+continues at zero 0."""
 from dataclasses import replace
 
 import pytest
@@ -25,7 +30,7 @@ from minimind_parallel.zero.fully_shard import local, whole
 from test_cli import assert_refused_before_launch
 from test_expert_parallel import TINY_MOE
 from test_memory import MOE_EP_MODES
-from test_train import corpus, data_args  # noqa: F401  (the fixture)
+from test_train import corpus, data_args, halted_run, losses, train_in_ranks  # noqa: F401  (the fixture)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
 SMALL_BUCKETS = 0.01   # MiB: about 2600 float32 elements, so every layout has several buckets
@@ -51,14 +56,19 @@ VALIDATE = {
     "moe dp4 ep2 zero2": (dict(dp=4, ep=2, zero=2), dict(moe=True)),
     "moe dp2 tp2 ep2 sp zero1": (dict(dp=2, tp=2, ep=2, zero=1, sequence_parallel=True), dict(moe=True)),
     "moe dp2 tp2 ep2 sp zero2": (dict(dp=2, tp=2, ep=2, zero=2, sequence_parallel=True), dict(moe=True)),
+    "dp2 tp2 sp zero3 tied": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), dict(tied=True)),
+    "dp2 tp2 sp async vp zero3": (dict(dp=2, tp=2, zero=3, **SP_ASYNC_VP), dict()),
 }
-# name -> (layout, tied, microbatches): a clipped float64 step against the dense one
+MOE = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+# name -> (layout, tied, microbatches[, MoE fields]): a clipped float64 step against the dense one
 CLIP = {
     "dp2 zero2 clip": (dict(dp=2, zero=2), False, 2),
     "dp2 tp2 zero1 tied clip": (dict(dp=2, tp=2, zero=1), True, 1),     # replicated embedding: TP rank 0 only
     "dp2 pp2 zero2 tied clip": (dict(dp=2, pp=2, zero=2), True, 2),     # tied copies on two stages: once
     "dp2 zero3 tied clip": (dict(dp=2, zero=3), True, 2),               # FSDP2's shards
-    "moe dp4 ep2 zero2 clip": (dict(dp=4, ep=2, zero=2), False, 1),     # experts: over EDP, then over EP
+    "moe dp4 ep2 zero2 clip": (dict(dp=4, ep=2, zero=2), False, 1, MOE),     # experts: over EDP, then over EP
+    "dp2 tp2 sp zero3 tied clip": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), True, 1),   # of TP shards
+    "dp2 zero3 moe clip": (dict(dp=2, zero=3), False, 1, MOE),          # the experts' shards
 }
 
 
@@ -74,19 +84,20 @@ def _validate(par: ParallelConfig, opts: dict):
                               bucket_size_mb=SMALL_BUCKETS, **opts)
 
 
-def _clip(par: ParallelConfig, tied: bool, microbatches: int):
+def _clip(par: ParallelConfig, tied: bool, microbatches: int, moe: dict | None = None):
     """A float64 step clipped at a tenth of the norm: (norm, dense norm, worst param error, AdamW
-    state elements on this rank, elements of the rank's slices, elements of its parameters)."""
+    state elements on this rank, elements of the rank's slices, elements of its parameters).
+    moe: the MoE model's fields (its experts sharded like every other parameter at ep 1)."""
     groups = ProcessGroups.build(par)
     torch.manual_seed(0)
-    config = _config(tied, par.ep > 1)
+    config = MiniMindConfig(**TINY, tie_word_embeddings=tied, **(moe or {}))
     dense = MiniMindForCausalLM(config).double()
     model = wrap_data_parallel(build_parallel_model(config, par, groups, dense.state_dict(), dtype=torch.float64),
                                groups)
     optimizer = make_optimizer(model, 1e-2, groups, SMALL_BUCKETS)
     assert isinstance(optimizer, DistributedOptimizer) == (par.zero < 3)
     batch = random_batch(1, 4 * par.dp, 16, config.vocab_size)
-    dense(batch.input_ids, targets=batch.targets).objective.backward()   # (+ the aux loss of an MoE model)
+    dense(batch.input_ids, targets=batch.targets).objective.backward()   # the LM loss (+ the MoE aux loss)
     full = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")).item()
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1 * full).item()
     make_optimizer(dense, 1e-2).step()
@@ -107,6 +118,8 @@ MEMORY = {
     "dp2 zero1 buckets": (dict(dp=2, zero=1), 1, SMALL_BUCKETS),
     "dp2 zero1 one bucket accumulation": (dict(dp=2, zero=1), 2, 25.0),
     "dp2 zero2 buckets": (dict(dp=2, zero=2), 1, SMALL_BUCKETS),
+    "dp2 zero3 accumulation": (dict(dp=2, zero=3), 2, 25.0),    # FSDP2 under the tracker and on fake tensors
+    "dp2 tp2 sp zero3": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 1, 25.0),
 }
 
 
@@ -275,17 +288,14 @@ def test_the_buckets_cover_every_parameter_once_and_pad_to_the_group():
     (["validate", "--tp_size", "2", "--", "--zero", "2"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
     (["validate", "--", "--mode", "zero1"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
     (["validate", "--dp_size", "2", "--", "--zero", "4"], "argument --zero: invalid choice: 4"),
-    (["validate", "--tp_size", "2", "--dp_size", "2", "--", "--zero", "3"],
-     "--zero 3 (FSDP2's fully_shard) is composed with data and context parallelism only, not with the project's "
-     "tensor or pipeline parallelism; got tp_size=2, pp_size=1"),
-    (["validate", "--pp_size", "2", "--dp_size", "2", "--", "--zero", "3"], "got tp_size=1, pp_size=2"),
-    (["benchmark", "--dp_size", "2", "--", "--modes", "zero3", "--num_hidden_layers", "1"],
-     "benchmark does not take --zero 3 (FSDP2's sharded parameters are checked by validate only"),
+    (["validate", "--pp_size", "2", "--dp_size", "2", "--", "--zero", "3"],
+     "--zero 3 (FSDP2's fully_shard) is composed with data, context and tensor parallelism, not with the project's "
+     "pipeline parallelism; got pp_size=2"),
     (["validate", "--dp_size", "2", "--", "--zero", "1", "--bucket_size_mb", "0"],
      "bucket_size_mb must be > 0 MiB; got bucket_size_mb=0"),
     (["benchmark", "--dp_size", "2", "--", "--modes", "zero2", "--bucket_size_mb", "-1", "--num_hidden_layers", "1"],
      "bucket_size_mb must be > 0 MiB; got bucket_size_mb=-1"),
-], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "zero3_tp", "zero3_pp", "zero3_benchmark",
+], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "zero3_pp",
                                  "bucket_zero", "benchmark_bucket"])
 def test_bad_zero_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
     assert_refused_before_launch(argv, message, monkeypatch, capsys)
@@ -340,7 +350,7 @@ def _ckpt_resume(save_dir: str, layouts: list[dict]):
         groups, config, model, optimizer = _ckpt_setup(ParallelConfig(**layout), seed=1)
         load_checkpoint(save_dir, model=model, optimizer=optimizer, config=config, par=groups.par, groups=groups)
         losses = _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
-        if groups.par.zero:   # this layout's own sliced save loads back bit for bit
+        if groups.par.zero in (1, 2):   # this layout's own sliced save loads back bit for bit
             again = f"{save_dir}/again{i}"
             save_checkpoint(again, CKPT_STEPS, model=model, optimizer=optimizer, config=config, par=groups.par,
                             groups=groups, extra={})
@@ -357,7 +367,7 @@ def _ckpt_resume(save_dir: str, layouts: list[dict]):
 
 def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_zero2_tp2_dp2_and_pp2(tmp_path):
     """Each rank writes its slices of the states as chunks of the dense tensors (nothing gathered):
-    the checkpoint loads at any zero level, DP size and layout, and the run continues at round-off
+    the checkpoint loads at any zero level (FSDP2's Shard(0) DTensors at zero 3), DP size and layout, and the run continues at round-off
     (float32, 2 AdamW steps); the sliced saves of tp2 x dp2 (zero2, SP) and pp2 x dp2 (tied
     copies) load back bit for bit."""
     uninterrupted = run_ranks(_ckpt_save, 4, str(tmp_path))[0]
@@ -374,11 +384,12 @@ def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_zero2_tp2_dp2_and_pp2(tmp_p
     assert max(n for c in chunks.values() for n in c) <= largest_slice < dense["model.embed_tokens.weight"].numel()
     assert len(chunks["optim.model.embed_tokens.weight.exp_avg"]) >= 4   # a part on each of the 4 ranks
     every = run_ranks(_ckpt_resume, 4, str(tmp_path), [dict(dp=2, tp=2, zero=2, sequence_parallel=True),
-                                                       dict(dp=4, zero=1), dict(dp=2, pp=2, zero=1)])
-    four = [next(rank[i] for rank in every if rank[i][0] is not None) for i in range(3)]   # pp2: the last stage's
-    two = run_ranks(_ckpt_resume, 2, str(tmp_path), [dict(dp=2), dict(dp=2, zero=2)])[0]
+                                                       dict(dp=4, zero=1), dict(dp=2, pp=2, zero=1),
+                                                       dict(dp=2, tp=2, zero=3, sequence_parallel=True)])
+    four = [next(rank[i] for rank in every if rank[i][0] is not None) for i in range(4)]   # pp2: the last stage's
+    two = run_ranks(_ckpt_resume, 2, str(tmp_path), [dict(dp=2), dict(dp=2, zero=2), dict(dp=2, zero=3)])[0]
     assert four[1] == uninterrupted            # the same layout: bit for bit
-    for resumed in (four[0], four[2], *two):
+    for resumed in (four[0], four[2], four[3], *two):
         assert resumed == pytest.approx(uninterrupted, rel=1e-5, abs=0), (resumed, uninterrupted)
     other_init = run_ranks(_ckpt_resume_nothing, 2)[0]
     assert other_init != pytest.approx(uninterrupted, rel=1e-3, abs=0)   # the check can fail
@@ -392,8 +403,23 @@ def _ckpt_resume_nothing():
 
 @pytest.mark.parametrize("launcher_args,zero,message", [
     ([], "1", "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
-    (["--dp_size", "2"], "3", "train does not take --zero 3"),
-], ids=["dp1", "zero3"])
+    ([], "3", "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
+], ids=["dp1", "zero3_dp1"])
 def test_bad_zero_input_to_train_is_one_line(corpus, launcher_args, zero, message, monkeypatch, capsys):  # noqa: F811
     assert_refused_before_launch(["train", *launcher_args, "--", *data_args(corpus), "--zero", zero], message,
                                  monkeypatch, capsys)
+
+
+def test_a_zero3_run_trains_checkpoints_under_tp_and_resumes_at_zero0(corpus, tmp_path):  # noqa: F811
+    flags = dict(dtype="float32", batch_size=2)
+    train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", zero=3, **flags))
+    # saved under TP: FSDP2's rows of the TP shards, gathered into the TP shards DCP writes
+    halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2", "--dp_size", "2"], zero=3, sequence_parallel=True,
+               **flags)
+    train_in_ranks(["--dp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
+                                                 resume=True, **flags))   # --zero 0
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "ckpt")
+    assert sorted(resumed) == list(range(1, 9))
+    assert whole[8] < whole[1]
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..config import MiniMindConfig, ParallelConfig
 from ..groups import ProcessGroups
@@ -35,9 +35,13 @@ def tp_mesh(groups: ProcessGroups, device_type: str) -> DeviceMesh | None:
 def placed(local: torch.Tensor, name: str, config: MiniMindConfig, par: ParallelConfig,
            mesh: DeviceMesh | None) -> torch.Tensor:
     """This rank's shard `local` of parameter `name` (or of an optimizer state shaped like it) as a
-    shard of the dense tensor: a DTensor with the plan's placement, or `local` itself when whole."""
+    shard of the dense tensor: a DTensor with the plan's placement, or `local` itself when whole.
+    Under --zero 3 `local` is FSDP2's DTensor: held whole over TP it is itself a shard of the dense
+    tensor (DCP writes its rows); under TP its rows are gathered into the TP shard first."""
     if mesh is None:
         return local
+    if isinstance(local, DTensor):   # --zero 3 under TP: FSDP2's rows of the TP shard, gathered over DP x CP
+        local = local.full_tensor()
     dim = tp_split_dim(name, par)
     shape = torch.Size(plan_of(name).shape(config))
     stride = torch.empty(shape, device="meta").stride()   # the dense tensor, contiguous
@@ -48,3 +52,16 @@ def placed(local: torch.Tensor, name: str, config: MiniMindConfig, par: Parallel
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of a checkpoint tensor made by `placed`."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def as_held(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A loaded checkpoint tensor as parameter `like` holds it (or its optimizer state shaped like
+    it): under --zero 3 with TP, FSDP2's rows of the TP shard `placed` loaded (a DTensor placed as
+    `like`, no collective); otherwise `tensor` itself."""
+    if not isinstance(like, DTensor):
+        return tensor
+    if isinstance(tensor, DTensor) and tensor.device_mesh != like.device_mesh:
+        tensor = tensor.to_local()   # the TP shard, whole over DP x CP
+    if isinstance(tensor, DTensor) or tensor.shape != like.shape:
+        return tensor
+    return distribute_tensor(tensor, like.device_mesh, like.placements, src_data_rank=None)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from ..config import MiniMindConfig, ParallelConfig
 from ..data_parallel import unwrap
@@ -31,7 +32,7 @@ from ..plan import plan_of
 from ..zero import DistributedOptimizer
 from .directory import (META, check_checkpoint_config, new_temp_dir, prune, publish, read_meta, resolve_checkpoint,
                         write_json)
-from .placement import checkpoint_key, local_part, placed, tp_mesh
+from .placement import as_held, checkpoint_key, local_part, placed, tp_mesh
 from .slices import sliced_states
 
 FORMAT_VERSION = 1
@@ -124,7 +125,7 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optim
     dcp.load(state, checkpoint_id=path)
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(local_part(state["model"][checkpoint_key(name, config)]))
+            local_part(p).copy_(local_part(as_held(state["model"][checkpoint_key(name, config)], p)))
     optimizer.state.clear()   # saved before the first step: no state, as then
     if meta["optimizer_state"]:
         _load_optimizer(optimizer, params, state["optim"], meta["param_groups"], config)
@@ -181,7 +182,10 @@ def _empty_optimizer_tensors(path, params, config, par, mesh) -> dict:
 def _load_optimizer(optimizer, params, loaded, saved_groups, config) -> None:
     """Hand the loaded states to the optimizer through its own `load_state_dict` (which creates the
     state of a fresh optimizer), with the saved hyper-parameters of each param group."""
-    whole = {n: {k: local_part(v) for k, v in loaded[checkpoint_key(n, config)].items()} for n in params}
+    # a parameter sharded by FSDP2 (--zero 3) keeps its states as DTensors placed like it (the
+    # targets made by `empty_like` of it); every other parameter takes its local part
+    whole = {n: {k: as_held(v, p) if isinstance(p, DTensor) else local_part(v)
+                 for k, v in loaded[checkpoint_key(n, config)].items()} for n, p in params.items()}
     target = optimizer.inner if isinstance(optimizer, DistributedOptimizer) else optimizer
     index_of = {id(p): i for i, p in enumerate(p for g in target.param_groups for p in g["params"])}
     if isinstance(optimizer, DistributedOptimizer):   # each rank keeps its slices

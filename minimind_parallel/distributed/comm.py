@@ -212,6 +212,20 @@ def all_gather_flat(flat: torch.Tensor, group, *, async_op: bool = False):
         return _issue([flat], async_op, _all_gather_single, flat, shard, group=group)
 
 
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Every rank's `x` [n] gathered into `out` [W * n] (rank order), blocking: FSDP2's all-gather
+    (zero/fully_shard.py hands it this one, so the collective is marked like the library's own)."""
+    with collective("all_gather"):
+        _issue([out, x], False, _all_gather_single, out, x, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """`x` [W * n] reduced over the ranks by `op`, this rank's n elements written into `out`,
+    blocking: FSDP2's reduce-scatter of the grads (zero/fully_shard.py)."""
+    with collective("reduce_scatter"):
+        _issue([out, x], False, _reduce_scatter_single, out, x, op=op, group=group)
+
+
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[..., N/T] -> [..., N], rank order along the last dim."""
     t = group_size(group)

@@ -28,6 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -63,8 +64,12 @@ _METADATA_QUERIES = frozenset({torch.ops.prim.device.default})
 
 def _tensors(tree):
     """The tensors among an op's arguments or outputs: a tensor, or nested tuples / lists / dicts
-    of them (what aten ops take and return; `tree_flatten`'s leaves, without its generality)."""
-    if isinstance(tree, torch.Tensor):
+    of them (what aten ops take and return; `tree_flatten`'s leaves, without its generality). A
+    DTensor (--zero 3: FSDP2's sharded parameters, their grads and AdamW states) is its local
+    tensor, the storage this rank holds."""
+    if isinstance(tree, DTensor):
+        yield tree.to_local()
+    elif isinstance(tree, torch.Tensor):
         yield tree
     elif isinstance(tree, (tuple, list)):
         for x in tree:
@@ -104,6 +109,8 @@ class StorageTracker(TorchDispatchMode):
         """Track t's storage as `category` (or move it there, if that category ranks higher)."""
         if t is None or not isinstance(t, torch.Tensor):
             return
+        if isinstance(t, DTensor):   # the shard this rank holds
+            t = t.to_local()
         with self._lock:
             self._mark(t, category)
 
@@ -203,9 +210,41 @@ class StorageTracker(TorchDispatchMode):
         self.mark(t, "activations")  # saved for backward
         return t
 
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        """A storage resized outside any op: FSDP2 (--zero 3) frees a block's all-gathered
+        parameters by resizing their storage to 0 bytes and allocates them again the same way (a
+        storage of the warm-up step, first seen so, starts to count now, not before the window)."""
+        with self._lock:
+            entry = self._entries.get(id(st))
+            if entry is None:   # made before the window, empty until now (not alive all along)
+                self._add(st, "temporaries")
+                self._update_peak()
+            elif entry[0] != st.nbytes():
+                self.live[entry[1]] += st.nbytes() - entry[0]
+                entry[0] = st.nbytes()
+                self._update_peak()
+
+    @contextlib.contextmanager
+    def _watching_resizes(self):
+        """`UntypedStorage.resize_` reported to `_resized` while the window is open (it is no aten
+        op: the mode does not see it)."""
+        resize = torch.UntypedStorage.resize_
+
+        def watched(st, nbytes):
+            out = resize(st, nbytes)
+            self._resized(st)
+            return out
+
+        torch.UntypedStorage.resize_ = watched
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = resize
+
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
+        self._hooks = contextlib.ExitStack()
+        self._hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        self._hooks.enter_context(self._watching_resizes())
         self.reset_peak()
         return super().__enter__()
 

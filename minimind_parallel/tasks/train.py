@@ -52,7 +52,7 @@ from ..files import atomic_path, check_directory
 from ..groups import ProcessGroups, first_on_node
 from ..job import Job
 from ..model import MiniMindForCausalLM
-from ..options import (Parser, add_model_args, check_at_least, check_common, check_fully_sharded, check_number,
+from ..options import (Parser, add_model_args, check_at_least, check_common, check_number,
                        collective_timeout)
 from ..loss_normalisation import token_sum, world_token_mean
 from ..training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
@@ -175,7 +175,6 @@ def check(job: Job) -> None:
                      max_positions=config.max_position_embeddings)
     check_common(job, [(args, par)], sizes=("micro_batch_size", "num_microbatches"),
                  steps=" with --precision pure: use --precision mixed" if args.precision == PrecisionMode.PURE else None)
-    check_fully_sharded("train", par)
     check_data(args, tok, par)
     check_outputs(args, config)
     if args.resume:

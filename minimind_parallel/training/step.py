@@ -44,7 +44,7 @@ from ..pipeline_parallel import Schedule, StepResult, forward_backward
 from ..sharding import shard_state_dict
 from .grad_clip import clip_grad_norm_, grads_of
 from ..zero import DEFAULT_BUCKET_MB, DistributedOptimizer, bucket_numel
-from ..zero.fully_shard import is_fully_sharded
+from ..zero.fully_shard import is_fully_sharded, local
 from .mixed_precision import LossScaler, Precision
 
 
@@ -100,15 +100,16 @@ def _all_reduce_grads(params: list, group) -> None:
     """Sum the grads of `params` over `group` in one flat buffer (small tensors: one collective)."""
     if not params or group is None:
         return
-    if len(params) == 1:  # e.g. one tied embedding copy: in place, no flat copy
-        comm.all_reduce(params[0].grad, group)
+    grads = [local(p.grad) for p in params]   # --zero 3: this rank's rows of FSDP2's reduce-scattered grad
+    if len(grads) == 1:  # e.g. one tied embedding copy: in place, no flat copy
+        comm.all_reduce(grads[0], group)
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, group)
     offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
 
 

@@ -6,7 +6,7 @@ import re
 
 from ...config import ConfigError
 from ...job import Job
-from ...options import check_at_least, check_common, check_fully_sharded, check_modes, check_number, check_resources
+from ...options import check_at_least, check_common, check_modes, check_number, check_resources
 from . import outputs
 from .cells import CellRun, cell_run, sweep_cells
 from .command import BatchPolicy, Kind, batch_policy
@@ -32,7 +32,6 @@ def check_benchmark(job: Job) -> list[CellRun]:
     check_common(job, [(r.args, r.par) for r in runs],
                  steps=None if args.estimate else ": use bfloat16, or --estimate", kernels=not args.estimate)
     for run in runs:
-        check_fully_sharded("benchmark", run.par)
         check_batch_split(launch, args, kind, run)
     return runs
 
