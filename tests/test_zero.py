@@ -16,7 +16,8 @@ import torch
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
-from minimind_parallel.checkpoint import load_checkpoint, save_checkpoint
+from minimind_parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from minimind_parallel.checkpoint.slices import sliced_targets
 from minimind_parallel.data.batches import dp_rows, random_batch
 from minimind_parallel.loss_normalisation import equal_replicas_mean
 from minimind_parallel.memory import MemoryMeter, estimate_step_memory, predict_memory
@@ -337,7 +338,6 @@ def _ckpt_save(save_dir: str):
 def _ckpt_chunks(save_dir: str) -> dict:
     """{optimizer state key: [chunk elements]} of the saved index, and the parameters' elements."""
     import torch.distributed.checkpoint as dcp
-    from minimind_parallel.checkpoint import resolve_checkpoint
     index = dcp.FileSystemReader(resolve_checkpoint(save_dir)).read_metadata().state_dict_metadata
     return {fqn: [c.sizes.numel() for c in md.chunks] for fqn, md in index.items()
             if fqn.startswith("optim.") and fqn.endswith(".exp_avg")}
@@ -350,7 +350,10 @@ def _ckpt_resume(save_dir: str, layouts: list[dict]):
         groups, config, model, optimizer = _ckpt_setup(ParallelConfig(**layout), seed=1)
         load_checkpoint(save_dir, model=model, optimizer=optimizer, config=config, par=groups.par, groups=groups)
         losses = _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
-        if groups.par.zero in (1, 2):   # this layout's own sliced save loads back bit for bit
+        if groups.par.zero in (1, 2):   # a load reads this rank's slices only; its own sliced save loads back bit for bit
+            targets, _ = sliced_targets(resolve_checkpoint(save_dir), optimizer, config, groups.par, groups)
+            held = sum(shard.tensor.numel() for t in targets.values() for shard in t["exp_avg"].local_shards())
+            assert held <= sum(b.layout.shard_numel for b in optimizer.buffers), layout
             again = f"{save_dir}/again{i}"
             save_checkpoint(again, CKPT_STEPS, model=model, optimizer=optimizer, config=config, par=groups.par,
                             groups=groups, extra={})
@@ -368,8 +371,8 @@ def _ckpt_resume(save_dir: str, layouts: list[dict]):
 def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_zero2_tp2_dp2_and_pp2(tmp_path):
     """Each rank writes its slices of the states as chunks of the dense tensors (nothing gathered):
     the checkpoint loads at any zero level (FSDP2's Shard(0) DTensors at zero 3), DP size and layout, and the run continues at round-off
-    (float32, 2 AdamW steps); the sliced saves of tp2 x dp2 (zero2, SP) and pp2 x dp2 (tied
-    copies) load back bit for bit."""
+    (float32, 2 AdamW steps); a load under --zero reads this rank's slices only, and the sliced
+    saves of tp2 x dp2 (zero2, SP) and pp2 x dp2 (tied copies) load back bit for bit."""
     uninterrupted = run_ranks(_ckpt_save, 4, str(tmp_path))[0]
     # each rank wrote its slices only: every state's chunks add up to the tensor once, and a
     # parameter larger than a rank's share of its bucket is in several ranks' chunks

@@ -270,23 +270,6 @@ class DistributedOptimizer:
         for b in self.buffers:
             b.gather()
 
-    def slice_states(self, states: dict[str, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
-        """The inner AdamW's state (by its parameter index) from every parameter's whole states
-        ({name: {"step", "exp_avg", "exp_avg_sq"}}, as a checkpoint's load reads them): each rank
-        keeps its slices."""
-        out, index = {}, 0
-        for b in self.buffers:
-            whole = {key: torch.zeros_like(b.flat) for key in ("exp_avg", "exp_avg_sq")}   # [numel padded]
-            for name in b.params:
-                for key, flat in whole.items():
-                    b.view(flat, name).copy_(states[name][key])
-            step = states[next(iter(b.params))]["step"]
-            for bucket in b.layout.buckets:
-                mine = slice(*bucket.shard_range(b.rank))
-                out[index] = {"step": step.clone(), **{key: flat[mine].clone() for key, flat in whole.items()}}
-                index += 1
-        return out
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the slices (the buffers are kept: `set_to_none` is accepted for torch's signature)."""
         del set_to_none
