@@ -96,6 +96,9 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=100)
     ap.add_argument("--min_tokens_per_hidden", type=float, default=2)
     ap.add_argument("--cp", action="store_true", help="draw context-parallel layouts (and --recompute, --loss_chunks)")
+    ap.add_argument("--zero", type=int, nargs="+", choices=[1, 2], default=[],
+                    help="draw these --zero levels (over dp x cp > 1: dp 2 when the draw has dp x cp = 1) and "
+                         "--bucket_size_mb 0.01 / 0.05 / 25")
     args = ap.parse_args()
     rng, done, bad = random.Random(args.seed), 0, 0
     while done < args.cases:
@@ -103,6 +106,9 @@ def main() -> int:
         if case is None:
             continue
         c, par, sizes = case
+        if args.zero:
+            par = replace(par, zero=rng.choice(args.zero), dp=par.dp if par.dp * par.cp > 1 else 2)
+            sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))
         done += 1
         estimate = estimate_step_memory(c, par, iters=1, **sizes)
         pred = predict_memory(c, par, **sizes)
@@ -113,7 +119,8 @@ def main() -> int:
               f"S{sizes['seq_len']} B{sizes['micro_batch_size']} M{sizes['num_microbatches']} {sizes['schedule']} "
               f"V{par.virtual_stages} {str(sizes['dtype'])[6:]} stage {sizes['stage']} cp rank {sizes.get('cp_rank', 0)}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
               f"async{par.async_communication:d} shared{par.shared_sp_gather:d} vp{par.vocab_parallel:d} "
-              f"cp{par.cp} {par.cp_comm_type} lb{par.cp_load_balance:d} {par.recompute} chunks{par.loss_chunks}", flush=True)
+              f"cp{par.cp} {par.cp_comm_type} lb{par.cp_load_balance:d} {par.recompute} chunks{par.loss_chunks}"
+              + (f" zero{par.zero} bucket {sizes['bucket_size_mb']:g} MiB" if par.zero else ""), flush=True)
     print(f"{done - bad} of {done} cases equal to the byte")
     return 1 if bad else 0
 

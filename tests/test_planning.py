@@ -80,10 +80,9 @@ def test_the_moe_space_spreads_the_experts_and_its_cuts_are_real():
     valid, cuts = assert_valid_and_cuts_real(MOE_WORK)
     assert {k.ep for k in valid} == {1, 2, 4}
     assert all((k.dp * k.cp) % k.ep == 0 and MOE.num_experts % k.ep == 0 for k in valid)
-    assert not [k for k in valid if k.zero and k.ep > 1]   # check_layout refuses --zero with EP under MoE
+    assert any(k.zero and k.ep > 1 for k in valid)   # --zero with EP: the experts' slices over EDP
     assert any(k.zero for k in valid)
     names = {c.constraint for c in cuts}
-    assert "--zero 1 with --use_moe is supported with ep_size 1" in names
     assert any(k.cp > 1 for k in valid)   # MoE under CP is in the memory model
     # and every layout it keeps is predicted
     result = plan(MOE_WORK, GPU_PROFILES["H100"], device="cpu", budget_bytes=2**40)
@@ -113,8 +112,8 @@ def _uncached(monkeypatch):
     from minimind_parallel.pipeline_parallel.order import schedule_order
     from minimind_parallel.zero.buckets import bucket_numel
     monkeypatch.setattr(stage_sizes, "stage_parameter_counts", stage_sizes.build_stage_parameter_counts)
-    monkeypatch.setattr(predict, "zero_layout", lambda c, par, stage, dtype, mb: zero_sizes.build_zero_layout(
-        c, par, stage, bucket_numel(mb, dtype)) if par.zero else None)
+    monkeypatch.setattr(predict, "zero_layouts", lambda c, par, stage, dtype, mb: zero_sizes.build_zero_layouts(
+        c, par, stage, bucket_numel(mb, dtype)) if par.zero else ())
     monkeypatch.setattr(predict, "stage_order", lambda *a: tuple(schedule_order(*a)))
 
 
@@ -128,7 +127,7 @@ def _sample(work, every=7):
 
 def test_the_remembered_stage_sizes_and_predictions_equal_the_uncached_ones(monkeypatch):
     from minimind_parallel.memory.analytic.stage_sizes import build_stage_parameter_counts, stage_parameter_counts
-    from minimind_parallel.memory.analytic.zero_sizes import build_zero_layout, zero_layout
+    from minimind_parallel.memory.analytic.zero_sizes import build_zero_layouts, zero_layouts
     from minimind_parallel.plan import build_stage_parameters, stage_parameters
     from minimind_parallel.zero.buckets import bucket_numel
     for work in (WORK, MOE_WORK):
@@ -143,7 +142,7 @@ def test_the_remembered_stage_sizes_and_predictions_equal_the_uncached_ones(monk
                 assert stage_parameters(c, par, stage, experts) == build_stage_parameters(c, par, stage, experts)
                 assert stage_parameter_counts(c, par, stage, experts) == build_stage_parameter_counts(c, par, stage, experts)
                 zeroed = replace(par, zero=1)
-                assert zero_layout(c, zeroed, stage, torch.bfloat16, 1.0) == build_zero_layout(
+                assert zero_layouts(c, zeroed, stage, torch.bfloat16, 1.0) == build_zero_layouts(
                     c, zeroed, stage, bucket_numel(1.0, torch.bfloat16))
         # a model that differs in one field is another key
         assert stage_parameters(replace(c, num_hidden_layers=8), layouts[0]) != stage_parameters(c, layouts[0])

@@ -1,27 +1,36 @@
 """Sharded data parallelism (--zero 1 and 2, the distributed optimizer) gives the dense model's
 numbers: logits, loss, the grad of every slice a rank owns, several AdamW steps (parameters
 all-gathered), at dp2 and dp4, with TP (SP, async, VP), PP, CP, tied embeddings and gradient
-accumulation, and so does --zero 3 (FSDP2) over DP, CP and TP (SP, async, VP); the global grad
-norm over the slices counts every parameter once (float64, a clipped step; at --zero 3 with TP
-and with MoE experts too); the tracker and --estimate agree to the byte; each rank's AdamW states are its slices only; the bucket layout covers every
-parameter once. The layouts of one world size run in one `run_ranks` launch. Checkpoints resume
-across zero levels, DP sizes and TP (FSDP2's DTensors at --zero 3), and a --zero 3 train run
-saved under TP continues at zero 0."""
+accumulation, and so does --zero 3 (FSDP2) over DP, CP and TP (SP, async, VP); --zero 1 and 2
+with the MoE model under expert parallelism; the global grad norm over the slices counts every
+parameter once (float64, a clipped step; at --zero 3 with TP and with MoE experts too); the tracker,
+--estimate and (--zero 1, 2) predict_memory agree to the byte; each rank's AdamW states are its
+slices only; the bucket layout covers every parameter once. The layouts of one world size run in
+one `run_ranks` launch. Checkpoints resume across zero levels, DP sizes and TP (FSDP2's DTensors at
+--zero 3; --zero 1/2 write their slices as chunks), and a --zero 3 train run saved under TP
+continues at zero 0."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
-from minimind_parallel.checkpoint import load_checkpoint, save_checkpoint
+from minimind_parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from minimind_parallel.checkpoint.slices import sliced_targets
 from minimind_parallel.data.batches import dp_rows, random_batch
 from minimind_parallel.loss_normalisation import equal_replicas_mean
 from minimind_parallel.memory import MemoryMeter, estimate_step_memory, predict_memory
+from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
+from minimind_parallel.memory.analytic.zero_sizes import zero_layouts
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, unwrap, wrap_data_parallel
 from minimind_parallel.validation import compare_with_dense, dense_slice, failures, format_report
 from minimind_parallel.zero import DistributedOptimizer, plan_buffer
 from minimind_parallel.zero.fully_shard import local, whole
 from test_cli import assert_refused_before_launch
+from test_expert_parallel import TINY_MOE
+from test_memory import MOE_EP_MODES
 from test_train import corpus, data_args, halted_run, losses, train_in_ranks  # noqa: F401  (the fixture)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
@@ -43,6 +52,11 @@ VALIDATE = {
     "dp2 zero3 tied": (dict(dp=2, zero=3), dict(tied=True)),
     "dp4 zero3": (dict(dp=4, zero=3), dict()),
     "dp2 cp2 zero3": (dict(dp=2, cp=2, zero=3), dict()),
+    # the MoE model: the experts' slices over EDP (2 ranks; 1 beside TP: a buffer of its own rank)
+    "moe dp4 ep2 zero1": (dict(dp=4, ep=2, zero=1), dict(moe=True)),
+    "moe dp4 ep2 zero2": (dict(dp=4, ep=2, zero=2), dict(moe=True)),
+    "moe dp2 tp2 ep2 sp zero1": (dict(dp=2, tp=2, ep=2, zero=1, sequence_parallel=True), dict(moe=True)),
+    "moe dp2 tp2 ep2 sp zero2": (dict(dp=2, tp=2, ep=2, zero=2, sequence_parallel=True), dict(moe=True)),
     "dp2 tp2 sp zero3 tied": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), dict(tied=True)),
     "dp2 tp2 sp async vp zero3": (dict(dp=2, tp=2, zero=3, **SP_ASYNC_VP), dict()),
 }
@@ -53,14 +67,19 @@ CLIP = {
     "dp2 tp2 zero1 tied clip": (dict(dp=2, tp=2, zero=1), True, 1),     # replicated embedding: TP rank 0 only
     "dp2 pp2 zero2 tied clip": (dict(dp=2, pp=2, zero=2), True, 2),     # tied copies on two stages: once
     "dp2 zero3 tied clip": (dict(dp=2, zero=3), True, 2),               # FSDP2's shards
+    "moe dp4 ep2 zero2 clip": (dict(dp=4, ep=2, zero=2), False, 1, MOE),     # experts: over EDP, then over EP
     "dp2 tp2 sp zero3 tied clip": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), True, 1),   # of TP shards
     "dp2 zero3 moe clip": (dict(dp=2, zero=3), False, 1, MOE),          # the experts' shards
 }
 
 
+def _config(tied: bool, moe: bool = False) -> MiniMindConfig:
+    return MiniMindConfig(**(TINY_MOE if moe else TINY), tie_word_embeddings=tied)
+
+
 def _validate(par: ParallelConfig, opts: dict):
     opts = dict(opts)
-    config = MiniMindConfig(**TINY, tie_word_embeddings=opts.pop("tied", False))
+    config = _config(opts.pop("tied", False), opts.pop("moe", False))
     return compare_with_dense(config, par, ProcessGroups.build(par), seq_len=16,
                               micro_batch_size=opts.pop("micro_batch_size", 2), optimizer_steps=3, seed=7,
                               bucket_size_mb=SMALL_BUCKETS, **opts)
@@ -142,7 +161,7 @@ def test_zero_matches_dense_and_clips_over_the_slices(world):
                   bucket_size_mb=bucket)
         estimate = estimate_step_memory(MEMORY_CONFIG, par, iters=1, **kw)
         assert (real.peak_bytes, real.breakdown) == (estimate.peak_bytes, estimate.breakdown), name
-        if par.zero == 1:
+        if par.zero in MODELLED_ZERO_LEVELS:
             model = predict_memory(MEMORY_CONFIG, par, **kw)
             assert (model.peak_bytes, model.breakdown) == (real.peak_bytes, real.breakdown), (name, model.peak_at)
     for name in validate:
@@ -158,8 +177,10 @@ def test_zero_matches_dense_and_clips_over_the_slices(world):
         for norm, dense_norm, worst, states, slices, params in (rank[name] for rank in every):
             assert norm == pytest.approx(dense_norm, rel=1e-12, abs=0), name
             assert worst < 1e-12, name
-            # AdamW's exp_avg and exp_avg_sq of this rank's slices only: 2 x (padded buffer / W)
-            assert states == 2 * slices and slices * ParallelConfig(**CLIP[name][0]).dp < params + 64 * 2, name
+            # AdamW's exp_avg and exp_avg_sq of this rank's slices only: 2 x (padded buffer / W), the
+            # experts' over EDP (dp / ep ranks)
+            par = ParallelConfig(**CLIP[name][0])
+            assert states == 2 * slices and slices * (par.dp // par.ep) < params + 64 * 2, name
 
 
 ESTIMATE_CONFIGS = {
@@ -167,31 +188,41 @@ ESTIMATE_CONFIGS = {
     "tied": MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                            vocab_size=128, tie_word_embeddings=True, max_position_embeddings=256),
 }
-ESTIMATE_LAYOUTS = [  # (config, layout, microbatches, stage)
-    ("untied", dict(dp=4, zero=1), 1, 0),
-    ("untied", dict(dp=2, tp=2, zero=1, sequence_parallel=True, async_communication=True), 1, 0),
-    ("tied", dict(dp=2, tp=2, zero=1, **SP_ASYNC_VP), 1, 0),
-    ("tied", dict(dp=2, pp=2, zero=1), 4, 0),
-    ("tied", dict(dp=2, pp=2, zero=1), 4, 1),
-    ("untied", dict(cp=2, zero=1), 1, 0),
-    ("tied", dict(dp=2, zero=1), 3, 0),
+ESTIMATE_LAYOUTS = [  # (config, layout, microbatches, stage); each at --zero 1 and 2
+    ("untied", dict(dp=4), 1, 0),
+    ("untied", dict(dp=2, tp=2, sequence_parallel=True, async_communication=True), 1, 0),
+    ("tied", dict(dp=2, tp=2, **SP_ASYNC_VP), 1, 0),
+    ("tied", dict(dp=2, pp=2), 4, 0),
+    ("tied", dict(dp=2, pp=2), 4, 1),
+    ("untied", dict(cp=2), 1, 0),
+    ("tied", dict(dp=2), 3, 0),
 ]
 
 
-def test_the_memory_model_of_zero1_is_the_estimate_to_the_byte():
-    """predict_memory under --zero 1 (memory/analytic/zero_sizes.py) against the tracker on fake
-    tensors, over TP (SP, async, VP), PP stages with tied copies, CP, accumulation, one bucket or
-    several; bfloat16, and float32 with small buckets."""
+@pytest.mark.parametrize("zero", [1, 2])
+def test_the_memory_model_of_zero_is_the_estimate_to_the_byte(zero):
+    """predict_memory under --zero 1 and 2 (memory/analytic/zero_sizes.py) against the tracker on
+    fake tensors, over TP (SP, async, VP), PP stages with tied copies, CP, accumulation, one bucket
+    or several; bfloat16, and float32 with small buckets. --zero 2: the slices and the staging
+    buffers, no parameter's grad past its hook."""
     for (config, layout, microbatches, stage), dtype, bucket in (
             [(case, torch.bfloat16, bucket) for case in ESTIMATE_LAYOUTS for bucket in (SMALL_BUCKETS, 25.0)]
             + [(case, torch.float32, SMALL_BUCKETS) for case in ESTIMATE_LAYOUTS[1::2]]):
-        par = ParallelConfig(**layout)
+        par = ParallelConfig(**layout, zero=zero)
         kw = dict(seq_len=32, micro_batch_size=2, dtype=dtype, num_microbatches=microbatches, stage=stage,
                   bucket_size_mb=bucket)
         estimate = estimate_step_memory(ESTIMATE_CONFIGS[config], par, iters=1, **kw)
         model = predict_memory(ESTIMATE_CONFIGS[config], par, **kw)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
             (config, layout, stage, dtype, bucket, model.peak_at)
+    # the MoE model under expert parallelism: the dense buffer over DP x CP, this rank's experts' over EDP
+    for name in ("ep2", "tp_sp_async_vp_ep2", "cp_ring_dp_ep4"):
+        config, par, kw = MOE_EP_MODES[name]
+        par, kw = replace(par, zero=zero), dict(seq_len=32, micro_batch_size=2, dtype=torch.bfloat16,
+                                                bucket_size_mb=SMALL_BUCKETS, **kw)
+        estimate = estimate_step_memory(config, par, iters=1, **kw)
+        model = predict_memory(config, par, **kw)
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (name, model.peak_at)
 
 
 def test_zero1_keeps_a_quarter_of_the_optimizer_states_at_dp4():
@@ -208,6 +239,24 @@ def test_zero1_keeps_a_quarter_of_the_optimizer_states_at_dp4():
     assert 2 * 2 * params // 4 <= predicted - 4 <= 2 * 2 * (params + 3) // 4
     assert zero.breakdown["grads"] == zero.breakdown["params"] - 2 * MEMORY_CONFIG.max_position_embeddings * \
         MEMORY_CONFIG.head_dim * 2   # the grad buffer: the parameters' bytes (RoPE tables aside)
+    two = estimate_step_memory(MEMORY_CONFIG, ParallelConfig(dp=4, zero=2), iters=1, **kw).breakdown["grads"]
+    assert two == predict_memory(MEMORY_CONFIG, ParallelConfig(dp=4, zero=2), **kw).breakdown["grads"]
+    assert 4 * two == zero.breakdown["grads"]   # --zero 2: this rank's slices of the grad buffer only
+
+
+def test_the_buffer_follows_the_order_backward_makes_the_grads():
+    """The buckets are laid out in the order autograd accumulates the grads (recorded from
+    post-accumulate-grad hooks on the dense model), so under --zero 2 one bucket fills at a time."""
+    for tied in (False, True):
+        model = MiniMindForCausalLM(MiniMindConfig(**TINY, tie_word_embeddings=tied))
+        made = []
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _, name=name: made.append(name))
+        batch = random_batch(0, 2, 16, TINY["vocab_size"])
+        model(batch.input_ids, targets=batch.targets).loss.backward()
+        layout = plan_buffer([(n, p.numel(), False) for n, p in model.named_parameters()], 2, 5000)
+        assert len(layout.buckets) > 3
+        assert [n for b in layout.buckets for n in b.names] == made
 
 
 def test_the_buckets_cover_every_parameter_once_and_pad_to_the_group():
@@ -286,27 +335,64 @@ def _ckpt_save(save_dir: str):
     return _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
 
 
+def _ckpt_chunks(save_dir: str) -> dict:
+    """{optimizer state key: [chunk elements]} of the saved index, and the parameters' elements."""
+    import torch.distributed.checkpoint as dcp
+    index = dcp.FileSystemReader(resolve_checkpoint(save_dir)).read_metadata().state_dict_metadata
+    return {fqn: [c.sizes.numel() for c in md.chunks] for fqn, md in index.items()
+            if fqn.startswith("optim.") and fqn.endswith(".exp_avg")}
+
+
 def _ckpt_resume(save_dir: str, layouts: list[dict]):
     """The checkpoint loaded onto each layout (another initialisation first), the later losses."""
     out = []
-    for layout in layouts:
+    for i, layout in enumerate(layouts):
         groups, config, model, optimizer = _ckpt_setup(ParallelConfig(**layout), seed=1)
         load_checkpoint(save_dir, model=model, optimizer=optimizer, config=config, par=groups.par, groups=groups)
-        out.append(_ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config))
+        losses = _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
+        if groups.par.zero in (1, 2):   # a load reads this rank's slices only; its own sliced save loads back bit for bit
+            targets, _ = sliced_targets(resolve_checkpoint(save_dir), optimizer, config, groups.par, groups)
+            held = sum(shard.tensor.numel() for t in targets.values() for shard in t["exp_avg"].local_shards())
+            assert held <= sum(b.layout.shard_numel for b in optimizer.buffers), layout
+            again = f"{save_dir}/again{i}"
+            save_checkpoint(again, CKPT_STEPS, model=model, optimizer=optimizer, config=config, par=groups.par,
+                            groups=groups, extra={})
+            _, _, fresh, fresh_optimizer = _ckpt_setup(groups.par, seed=2)
+            load_checkpoint(again, model=fresh, optimizer=fresh_optimizer, config=config, par=groups.par,
+                            groups=groups)
+            for main, loaded in zip(optimizer.inner.param_groups[0]["params"],
+                                    fresh_optimizer.inner.param_groups[0]["params"], strict=True):
+                assert all(torch.equal(optimizer.inner.state[main][k], fresh_optimizer.inner.state[loaded][k])
+                           for k in ("step", "exp_avg", "exp_avg_sq")), layout
+        out.append(losses)
     return out
 
 
-def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_and_zero2_tp2_dp2(tmp_path):
-    """The checkpoint holds whole states (gathered from the slices, placed by the plan): it loads at
-    any zero level and DP size (FSDP2's Shard(0) DTensors at zero 3), and the run continues at
-    round-off (float32, 2 AdamW steps)."""
+def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_zero2_tp2_dp2_and_pp2(tmp_path):
+    """Each rank writes its slices of the states as chunks of the dense tensors (nothing gathered):
+    the checkpoint loads at any zero level (FSDP2's Shard(0) DTensors at zero 3), DP size and layout, and the run continues at round-off
+    (float32, 2 AdamW steps); a load under --zero reads this rank's slices only, and the sliced
+    saves of tp2 x dp2 (zero2, SP) and pp2 x dp2 (tied copies) load back bit for bit."""
     uninterrupted = run_ranks(_ckpt_save, 4, str(tmp_path))[0]
-    four = run_ranks(_ckpt_resume, 4, str(tmp_path), [dict(dp=2, tp=2, zero=2, sequence_parallel=True),
-                                                      dict(dp=4, zero=1),
-                                                      dict(dp=2, tp=2, zero=3, sequence_parallel=True)])[0]
+    # each rank wrote its slices only: every state's chunks add up to the tensor once, and a
+    # parameter larger than a rank's share of its bucket is in several ranks' chunks
+    chunks = _ckpt_chunks(str(tmp_path))
+    config = MiniMindConfig(**TINY, tie_word_embeddings=True)
+    dense = dict(MiniMindForCausalLM(config).named_parameters())
+    assert {f"optim.{n}.exp_avg" for n in dense} == set(chunks)
+    for name, p in dense.items():
+        assert sum(chunks[f"optim.{name}.exp_avg"]) == p.numel(), name
+    layout = zero_layouts(config, ParallelConfig(dp=4, zero=1), 0, torch.float32, SMALL_BUCKETS)[0]
+    largest_slice = max(b.shard_numel for b in layout.buckets)
+    assert max(n for c in chunks.values() for n in c) <= largest_slice < dense["model.embed_tokens.weight"].numel()
+    assert len(chunks["optim.model.embed_tokens.weight.exp_avg"]) >= 4   # a part on each of the 4 ranks
+    every = run_ranks(_ckpt_resume, 4, str(tmp_path), [dict(dp=2, tp=2, zero=2, sequence_parallel=True),
+                                                       dict(dp=4, zero=1), dict(dp=2, pp=2, zero=1),
+                                                       dict(dp=2, tp=2, zero=3, sequence_parallel=True)])
+    four = [next(rank[i] for rank in every if rank[i][0] is not None) for i in range(4)]   # pp2: the last stage's
     two = run_ranks(_ckpt_resume, 2, str(tmp_path), [dict(dp=2), dict(dp=2, zero=2), dict(dp=2, zero=3)])[0]
     assert four[1] == uninterrupted            # the same layout: bit for bit
-    for resumed in (four[0], four[2], *two):
+    for resumed in (four[0], four[2], four[3], *two):
         assert resumed == pytest.approx(uninterrupted, rel=1e-5, abs=0), (resumed, uninterrupted)
     other_init = run_ranks(_ckpt_resume_nothing, 2)[0]
     assert other_init != pytest.approx(uninterrupted, rel=1e-3, abs=0)   # the check can fail

@@ -6,8 +6,10 @@ What one checkpoint holds (DCP keys; dense parameter names, see `placement`):
     model.<name>                     every parameter, as the plan places it
     optim.<name>.<state>             every optimizer state: AdamW's exp_avg, exp_avg_sq (placed
                                      like the parameter) and step (a scalar every rank holds);
-                                     under --zero gathered from the slices on save and sliced
-                                     again on load (any zero level, DP size or layout resumes it)
+                                     under --zero each rank writes its slices as chunks of them
+                                     and a load under --zero reads only its slices' chunks
+                                     (slices.py: nothing gathered; any zero level, DP size or
+                                     layout resumes it)
     rng.rank<r>.<device type>        rank r's random generator states (cpu, and the accelerator's)
     meta.json                        step, model config, layout, optimizer hyper-parameters, extra
 """
@@ -32,6 +34,7 @@ from ..zero import DistributedOptimizer
 from .directory import (META, check_checkpoint_config, new_temp_dir, prune, publish, read_meta, resolve_checkpoint,
                         write_json)
 from .placement import as_held, checkpoint_key, local_part, placed, tp_mesh
+from .slices import assemble, sliced_states, sliced_targets
 
 FORMAT_VERSION = 1
 
@@ -56,7 +59,7 @@ def save_checkpoint(save_dir: str, step: int, *, model: nn.Module, optimizer: to
     if error is None:
         mesh = tp_mesh(groups, _device_type(model))
         state = {"model": _model_tensors(model, config, par, mesh),
-                 "optim": _optimizer_tensors(model, optimizer, config, par, mesh),
+                 "optim": _optimizer_tensors(model, optimizer, config, par, mesh, groups),
                  "rng": {f"rank{groups.rank}": _rng_states(model)}}
         try:
             dcp.save(state, checkpoint_id=temp)
@@ -114,7 +117,10 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optim
     params = dict(unwrap(model).named_parameters())
     state = {"model": {checkpoint_key(n, config): placed(torch.empty_like(p), n, config, par, mesh)
                        for n, p in params.items()}}
-    if meta["optimizer_state"]:
+    rects = None
+    if meta["optimizer_state"] and isinstance(optimizer, DistributedOptimizer):   # this rank's slices only
+        state["optim"], rects = sliced_targets(path, optimizer, config, par, groups)
+    elif meta["optimizer_state"]:
         state["optim"] = _empty_optimizer_tensors(path, params, config, par, mesh)
     # a field the saving version did not have yet (zero, ...) held its default there
     same_layout = {**dataclasses.asdict(ParallelConfig()), **meta["layout"]} == dataclasses.asdict(par)
@@ -126,7 +132,7 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optim
             local_part(p).copy_(local_part(as_held(state["model"][checkpoint_key(name, config)], p)))
     optimizer.state.clear()   # saved before the first step: no state, as then
     if meta["optimizer_state"]:
-        _load_optimizer(optimizer, params, state["optim"], meta["param_groups"], config)
+        _load_optimizer(optimizer, params, state["optim"], meta["param_groups"], config, rects)
     if same_layout:
         _set_rng_states(model, state["rng"][f"rank{groups.rank}"])
     return meta["extra"]
@@ -137,14 +143,16 @@ def _model_tensors(model, config, par, mesh) -> dict:
             for n, p in unwrap(model).named_parameters()}
 
 
-def _optimizer_tensors(model, optimizer, config, par, mesh) -> dict:
+def _optimizer_tensors(model, optimizer, config, par, mesh, groups) -> dict:
     """{key: {state: tensor}} of every parameter with optimizer state ({} before the first step).
-    Under --zero the distributed optimizer's slices are gathered into each parameter's states
-    first, so a checkpoint is the same whatever the zero level (and loads at any)."""
+    Under --zero each rank writes the distributed optimizer's slices as chunks of the dense states
+    (`slices.sliced_states`), so a checkpoint describes the same tensors whatever the zero level
+    (and loads at any)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return sliced_states(optimizer, config, par, groups)
     out = {}
-    whole = optimizer.param_states() if isinstance(optimizer, DistributedOptimizer) else None
     for name, p in unwrap(model).named_parameters():
-        states = whole.get(name, {}) if whole is not None else optimizer.state.get(p, {})
+        states = optimizer.state.get(p, {})
         out_p = {}
         for state, value in states.items():
             if not isinstance(value, torch.Tensor):
@@ -175,18 +183,19 @@ def _empty_optimizer_tensors(path, params, config, par, mesh) -> dict:
     return out
 
 
-def _load_optimizer(optimizer, params, loaded, saved_groups, config) -> None:
+def _load_optimizer(optimizer, params, loaded, saved_groups, config, rects=None) -> None:
     """Hand the loaded states to the optimizer through its own `load_state_dict` (which creates the
-    state of a fresh optimizer), with the saved hyper-parameters of each param group."""
-    # a parameter sharded by FSDP2 (--zero 3) keeps its states as DTensors placed like it (the
-    # targets made by `empty_like` of it); every other parameter takes its local part
-    whole = {n: {k: as_held(v, p) if isinstance(p, DTensor) else local_part(v)
-                 for k, v in loaded[checkpoint_key(n, config)].items()} for n, p in params.items()}
+    state of a fresh optimizer), with the saved hyper-parameters of each param group. Under --zero
+    `rects` says where the chunks read go in this rank's slices (`slices.assemble`)."""
     target = optimizer.inner if isinstance(optimizer, DistributedOptimizer) else optimizer
     index_of = {id(p): i for i, p in enumerate(p for g in target.param_groups for p in g["params"])}
     if isinstance(optimizer, DistributedOptimizer):   # each rank keeps its slices
-        state = optimizer.slice_states(whole)
+        state = assemble(optimizer, loaded, rects)
     else:
+        # a parameter sharded by FSDP2 (--zero 3) keeps its states as DTensors placed like it (the
+        # targets made by `empty_like` of it); every other parameter takes its local part
+        whole = {n: {k: as_held(v, p) if isinstance(p, DTensor) else local_part(v)
+                     for k, v in loaded[checkpoint_key(n, config)].items()} for n, p in params.items()}
         state = {index_of[id(p)]: whole[n] for n, p in params.items()}
     groups = []
     for group, saved in zip(target.param_groups, saved_groups, strict=True):

@@ -15,6 +15,7 @@ the same with its "is not a duplicate" test):
       group (zero.reduction_group); --zero 3:    part of the averaged grad), then as above
       FSDP2's shards
     an expert's weights (mixture of experts)    each EP rank counts its own experts; summed over EP
+                                                (under --zero 1/2 the slices over EDP, then over EP)
 
 Call after `training.finalize_grads` (and, under a float16 loss scaler, after unscaling).
 Every rank gets the same norm, so every rank applies the same clip coefficient.
@@ -54,16 +55,18 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups, sharded: Distribut
         dense = [(n, local(p.grad)) for n, p in named if not is_expert_parameter(p)]
         experts = [(n, local(p.grad)) for n, p in named if is_expert_parameter(p)]
         # + other EP ranks'; --zero 3 (ep 1): FSDP2's shards of the experts over their EDP group
-        parts = [(reduction_group(groups, "") if fsdp else None, dense), (groups.edp if fsdp else groups.ep, experts)]
+        parts = [((reduction_group(groups, ""),) if fsdp else (), dense), ((groups.edp,) if fsdp else (groups.ep,), experts)]
     else:
         parts = sharded.grads_by_group()
     squares = torch.zeros((), dtype=acc, device=device)
-    for group, named in parts:
+    for over, named in parts:
         part = torch.zeros((), dtype=acc, device=device)
         for name, g in named:
             if counted_here(name, inner, groups):
                 part += g.detach().to(acc).pow(2).sum()
-        squares += comm.all_reduce(part, group)   # the slices of one reduction group (None: whole grads)
+        for group in over:   # the slices of one reduction group (an expert's: then the other EP ranks' experts)
+            comm.all_reduce(part, group)
+        squares += part
     comm.all_reduce(squares, groups.tp)   # the shards of one stage
     comm.all_reduce(squares, groups.pp)   # the stages
     return squares.sqrt()

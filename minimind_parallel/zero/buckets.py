@@ -1,7 +1,7 @@
 """The layout of one flat buffer of parameters (one dtype, one reduction group), as in Megatron-LM's
 distributed optimizer (its `_ParamAndGradBuffer`): parameters placed one after another in the
-reverse of the model's order (backward produces grads roughly in that order), grouped into
-buckets of whole parameters of at least `bucket_numel` elements (None: one bucket), each bucket
+order backward produces their grads (`backward_rank`: the reverse of the model's order, blocks
+from the top down, inside a block the order autograd accumulates them), grouped into buckets of whole parameters of at least `bucket_numel` elements (None: one bucket), each bucket
 padded to a multiple of the group's size W, so that rank r owns the slice
 
     bucket.start + r * bucket.shard_numel  ...  bucket.start + (r + 1) * bucket.shard_numel
@@ -22,6 +22,27 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_BUCKET_MB = 25.0   # --bucket_size_mb: DDP's default bucket (its bucket_cap_mb)
+
+# The order in which one block's backward accumulates its parameters' grads (recorded from
+# autograd's post-accumulate-grad hooks): the MLP's, the post-attention norm's, o_proj's, the q/k
+# norms', v, k, q, then the input norm's.
+_BLOCK_BACKWARD = ("mlp.down_proj.", "mlp.up_proj.", "mlp.gate_proj.", "post_attention_layernorm.",
+                   "self_attn.o_proj.", "self_attn.k_norm.", "self_attn.q_norm.", "self_attn.v_proj.",
+                   "self_attn.k_proj.", "self_attn.q_proj.", "input_layernorm.")
+
+
+def backward_rank(name: str) -> tuple:
+    """Where backward produces parameter `name`'s grad: lm_head, the final norm, the blocks from
+    the top down (each in `_BLOCK_BACKWARD`'s order; a parameter it does not list, as a MoE
+    layer's, with the MLP's), other names (in the reverse of the model's order), the embedding."""
+    if name.startswith("lm_head."):
+        return (0,)
+    if name.startswith("model.norm."):
+        return (1,)
+    if name.startswith("model.layers."):
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        return (2, -int(layer), next((i for i, p in enumerate(_BLOCK_BACKWARD) if rest.startswith(p)), 0))
+    return (4,) if name.startswith("model.embed_tokens.") else (3,)
 
 
 @dataclass(frozen=True)
@@ -100,7 +121,8 @@ def padded(numel: int, world: int) -> int:
 
 def plan_buffer(params: list[tuple[str, int, bool]], world: int, bucket_numel: int | None) -> BufferLayout:
     """`params`: (name, numel, alone) in the model's order; `alone`: the parameter is a bucket of
-    its own (an embedding-group copy). -> the buffer's buckets (see the module's docstring)."""
+    its own (an embedding-group copy). -> the buffer's buckets, in the order of `backward_rank`
+    (see the module's docstring)."""
     buckets, open_names, start, open_numel = [], [], 0, 0
 
     def close():
@@ -115,7 +137,7 @@ def plan_buffer(params: list[tuple[str, int, bool]], world: int, bucket_numel: i
         start += bucket.padded_numel
         open_names, open_numel = [], 0
 
-    for name, numel, alone in reversed(params):
+    for name, numel, alone in sorted(reversed(params), key=lambda p: backward_rank(p[0])):
         if alone:
             close()
         open_names.append((name, numel))

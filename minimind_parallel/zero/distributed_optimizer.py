@@ -11,12 +11,15 @@ Per (reduction group, dtype), one flat buffer (`buckets.BufferLayout`):
     grads      --zero 1: a flat grad buffer [numel padded] of which every parameter's .grad is a
                view; after the last microbatch each bucket is reduce-scattered in place into this
                rank's slice, the mains' grads.
-               --zero 2: only this rank's slices [numel padded / W]; a post-accumulate-grad hook
-               on every parameter counts the grads of its bucket, and once a bucket's are all
-               there (backward runs in roughly the buffer's order) copies them into a staging
-               bucket, frees them and starts the bucket's reduce-scatter asynchronously, at most
-               `IN_FLIGHT` buckets at a time (the oldest is waited for and added to the slice
-               before another starts); the rest are waited for before the step.
+               --zero 2: only this rank's slices [numel padded / W], and `IN_FLIGHT` + 1 staging
+               buffers of the largest bucket, allocated once (DeepSpeed's ZeRO stage 2 keeps its
+               gradient buckets the same way): a post-accumulate-grad hook on every parameter
+               copies its grad into its bucket's staging buffer and frees it at once; when a
+               bucket's grads are all there (the buffer follows backward's order, so one bucket
+               fills at a time) its reduce-scatter starts asynchronously, at most `IN_FLIGHT` at a
+               time (the oldest is waited for, added to the slice and its buffer freed for the
+               next bucket); the rest are waited for before the step. So no parameter's grad
+               outlives its hook, and what the grads cost is constant: the slices and the buffers.
     optimizer  AdamW over the mains: its states are 1/W of the replicated optimizer's.
 
 After the reduce-scatter the slices are divided by the replicas (`loss_normalisation.grad_divisor`,
@@ -28,16 +31,27 @@ all-gathered in place, so every parameter is whole again for the next forward.
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch import nn
 
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..loss_normalisation import grad_divisor
+from ..moe.placement import expert_of
 from .buckets import BufferLayout, Piece, plan_buffer
 from .reduction_group import reduction_group
 
-IN_FLIGHT = 2   # --zero 2: buckets whose reduce-scatter may run at once (each holds a staging bucket)
+IN_FLIGHT = 2   # --zero 2: buckets whose reduce-scatter may run while the next one fills (each holds a staging buffer)
+
+
+def staging_buffers(layout: BufferLayout, like: torch.Tensor) -> list[torch.Tensor]:
+    """--zero 2: `IN_FLIGHT` + 1 buffers (fewer if there are fewer buckets), each of the largest
+    padded bucket, in `like`'s dtype and device."""
+    largest = max(b.padded_numel for b in layout.buckets)
+    return [torch.zeros(largest, dtype=like.dtype, device=like.device)
+            for _ in range(min(IN_FLIGHT + 1, len(layout.buckets)))]
 
 
 class FlatBuffer:
@@ -47,6 +61,8 @@ class FlatBuffer:
                  groups: ProcessGroups):
         self.group, self.level, self.groups = group, level, groups
         self.params = dict(named)
+        # the experts' own buffer (over EDP); at ep_size 1 they share the DP x CP one with the rest
+        self.experts = groups.par.ep > 1 and expert_of(named[0][0]) is not None
         self.rank, world = comm.rank_in(group), comm.group_size(group)
         self.layout: BufferLayout = plan_buffer(
             [(n, p.numel(), bool(getattr(p, "shared_embedding", False)) and groups.embed is not None)
@@ -57,7 +73,9 @@ class FlatBuffer:
         self.grad_flat = self._slice_grads()
         if level == 2:
             self._ready = [0] * len(self.layout.buckets)
-            self._pending: list = []
+            self._pending: list = []      # (bucket, its reduced slice, the work, its staging buffer)
+            self._filling: dict = {}      # bucket -> (its staging buffer, the bucket's view of it)
+            self._free = deque(staging_buffers(self.layout, self.flat))
             self._bucket_of = {n: i for i, b in enumerate(self.layout.buckets) for n in b.names}
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready(name)) for name, p in named]
         self.zero_grad()
@@ -103,7 +121,7 @@ class FlatBuffer:
             for name, p in self.params.items():
                 p.grad = self.view(self.grad_flat, name)
         else:
-            assert not self._pending, "zero_grad with reduce-scatters in flight"
+            assert not self._pending and not self._filling, "zero_grad with reduce-scatters in flight"
             self._ready = [0] * len(self.layout.buckets)
             for p in self.params.values():
                 p.grad = None
@@ -111,31 +129,45 @@ class FlatBuffer:
     def _grad_ready(self, name: str):
         def hook(param: nn.Parameter) -> None:
             i = self._bucket_of[name]
+            b = self.layout.buckets[i]
+            staging = self._filling[i][1] if i in self._filling else self._open(i)
+            start = self._offsets[name] - b.start
+            staging[start:start + param.numel()].copy_(param.grad.reshape(-1))
+            param.grad = None
             self._ready[i] += 1
-            if self._ready[i] == len(self.layout.buckets[i].names):
+            if self._ready[i] == len(b.names):
                 self._ready[i] = 0
                 self._start_reduce(i)
         return hook
 
-    def _start_reduce(self, i: int) -> None:
-        """--zero 2: bucket i's grads into a staging bucket (theirs freed), its reduce-scatter started."""
+    def _open(self, i: int) -> torch.Tensor:
+        """--zero 2: a staging buffer for bucket i (the oldest reduce-scatter waited for if none is
+        free; one more buffer only if more buckets fill at once than there are buffers)."""
+        if not self._free:
+            if self._pending:
+                self._finish(self._pending.pop(0))
+            else:
+                self._free.append(torch.empty_like(self.flat[:max(b.padded_numel for b in self.layout.buckets)]))
         b = self.layout.buckets[i]
-        staging = torch.empty(b.padded_numel, dtype=self.flat.dtype, device=self.flat.device)   # [bucket padded]
-        staging[sum(b.numels):].zero_()
-        for name, offset, numel in zip(b.names, b.offsets, b.numels):
-            p = self.params[name]
-            staging[offset - b.start:offset - b.start + numel].copy_(p.grad.reshape(-1))
-            p.grad = None
+        buffer = self._free.popleft()
+        staging = buffer[:b.padded_numel]                    # [bucket padded]
+        staging[sum(b.numels):].zero_()                      # the padding
+        self._filling[i] = (buffer, staging)
+        return staging
+
+    def _start_reduce(self, i: int) -> None:
+        """--zero 2: bucket i's staging buffer reduce-scattered asynchronously."""
+        buffer, staging = self._filling.pop(i)
         while len(self._pending) >= IN_FLIGHT:
             self._finish(self._pending.pop(0))
         shard, work = comm.reduce_scatter_flat(staging, self.group, async_op=True)
-        self._pending.append((i, shard, work))
-        del staging   # the work holds it until it is done
+        self._pending.append((i, shard, work, buffer))
 
     def _finish(self, entry) -> None:
-        i, shard, work = entry
+        i, shard, work, buffer = entry
         work.wait()
         self.mains[i].grad.add_(shard)
+        self._free.append(buffer)
 
     def reduce(self) -> None:
         """After the last microbatch: every bucket's grads summed into this rank's slices and averaged."""
@@ -145,7 +177,7 @@ class FlatBuffer:
         else:
             while self._pending:
                 self._finish(self._pending.pop(0))
-            if any(self._ready):
+            if any(self._ready) or self._filling:
                 raise RuntimeError("a bucket's grads were not all produced by backward")
         replicas = grad_divisor(self.groups.par)
         for main in self.mains:
@@ -223,10 +255,11 @@ class DistributedOptimizer:
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         return [item for b in self.buffers for item in b.named_grads()]
 
-    def grads_by_group(self) -> list[tuple[object, list[tuple[str, torch.Tensor]]]]:
-        """(reduction group, this rank's (name, grad part)) of every buffer: the grad norm sums the
-        squares of a group's parts over that group."""
-        return [(b.group, b.named_grads()) for b in self.buffers]
+    def grads_by_group(self) -> list[tuple[tuple, list[tuple[str, torch.Tensor]]]]:
+        """(the groups to sum over, this rank's (name, grad part)) of every buffer: the grad norm sums
+        the squares of a buffer's parts over its reduction group and, for the experts' buffer under
+        expert parallelism, then over EP (the other ranks' experts)."""
+        return [((b.group, b.groups.ep) if b.experts else (b.group,), b.named_grads()) for b in self.buffers]
 
     def main_grads(self) -> list[torch.Tensor]:
         """Every slice's grad (unscaling and clipping scale these)."""
@@ -236,40 +269,6 @@ class DistributedOptimizer:
         self.inner.step()
         for b in self.buffers:
             b.gather()
-
-    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's AdamW states whole (as the replicated optimizer holds them: exp_avg and
-        exp_avg_sq shaped like the parameter, the step counter), gathered from the slices; {} before
-        the first step. Collective over the reduction groups (a checkpoint's save)."""
-        if not self.inner.state:
-            return {}
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for b in self.buffers:
-            step = self.inner.state[b.mains[0]]["step"]
-            for key in ("exp_avg", "exp_avg_sq"):
-                whole = torch.zeros_like(b.flat)                                         # [numel padded]
-                for main, bucket in zip(b.mains, b.layout.buckets):
-                    whole[slice(*bucket.shard_range(b.rank))].copy_(self.inner.state[main][key])
-                b.gather_into(whole)
-                for name in b.params:
-                    out.setdefault(name, {"step": step.clone()})[key] = b.view(whole, name).clone()
-        return out
-
-    def slice_states(self, states: dict[str, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
-        """The inner AdamW's state (by its parameter index) from every parameter's whole states
-        (`param_states`' form, as a checkpoint holds them): each rank keeps its slices."""
-        out, index = {}, 0
-        for b in self.buffers:
-            whole = {key: torch.zeros_like(b.flat) for key in ("exp_avg", "exp_avg_sq")}   # [numel padded]
-            for name in b.params:
-                for key, flat in whole.items():
-                    b.view(flat, name).copy_(states[name][key])
-            step = states[next(iter(b.params))]["step"]
-            for bucket in b.layout.buckets:
-                mine = slice(*bucket.shard_range(b.rank))
-                out[index] = {"step": step.clone(), **{key: flat[mine].clone() for key, flat in whole.items()}}
-                index += 1
-        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the slices (the buffers are kept: `set_to_none` is accepted for torch's signature)."""

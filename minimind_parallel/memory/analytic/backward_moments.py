@@ -149,7 +149,8 @@ def _embedding_backward(s: StageSizes) -> tuple[int, int, int]:
     output [N, H] (gathered from the sequence shards under SP) and the received grad."""
     b, hid = s.b, s.hid
     emb_w_grad = b * s.vocab * hid
-    acts = (9 * s.n if s.par.vocab_parallel else 0) + s.held_temps   # (the first stage's: the sent output)
+    # VP: the local ids (int64) still saved; the out-of-range mask went with the masked_fill's backward
+    acts = (8 * s.n if s.par.vocab_parallel else 0) + s.held_temps   # (the first stage's: the sent output)
     return (s.param_bytes - emb_w_grad, acts,
             emb_w_grad + b * s.n * hid + s.waiting + (0 if s.last else b * s.nn * hid))
 

@@ -17,14 +17,14 @@ from .posted_replay import replay_posted
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import chunk_sizes, stage_sizes
-from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
+from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2_moments, zero_layouts
 
 
 # the schedules whose orders the model replays (zb's W-pending tensors are not modelled yet)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
-# the --zero levels it predicts (2: the grads alive depend on the buckets backward has finished; 3: FSDP2's
-# gathers); the planner enumerates these two tuples' members
-MODELLED_ZERO_LEVELS = (0, 1)
+# the --zero levels whose buffers the model holds (3, FSDP2's sharded parameters, is not modelled);
+# the planner enumerates these two tuples' members
+MODELLED_ZERO_LEVELS = (0, 1, 2)
 
 
 @dataclass
@@ -52,14 +52,14 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
     there). The prediction of every stage is in `per_stage`. Under CP `cp_rank` picks the CP rank
     (None: the worst; with the load-balanced split every CP rank holds the same bytes, with the
-    contiguous one the later ranks' attention sees more blocks). Under --zero 1 (`par.zero`) the
-    distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py). `worst_only`
-    (with stage None): only the stages that can hold the worst peak (`candidate_stages`), which
-    `per_stage` then lists; the prediction is the same."""
+    contiguous one the later ranks' attention sees more blocks). Under --zero 1 and 2 (`par.zero`)
+    the distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py).
+    `worst_only` (with stage None): only the stages that can hold the worst peak
+    (`candidate_stages`), which `per_stage` then lists; the prediction is the same."""
     c = model_config
-    if par.zero > 1:
-        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (--zero 2: the grads alive depend "
-                                  f"on the buckets backward has finished; --zero 3: FSDP2's gathers)")
+    if par.zero not in MODELLED_ZERO_LEVELS:
+        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (FSDP2's gathers); "
+                                  f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))}")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
@@ -104,8 +104,9 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     every moment of the schedule that can hold the peak, each a sum of what is alive then."""
     s = stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
                     num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
-    layout = zero_layout(c, par, stage, as_dtype(dtype), bucket_size_mb)
-    stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
+    layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb)
+    # the flat buffers: padding too
+    stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
     if posted(order):   # its sends' release points come from every stage's order
@@ -118,13 +119,18 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments, in_flight = replay_schedule(s, order)
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
-    if layout is None:
+    if not layouts:
         states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
         moments["optimizer"] = optimizer_step(s)
-    else:   # the grad buffer from the start; AdamW over the slices
-        states = optimizer_state_bytes(layout, s.b, device)
+    elif par.zero == 1:   # the grad buffer from the start; AdamW over the slices
+        states = optimizer_state_bytes(layouts, s.b, device)
         moments = {k: (stored, a, t) for k, (_, a, t) in moments.items()}
-        moments["optimizer"] = optimizer_step(s, slice_sizes(layout, s.b), grads=stored)
+        moments["optimizer"] = optimizer_step(s, slice_sizes(layouts, s.b), grads=stored)
+    else:   # the slices and the staging buffers all step; AdamW over the slices
+        states = optimizer_state_bytes(layouts, s.b, device)
+        moments = zero2_moments(moments, layouts, s.b)
+        grads, a, t = optimizer_step(s, slice_sizes(layouts, s.b), grads=sum(s.b * x.shard_numel for x in layouts))
+        moments["optimizer"] = (grads, a, t + staging_bytes(layouts, s.b))
     report = moe_report(c, last=s.last, f=s.f)
     moments["optimizer"] = moments["optimizer"][:2] + (moments["optimizer"][2] + state + report,)
     totals = {k: params + states + sum(v) for k, v in moments.items()}
