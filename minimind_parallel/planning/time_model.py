@@ -27,8 +27,9 @@
     data         the stage's gradients all-reduced over dp x cp (an expert's over its EDP group,
                  dp x cp / ep): under DDP (pp = 1) overlapped with the backward, under a pipeline
                  after it; --zero 1 (the distributed optimizer) instead reduce-scatters each bucket
-                 after the last microbatch and all-gathers it after the step, both exposed
-    optimizer    AdamW's per-element traffic over this rank's parameters (under --zero 1 its slice,
+                 after the last microbatch and all-gathers it after the step, both exposed;
+                 --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1)
+    optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
                  one tensor per bucket)
 
 A collective of `n` bytes over `g` ranks on a link (latency a, bandwidth w): all-reduce
@@ -220,20 +221,23 @@ def expert_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[li
 
 def data_parallel_seconds(k: Candidate, w: Workload, link: Link, *, stage_params: int, expert_params: int,
                           backward: float) -> tuple[float, int]:
-    """The exposed seconds of the grads' reduction (and under --zero 1 the parameters' all-gather), and
-    the tensors AdamW steps on this rank under --zero 1 (its buckets' slices; 0: the parameters)."""
+    """The exposed seconds of the grads' reduction (and under --zero the parameters' all-gather), and
+    the tensors AdamW steps on this rank under --zero (its buckets' slices; 0: the parameters)."""
     b = DTYPES[w.dtype].itemsize
     dense = stage_params - expert_params
     if k.zero == 0:
         grads = (Collective(Op.ALL_REDUCE, dense * b, k.dp * k.cp).seconds(link)       # the experts' over EDP
                  + Collective(Op.ALL_REDUCE, expert_params * b, k.dp * k.cp // k.ep).seconds(link))
         return (max(0.0, grads - backward) if k.pp == 1 else grads), 0
-    # the distributed optimizer: buckets of DEFAULT_BUCKET_MB over dp x cp (zero with ep > 1 is refused)
+    # the distributed optimizer: buckets of DEFAULT_BUCKET_MB over dp x cp; --zero 1 reduce-scatters
+    # them after backward, --zero 2 while backward runs (hidden behind it as DDP's all-reduce is)
     buckets = max(1, -(-stage_params * b // int(DEFAULT_BUCKET_MB * 2**20)))
     each = stage_params * b / buckets
-    per_bucket = (Collective(Op.REDUCE_SCATTER, each, k.dp * k.cp).seconds(link)
-                  + Collective(Op.ALL_GATHER, each, k.dp * k.cp).seconds(link))
-    return buckets * per_bucket, buckets
+    scatter = buckets * Collective(Op.REDUCE_SCATTER, each, k.dp * k.cp).seconds(link)
+    gather = buckets * Collective(Op.ALL_GATHER, each, k.dp * k.cp).seconds(link)
+    if k.zero == 2 and k.pp == 1:
+        scatter = max(0.0, scatter - backward)
+    return scatter + gather, buckets
 
 
 def seconds(coll: list, link: Link) -> float:
