@@ -14,6 +14,8 @@ from helpers import one_line_error
 from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
 from minimind_parallel.memory import MemoryMeter, StorageTracker, estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic import activations_by_kind
+from minimind_parallel.memory.analytic.moe_sizes import RoutingPolicy
+from minimind_parallel.moe import routing_histogram
 from minimind_parallel.memory.estimate import fake_process_group
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 from minimind_parallel.plan import stage_parameters
@@ -41,21 +43,26 @@ MODES = {
 def measure_real(config, layouts, seq_len, rows):
     """On each gloo rank: one warm-up step, then the meter around one step, per layout (under CP
     each rank feeds its CP rank's tokens). Shared with tests/test_context_parallel_memory.py."""
-    out = {}
-    for name, par in layouts.items():
-        groups = ProcessGroups.build(par)
-        torch.manual_seed(0)
-        dense = MiniMindForCausalLM(config).state_dict()
-        model = wrap_data_parallel(build_parallel_model(config, par, groups, dense, dtype=torch.bfloat16), groups)
-        optimizer = make_optimizer(model, 1e-3)
-        batch = random_batch(0, rows, seq_len, config.vocab_size)
-        ids, targets = cp_tokens(batch, ContextLayout.of(par, seq_len), groups.cp_rank)
+    return {name: _measure_step(config, par, seq_len, rows)[0] for name, par in layouts.items()}
+
+
+def _measure_step(config, par, seq_len, rows, *, zero_routers=False):
+    """measure_real's run of one layout -> (report, the model after it). `zero_routers`: every
+    MoE router's weight zeroed and the learning rate 0, so every token's scores tie in both steps."""
+    groups = ProcessGroups.build(par)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(config).state_dict()
+    if zero_routers:
+        dense = {k: v.zero_() if k.endswith(".mlp.gate.weight") else v for k, v in dense.items()}
+    model = wrap_data_parallel(build_parallel_model(config, par, groups, dense, dtype=torch.bfloat16), groups)
+    optimizer = make_optimizer(model, 0.0 if zero_routers else 1e-3)
+    batch = random_batch(0, rows, seq_len, config.vocab_size)
+    ids, targets = cp_tokens(batch, ContextLayout.of(par, seq_len), groups.cp_rank)
+    train_step(model, optimizer, groups, ids, targets)
+    meter = MemoryMeter("cpu", model, optimizer)
+    with meter:
         train_step(model, optimizer, groups, ids, targets)
-        meter = MemoryMeter("cpu", model, optimizer)
-        with meter:
-            train_step(model, optimizer, groups, ids, targets)
-        out[name] = meter.report()
-    return out
+    return meter.report(), model
 
 
 @pytest.fixture(scope="module")
@@ -532,3 +539,50 @@ def test_analytic_model_matches_the_estimate_of_expert_parallel_layouts():
         assert pred.peak_at.startswith(("head_backward", "optimizer")), (name, pred.peak_at)
         assert pred.activations_by_kind["block.moe"] > 0, name
         _check_model(pred, estimate_step_memory(config, par, iters=1, **kw), name)
+
+
+def measure_routing(config, par, seq_len, rows):
+    """On each gloo rank: the measured step of the MoE model as trained, and with its routers
+    zeroed (every token's scores tie, so top-k sends all of them to the same k experts), each
+    with its routing: this rank's tokens per expert of the step, per MoE layer."""
+    out = {}
+    for name, zero in (("trained", False), ("routers zeroed", True)):
+        report, model = _measure_step(config, par, seq_len, rows, zero_routers=zero)
+        out[name] = report, routing_histogram(model)
+    return out
+
+
+def test_analytic_model_predicts_a_measured_routing_and_the_worst_case():
+    """One real ep-2 run (both ranks one EP group): its tokens per expert, summed over the ranks,
+    fed to predict_memory give the worst rank's peak to the byte (the experts' saved tensors and
+    the dispatch's indices follow the rows each rank receives); the balanced prediction misses
+    it. With the routers zeroed every token lands on one rank's experts: the worst case."""
+    par = ParallelConfig(dp=2, ep=2)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+    ranks = run_ranks(measure_routing, 2, MOE, par, S, B)
+    routed_rows = par.ep * S * B * MOE.num_experts_per_tok      # the EP group's N k per layer
+    for name in ("trained", "routers zeroed"):
+        meas = max((r[name][0] for r in ranks), key=lambda rep: rep.peak_bytes)
+        histogram = {}
+        for _, counts in (r[name] for r in ranks):
+            for layer, c in counts.items():
+                histogram[layer] = [a + b for a, b in zip(histogram.get(layer, [0] * len(c)), c)]
+        assert len(histogram) == MOE.num_hidden_layers and all(sum(c) == routed_rows for c in histogram.values())
+        pred = predict_memory(MOE, par, routing=histogram, **kw)
+        assert pred.peak_at.startswith("head_backward") and "histogram" in pred.routing, (name, pred.peak_at)
+        _check_model(pred, meas, name)
+        assert predict_memory(MOE, par, **kw).peak_bytes != meas.peak_bytes, name
+    assert all(c[:2] == [0, 0] or c[2:] == [0, 0] for c in histogram.values()), histogram
+    worst = predict_memory(MOE, par, routing=RoutingPolicy.WORST, **kw)
+    assert worst.routing.startswith("worst case"), worst.routing
+    _check_model(worst, meas, "worst case")
+
+
+def test_a_routing_histogram_that_does_not_fit_the_layout_is_refused_in_one_line():
+    par, kw = ParallelConfig(dp=2, ep=2), dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+    rows = par.ep * S * B * MOE.num_experts_per_tok
+    short = {"model.layers.0.mlp": [rows, 0, 0, 0], "model.layers.1.mlp": [rows - 1, 0, 0, 0]}
+    message = one_line_error(ValueError, predict_memory, MOE, par, routing=short, **kw)
+    assert "summing to ep x tokens x k = 256; got 4 summing to 255" in message, message
+    message = one_line_error(ValueError, predict_memory, MOE, par, routing={"model.layers.0.mlp": [rows, 0, 0, 0]}, **kw)
+    assert "no counts for MoE layer(s) [1]" in message, message

@@ -20,7 +20,7 @@ context parallelism a block's attention backward is one more (cp_attention_momen
 """
 from __future__ import annotations
 
-from ...config import CPCommType
+from ...config import CPCommType, Recompute
 from .cp_attention_moments import chunked_attention_backward, ring_attention_backward
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows, top_block_acts, top_block_saved
@@ -141,7 +141,21 @@ def _in_first_block(s: StageSizes, moment: tuple[int, int, int], received_counte
     grads, acts, temps = moment
     deeper = s.layers - 1
     received = s.b * s.nn * s.hid if not s.last and not received_counted else 0
-    return grads + deeper * s.block_params, acts - deeper * s.block, temps + received
+    routed_acts, routed_temps = _routed_shift(s, ffn_freed=received_counted)
+    return grads + deeper * s.block_params, acts - deeper * s.block + routed_acts, temps + received + routed_temps
+
+
+def _routed_shift(s: StageSizes, *, ffn_freed: bool) -> tuple[int, int]:
+    """(activations, temporaries) by which a moment in the first block differs from the top
+    block's under a routing other than the balanced one (`StageSizes.routed`, per layer): the
+    blocks above keep no MoE tensors any more, the first block its own (none once its MoE layer's
+    backward is done: `ffn_freed`); --recompute full: the first block's re-run in place of the top's."""
+    r = s.routed
+    if not r:
+        return 0, 0
+    if s.par.recompute == Recompute.FULL:
+        return 0, (0 if ffn_freed else r[0] - r[-1])
+    return -(sum(r[:-1]) if ffn_freed else sum(r[1:])), 0
 
 
 def _embedding_backward(s: StageSizes) -> tuple[int, int, int]:

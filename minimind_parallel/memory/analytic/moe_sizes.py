@@ -21,10 +21,84 @@ small vocabulary against N k I_e), the prediction is below the measurement.
 
 Under expert parallelism the dispatch adds its two saved indices (`ep_dispatch_saved`), for the
 balanced routing --estimate follows (checked at ep 2 and 4, alone and beside TP + SP, PP, CP).
+
+The routing (`Routing`): under EP the rows a rank's experts receive, M, depend on where the
+tokens went; what its experts save (their input, gate out, up out, silu, product) and the
+dispatch's two indices are [M]-shaped (`received_row_bytes`), the rest of the layer [N k]-shaped.
+`predict_memory` takes the policy -- balanced (M = N k on every rank, --estimate's), the worst
+case (every token of the EP group on one rank's experts: M = P N k) -- or a measured histogram
+(the benchmark's tokens per expert: each MoE layer's rows per expert from one EP group in one
+microbatch), and predicts its worst EP rank. Checked against a real ep-2 run fed its own
+histogram, and one routed to a single rank's experts (tests/test_memory.py).
 """
 from __future__ import annotations
 
-from ...config import MiniMindConfig, ParallelConfig
+import re
+from collections.abc import Mapping, Sequence
+
+from ...config import Choice, MiniMindConfig, ParallelConfig
+from ...moe.placement import local_experts
+
+
+class RoutingPolicy(Choice):
+    BALANCED = "balanced"   # every source routes N k / E rows to each expert (--estimate's policy)
+    WORST = "worst"         # every token of the EP group on one EP rank's experts
+
+
+# a measured routing: {MoE layer's module name ("model.layers.{i}.mlp"): rows each expert
+# receives from one EP group in one microbatch} (the benchmark's tokens per expert)
+Histogram = Mapping[str, Sequence[int]]
+Routing = RoutingPolicy | Histogram
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def routing_text(routing: Routing) -> str:
+    """Which routing a prediction is for (the output says which it printed)."""
+    if routing == RoutingPolicy.BALANCED:
+        return "balanced (N x k / E rows per expert from every source)"
+    if routing == RoutingPolicy.WORST:
+        return "worst case (every token of the EP group on one EP rank's experts)"
+    return "the given histogram (tokens per expert per MoE layer)"
+
+
+def received_row_bytes(c: MiniMindConfig, par: ParallelConfig, b: int) -> int:
+    """What one MoE layer saves per row its rank's experts receive: the experts' input [M, H],
+    gate out, up out, silu and product [M, I_e], and under EP the dispatch's two int64 indices."""
+    return b * c.hidden_size + 4 * b * c.moe_intermediate_size + (16 if par.ep > 1 else 0)
+
+
+def received_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, layers: Sequence[int], *,
+                  tokens: int, ep_rank: int) -> list[int]:
+    """M of each of `layers` (global indices) on EP rank `ep_rank`: the rows its experts receive
+    in one microbatch, each of the P sources routing `tokens` x k rows (ep 1: all N k, whatever
+    the routing). The worst case puts them all on this rank."""
+    rows = tokens * c.num_experts_per_tok
+    if routing == RoutingPolicy.BALANCED or par.ep == 1:
+        return [rows] * len(layers)
+    if routing == RoutingPolicy.WORST:
+        return [par.ep * rows] * len(layers)
+    mine = local_experts(c.num_experts, par.ep, ep_rank)
+    counts = _histogram_by_layer(c, routing, rows * par.ep)
+    missing = [i for i in layers if i not in counts]
+    if missing:
+        raise ValueError(f"routing histogram: no counts for MoE layer(s) {missing}; got layers {sorted(counts)}")
+    return [sum(counts[i][e] for e in mine) for i in layers]
+
+
+def _histogram_by_layer(c: MiniMindConfig, histogram: Histogram, total: int) -> dict[int, Sequence[int]]:
+    """{global layer index: counts [E]}, each layer's counts checked: E of them, summing to the
+    EP group's routed rows."""
+    out = {}
+    for name, counts in histogram.items():
+        m = _LAYER.search(name)
+        if m is None:
+            raise ValueError(f"routing histogram: {name!r} names no layer (want 'model.layers.{{i}}.mlp')")
+        if len(counts) != c.num_experts or sum(counts) != total:
+            raise ValueError(f"routing histogram: layer {name!r} must give num_experts={c.num_experts} counts "
+                             f"summing to ep x tokens x k = {total}; got {len(counts)} summing to {sum(counts)}")
+        out[int(m.group(1))] = counts
+    return out
 
 
 def moe_saved(c: MiniMindConfig, par: ParallelConfig, *, b: int, f: int, tokens: int) -> int:

@@ -8,9 +8,11 @@ import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...pipeline_parallel.order import Schedule, posted, schedule_order
+from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
-from .moe_sizes import moe_report, moe_temporaries
+from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, received_row_bytes, received_rows,
+                        routing_text)
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
 from .stage_sizes import stage_sizes
@@ -32,6 +34,7 @@ class MemoryPrediction:
     per_stage: list[int] = field(default_factory=list)   # peak bytes of each pipeline stage
     held_per_microbatch: int = 0   # what one microbatch keeps on this stage from its forward to its backward
     held_at_peak: int = 0          # microbatches whose activations are held at the peak
+    routing: str = ""              # MoE: the routing predicted for (moe_sizes.routing_text)
 
     def mib(self) -> float:
         return self.peak_bytes / 2**20
@@ -40,14 +43,17 @@ class MemoryPrediction:
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
-                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryPrediction:
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB,
+                   routing: Routing = RoutingPolicy.BALANCED) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
     there). The prediction of every stage is in `per_stage`. Under CP `cp_rank` picks the CP rank
     (None: the worst; with the load-balanced split every CP rank holds the same bytes, with the
     contiguous one the later ranks' attention sees more blocks). Under --zero 1 (`par.zero`) the
-    distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py)."""
+    distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py). MoE under
+    EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
+    tokens per expert, then the worst EP rank's), said in `routing`."""
     c = model_config
     if par.zero > 1:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (--zero 2: the grads alive depend "
@@ -58,22 +64,41 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if cp_rank is not None and not 0 <= cp_rank < par.cp:
         raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
     cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
+    # a measured routing differs between EP ranks: each one's (the policies are symmetric)
+    ep_ranks = range(par.ep) if c.use_moe and routing not in tuple(RoutingPolicy) else range(1)
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
-                                  cp_rank=r, bucket_size_mb=bucket_size_mb) for r in cp_ranks), key=lambda s: s.peak_bytes)
+                                  cp_rank=r, bucket_size_mb=bucket_size_mb,
+                                  routed=_routed(c, par, routing, p, e, dtype=dtype, seq_len=seq_len,
+                                                 micro_batch_size=micro_batch_size))
+                   for r in cp_ranks for e in ep_ranks), key=lambda s: s.peak_bytes)
               for p in range(par.pp)]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
     pick.per_stage = [s.peak_bytes for s in stages]
+    pick.routing = routing_text(routing) if c.use_moe else ""
     return pick
+
+
+def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int, ep_rank: int, *, dtype,
+            seq_len: int, micro_batch_size: int) -> tuple[int, ...]:
+    """What each MoE layer of the stage saves on EP rank `ep_rank` beyond the balanced routing's
+    (StageSizes.routed): its rows received off N k, at `received_row_bytes` each."""
+    if not c.use_moe or routing == RoutingPolicy.BALANCED:
+        return ()
+    tokens = seq_len // par.cp * micro_batch_size // par.sequence_shards
+    per_row = received_row_bytes(c, par, torch.empty((), dtype=as_dtype(dtype)).element_size())
+    layers = stage_layers(c.num_hidden_layers, par.pp, stage)
+    rows = received_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)
+    return tuple((m - tokens * c.num_experts_per_tok) * per_row for m in rows)
 
 
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                    num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0,
-                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryPrediction:
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB, routed: tuple[int, ...] = ()) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then."""
     s = stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
+                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed)
     layout = zero_layout(c, par, stage, as_dtype(dtype), bucket_size_mb)
     stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype

@@ -56,6 +56,9 @@ class StageSizes:
     head_dim: int = 0
     chunk_len: int = 0         # CP: tokens of one sequence chunk (context_parallel.ContextLayout)
     cp_rank: int = 0           # CP: this rank's place in the CP group (which chunks it holds)
+    # MoE under a routing other than the balanced one: what each layer of the stage (in order)
+    # saves beyond "block.moe" (the rows its experts receive, moe_sizes.received_rows); may be < 0
+    routed: tuple[int, ...] = ()
 
     @cached_property
     def param_bytes(self) -> int:
@@ -85,7 +88,13 @@ class StageSizes:
             return 0
         # the input norm's saved input is the block's input: the checkpoint's, already held
         return (sum(v for k, v in self.kinds.items() if k.startswith("block.") and k != "block.checkpoint_input")
-                - self.kinds["block.checkpoint_input"])
+                - self.kinds["block.checkpoint_input"] + (self.routed[-1] if self.routed else 0))
+
+    @cached_property
+    def blocks(self) -> int:
+        """What the stage's blocks hold of one microbatch from its forward to its backward."""
+        routed = sum(self.routed) if self.par.recompute != Recompute.FULL else 0
+        return self.layers * self.block + routed
 
     @cached_property
     def batch(self) -> int:
@@ -125,7 +134,7 @@ class StageSizes:
     def held(self) -> int:
         """What one microbatch keeps from the end of its forward to its backward."""
         k = self.kinds
-        held = self.layers * self.block + self.held_temps + k["model.rope"]
+        held = self.blocks + self.held_temps + k["model.rope"]
         if self.first and self.par.vocab_parallel:
             held += 9 * self.n              # local ids and out-of-range mask (the ids are in `batch`)
         if self.last:
@@ -144,8 +153,11 @@ class StageSizes:
 
     @cached_property
     def ffn_saved(self) -> int:
-        """What one block's feed-forward saves: the MLP's, or the MoE layer's ("block.moe")."""
-        return self.kinds["block.moe"] if "block.moe" in self.kinds else self.kinds["block.mlp"]
+        """What the top block's feed-forward saves: the MLP's, or the MoE layer's ("block.moe", and
+        what its routing adds)."""
+        if "block.moe" not in self.kinds:
+            return self.kinds["block.mlp"]
+        return self.kinds["block.moe"] + (self.routed[-1] if self.routed else 0)
 
     @cached_property
     def ffn_w_grads(self) -> int:
@@ -177,8 +189,9 @@ class StageSizes:
 
 
 def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
-                num_microbatches: int, dtype, cp_rank: int = 0) -> StageSizes:
-    """The sizes of pipeline stage `stage` (the whole model when pp = 1) on CP rank `cp_rank`."""
+                num_microbatches: int, dtype, cp_rank: int = 0, routed: tuple[int, ...] = ()) -> StageSizes:
+    """The sizes of pipeline stage `stage` (the whole model when pp = 1) on CP rank `cp_rank`;
+    `routed`: each layer's MoE bytes beyond the balanced routing's (StageSizes.routed)."""
     b = torch.empty((), dtype=dtype).element_size()
     t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
@@ -195,7 +208,8 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
                       layers=len(layers_at),
                       block_params=b * sum(numel(s) for k, s in shapes.items() if k.startswith(top)),
                       heads=c.num_attention_heads // t, kv_heads=c.num_key_value_heads // t, head_dim=c.head_dim,
-                      chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank)
+                      chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank,
+                      routed=routed)
 
 
 def chunk_rows(n: int, chunks: int) -> list[int]:
