@@ -28,7 +28,7 @@ dispatch's two indices are [M]-shaped (`received_row_bytes`), the rest of the la
 `predict_memory` takes the policy -- balanced (M = N k on every rank, --estimate's), the worst
 case (every token of the EP group on one rank's experts: M = P N k) -- or a measured histogram
 (the benchmark's tokens per expert: each MoE layer's rows per expert from one EP group in one
-microbatch), and predicts its worst EP rank. Checked against a real ep-2 run fed its own
+microbatch; every microbatch taken to route alike), and predicts its worst EP rank. Checked against a real ep-2 run fed its own
 histogram, and one routed to a single rank's experts (tests/test_memory.py).
 """
 from __future__ import annotations
