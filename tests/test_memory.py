@@ -541,41 +541,81 @@ def test_analytic_model_matches_the_estimate_of_expert_parallel_layouts():
         _check_model(pred, estimate_step_memory(config, par, iters=1, **kw), name)
 
 
-def measure_routing(config, par, seq_len, rows):
-    """On each gloo rank: the measured step of the MoE model as trained, and with its routers
-    zeroed (every token's scores tie, so top-k sends all of them to the same k experts), each
-    with its routing: this rank's tokens per expert of the step, per MoE layer."""
+def measure_routing(configs, par, seq_len, rows):
+    """On each gloo rank, per config: the measured step of the MoE model as trained, and with its
+    routers zeroed (every token's scores tie, so top-k sends all of them to the same k experts),
+    each with its routing: this rank's tokens per expert of the step, per MoE layer."""
     out = {}
-    for name, zero in (("trained", False), ("routers zeroed", True)):
-        report, model = _measure_step(config, par, seq_len, rows, zero_routers=zero)
-        out[name] = report, routing_histogram(model)
+    for cname, config in configs.items():
+        for name, zero in (("trained", False), ("routers zeroed", True)):
+            report, model = _measure_step(config, par, seq_len, rows, zero_routers=zero)
+            out[cname, name] = report, routing_histogram(model)
     return out
 
 
+# a small vocabulary against N k I_e: the peak inside an MoE layer's own backward (its experts')
+MOE_SMALL_VOCAB = replace(MOE, vocab_size=128, moe_intermediate_size=256, tie_word_embeddings=False)
+
+
 def test_analytic_model_predicts_a_measured_routing_and_the_worst_case():
-    """One real ep-2 run (both ranks one EP group): its tokens per expert, summed over the ranks,
-    fed to predict_memory give the worst rank's peak to the byte (the experts' saved tensors and
-    the dispatch's indices follow the rows each rank receives); the balanced prediction misses
+    """One real ep-2 launch (both ranks one EP group): its tokens per expert, summed over the
+    ranks, fed to predict_memory give the worst rank's peak to the byte -- the experts' saved
+    tensors and the dispatch's indices follow the rows each rank receives, and where the peak is
+    inside the experts' backward, the rows of each expert -- and the balanced prediction misses
     it. With the routers zeroed every token lands on one rank's experts: the worst case."""
     par = ParallelConfig(dp=2, ep=2)
     kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
-    ranks = run_ranks(measure_routing, 2, MOE, par, S, B)
+    configs = {"head": MOE, "experts": MOE_SMALL_VOCAB}
+    ranks = run_ranks(measure_routing, 2, configs, par, S, B)
     routed_rows = par.ep * S * B * MOE.num_experts_per_tok      # the EP group's N k per layer
-    for name in ("trained", "routers zeroed"):
-        meas = max((r[name][0] for r in ranks), key=lambda rep: rep.peak_bytes)
+    peaks = {"head": ("head_backward",), "experts": ("expert_", "post_norm_backward")}
+    for (cname, name) in ranks[0]:
+        config = configs[cname]
+        meas = max((r[cname, name][0] for r in ranks), key=lambda rep: rep.peak_bytes)
         histogram = {}
-        for _, counts in (r[name] for r in ranks):
+        for _, counts in (r[cname, name] for r in ranks):
             for layer, c in counts.items():
                 histogram[layer] = [a + b for a, b in zip(histogram.get(layer, [0] * len(c)), c)]
-        assert len(histogram) == MOE.num_hidden_layers and all(sum(c) == routed_rows for c in histogram.values())
-        pred = predict_memory(MOE, par, routing=histogram, **kw)
-        assert pred.peak_at.startswith("head_backward") and "histogram" in pred.routing, (name, pred.peak_at)
-        _check_model(pred, meas, name)
-        assert predict_memory(MOE, par, **kw).peak_bytes != meas.peak_bytes, name
-    assert all(c[:2] == [0, 0] or c[2:] == [0, 0] for c in histogram.values()), histogram
-    worst = predict_memory(MOE, par, routing=RoutingPolicy.WORST, **kw)
-    assert worst.routing.startswith("worst case"), worst.routing
-    _check_model(worst, meas, "worst case")
+        assert len(histogram) == config.num_hidden_layers and all(sum(c) == routed_rows for c in histogram.values())
+        pred = predict_memory(config, par, routing=histogram, **kw)
+        assert pred.peak_at.startswith(peaks[cname]) and "histogram" in pred.routing, (cname, name, pred.peak_at)
+        _check_model(pred, meas, (cname, name))
+        assert predict_memory(config, par, **kw).peak_bytes != meas.peak_bytes, (cname, name)
+        if name == "routers zeroed":
+            assert all(c[:2] == [0, 0] or c[2:] == [0, 0] for c in histogram.values()), histogram
+            worst = predict_memory(config, par, routing=RoutingPolicy.WORST, **kw)
+            assert worst.routing.startswith("worst case"), worst.routing
+            _check_model(worst, meas, (cname, "worst case"))
+
+
+MOE_BACKWARD_MODES = {  # the peak inside the MoE layer's backward: its experts', or the norm's after it
+    "one rank bf16": (ParallelConfig(), torch.bfloat16, {}),
+    "one rank fp32 one layer": (ParallelConfig(), torch.float32, dict(num_hidden_layers=1)),
+    "tp2 fp32 (first block)": (ParallelConfig(tp=T), torch.float32, {}),
+    "tp2 three layers fp32 (first block)": (ParallelConfig(tp=T), torch.float32, dict(num_hidden_layers=3)),
+    "ep2 fp32": (ParallelConfig(dp=2, ep=2), torch.float32, {}),
+    "ep4": (ParallelConfig(dp=4, ep=4), torch.bfloat16, {}),
+    "ep2 selective": (ParallelConfig(dp=2, ep=2, recompute="selective"), torch.bfloat16, {}),
+    "pp2 ep2 stage 0": (ParallelConfig(pp=2, dp=2, ep=2), torch.bfloat16, dict(stage=0)),
+    "full (first block)": (ParallelConfig(recompute="full"), torch.bfloat16, {}),
+    # under SP the router and experts' grads are TP-partial: finalize_grads sums them in one flat copy
+    "tp2 sp": (ParallelConfig(tp=T, sequence_parallel=True), torch.bfloat16, {}),
+}
+
+
+def test_the_moe_layers_own_backward_is_predicted_to_the_byte():
+    """A small vocabulary against N k I_e: the peak is an expert's backward (the last expert's
+    down_proj or SwiGLU, every other expert's weight grads made), the post-attention norm's after
+    the layer, or under SP the TP-partial grads' sum; against --estimate (the balanced routing)."""
+    for name, (par, dtype, kw) in MOE_BACKWARD_MODES.items():
+        kw = dict(kw)
+        stage = kw.pop("stage", None)
+        config = replace(MOE_SMALL_VOCAB, **kw)
+        sizes = dict(seq_len=S, micro_batch_size=B, dtype=dtype)
+        pred = predict_memory(config, par, stage=stage, **sizes)
+        want = ("partial_grad_sum",) if par.sequence_parallel else ("expert_", "post_norm_backward")
+        assert pred.peak_at.startswith(want), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(config, par, iters=1, stage=stage or 0, **sizes), name)
 
 
 def test_a_routing_histogram_that_does_not_fit_the_layout_is_refused_in_one_line():
@@ -586,3 +626,24 @@ def test_a_routing_histogram_that_does_not_fit_the_layout_is_refused_in_one_line
     assert "summing to ep x tokens x k = 256; got 4 summing to 255" in message, message
     message = one_line_error(ValueError, predict_memory, MOE, par, routing={"model.layers.0.mlp": [rows, 0, 0, 0]}, **kw)
     assert "no counts for MoE layer(s) [1]" in message, message
+
+
+TIED_GRAD_SUM_MODES = {  # a large tied vocabulary: the step's last backward moment is the tied grads' sum
+    "full": ParallelConfig(recompute="full"),
+    "cp2 all-gather": ParallelConfig(cp=2),
+    "cp2 ring": ParallelConfig(cp=2, cp_comm_type="ring"),
+}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_tied_grads_sum_is_predicted_to_the_byte(moe):
+    """After the first MoE layer's aux loss has run its backward, the grad of the stage's summed
+    aux loss is gone: at the tied grads' sum (--recompute full, CP) as at the embedding's backward."""
+    dense = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=4096, tie_word_embeddings=True)
+    c = replace(MOE, vocab_size=4096, tie_word_embeddings=True) if moe else dense
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+    for name, par in TIED_GRAD_SUM_MODES.items():
+        pred = predict_memory(c, par, **kw)
+        assert pred.peak_at.startswith("tied_grad_sum"), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ...config import CPCommType, Recompute
 from .cp_attention_moments import chunked_attention_backward, ring_attention_backward
+from .moe_backward_moments import moe_block_moments
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows, top_block_acts, top_block_saved
 
@@ -183,7 +184,9 @@ def backward_moments(s: StageSizes) -> dict[str, tuple[int, int, int]]:
     elif s.last:
         inner.update(head_backward=_head_backward(s), head_mm_backward=_head_mm_backward(s),
                      final_norm_backward=_final_norm_backward(s))
-    if s.par.recompute.lean:
+    if s.expert_rows:
+        top = moe_block_moments(s, s.expert_rows[-1], first=s.layers == 1)
+    elif s.par.recompute.lean:
         top = {"swiglu_backward": _swiglu_backward(s), "post_norm_backward": _lean_post_norm_backward(s)}
     else:
         top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
@@ -193,10 +196,26 @@ def backward_moments(s: StageSizes) -> dict[str, tuple[int, int, int]]:
                                     else chunked_attention_backward(s))
     inner.update(top)
     if s.layers > 1:
+        # MoE: the first layer's own routing (its rows per expert) and its aux loss's last grad
+        first = ({**moe_block_moments(s, s.expert_rows[0], first=True),
+                  **({"attention_backward": top["attention_backward"]} if "attention_backward" in top else {})}
+                 if s.expert_rows else top)
         inner.update({f"{name}(first block)": _in_first_block(s, moment, name == "attention_backward")
-                      for name, moment in top.items()})
+                      for name, moment in first.items()})
     if s.first:
         inner["embedding_backward"] = _embedding_backward(s)
     if s.first and s.tied_here:
         inner["tied_grad_sum"] = _tied_grad_sum(s)
-    return inner
+    return _after_the_aux_losses(s, inner)
+
+
+def _after_the_aux_losses(s: StageSizes, inner: dict) -> dict:
+    """The moments after the stage's first MoE layer's aux loss has run its backward (that
+    layer's attention, the embedding's, the tied grads' sum): the grad of the stage's summed aux
+    loss (f, which the stacked layers' sum hands each layer a view of) is freed. (The first
+    layer's own MoE moments count it already: moe_backward_moments.)"""
+    if not s.aux_loss_experts:
+        return inner
+    attention = "attention_backward" if s.layers == 1 else "attention_backward(first block)"
+    after = (attention, "embedding_backward", "tied_grad_sum")
+    return {name: (g, a, t - s.f) if name in after else (g, a, t) for name, (g, a, t) in inner.items()}

@@ -15,9 +15,11 @@ head's backward, on one rank and under TP, SP (basic, shared gather, async, VP),
 recompute, PP and DP, and under CP at the head's backward (the objective scaled by cp in place of
 the objective) and at the optimizer step (`moe_report`: the step's reported aux loss); not under
 --recompute full nor CP with tied embeddings, whose last moment (the tied grads' sum) is predicted
-4 bytes high (one of the step's float32 scalars counted to the end of backward is gone by then). The moments inside an MoE layer's own backward (its experts' grads, the
-gather's and index_add's input grads) are not modelled yet: where one of them is the peak (a
-small vocabulary against N k I_e), the prediction is below the measurement.
+4 bytes high (one of the step's float32 scalars counted to the end of backward is gone by then).
+The moments inside an MoE layer's own backward (its experts', one by one, and the norm's after
+it: moe_backward_moments.py), where a small vocabulary against N k I_e puts the peak, and under
+SP the sum of the TP-partial router and expert grads (schedule_replay.partial_grad_sum), are
+checked at one rank, TP, SP, EP 2 and 4, selective recompute and an earlier pipeline stage.
 
 Under expert parallelism the dispatch adds its two saved indices (`ep_dispatch_saved`), for the
 balanced routing --estimate follows (checked at ep 2 and 4, alone and beside TP + SP, PP, CP).
@@ -37,6 +39,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from ...config import Choice, MiniMindConfig, ParallelConfig
+from ...moe.experts import balanced_counts
 from ...moe.placement import local_experts
 
 
@@ -68,22 +71,24 @@ def received_row_bytes(c: MiniMindConfig, par: ParallelConfig, b: int) -> int:
     return b * c.hidden_size + 4 * b * c.moe_intermediate_size + (16 if par.ep > 1 else 0)
 
 
-def received_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, layers: Sequence[int], *,
-                  tokens: int, ep_rank: int) -> list[int]:
-    """M of each of `layers` (global indices) on EP rank `ep_rank`: the rows its experts receive
-    in one microbatch, each of the P sources routing `tokens` x k rows (ep 1: all N k, whatever
-    the routing). The worst case puts them all on this rank."""
-    rows = tokens * c.num_experts_per_tok
-    if routing == RoutingPolicy.BALANCED or par.ep == 1:
-        return [rows] * len(layers)
+def expert_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, layers: Sequence[int], *,
+                tokens: int, ep_rank: int) -> list[list[int]]:
+    """The rows each local expert of EP rank `ep_rank` receives in one microbatch, for each of
+    `layers` (global indices); their sum is M. Each of the P sources routes `tokens` x k rows.
+    Balanced: M = N k split evenly over the rank's experts (as --estimate's loop splits them);
+    the worst case: M = P N k on this rank, split evenly; a histogram: its counts (at ep 1 the
+    rank's experts are all of them)."""
+    rows, local = tokens * c.num_experts_per_tok, c.num_experts // par.ep
+    if routing == RoutingPolicy.BALANCED:
+        return [balanced_counts(rows, local)] * len(layers)
     if routing == RoutingPolicy.WORST:
-        return [par.ep * rows] * len(layers)
+        return [balanced_counts(par.ep * rows, local)] * len(layers)
     mine = local_experts(c.num_experts, par.ep, ep_rank)
     counts = _histogram_by_layer(c, routing, rows * par.ep)
     missing = [i for i in layers if i not in counts]
     if missing:
         raise ValueError(f"routing histogram: no counts for MoE layer(s) {missing}; got layers {sorted(counts)}")
-    return [sum(counts[i][e] for e in mine) for i in layers]
+    return [[counts[i][e] for e in mine] for i in layers]
 
 
 def _histogram_by_layer(c: MiniMindConfig, histogram: Histogram, total: int) -> dict[int, Sequence[int]]:

@@ -11,10 +11,10 @@ from ...pipeline_parallel.order import Schedule, posted, schedule_order
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
-from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, received_row_bytes, received_rows,
+from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, expert_rows, received_row_bytes,
                         routing_text)
 from .saved_kinds import as_dtype
-from .schedule_replay import optimizer_step, replay_schedule
+from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import stage_sizes
 from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
 
@@ -69,8 +69,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
                                   cp_rank=r, bucket_size_mb=bucket_size_mb,
-                                  routed=_routed(c, par, routing, p, e, dtype=dtype, seq_len=seq_len,
-                                                 micro_batch_size=micro_batch_size))
+                                  **_routed(c, par, routing, p, e, dtype=dtype, seq_len=seq_len,
+                                            micro_batch_size=micro_batch_size))
                    for r in cp_ranks for e in ep_ranks), key=lambda s: s.peak_bytes)
               for p in range(par.pp)]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
@@ -80,25 +80,29 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
 
 
 def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int, ep_rank: int, *, dtype,
-            seq_len: int, micro_batch_size: int) -> tuple[int, ...]:
-    """What each MoE layer of the stage saves on EP rank `ep_rank` beyond the balanced routing's
-    (StageSizes.routed): its rows received off N k, at `received_row_bytes` each."""
+            seq_len: int, micro_batch_size: int) -> dict:
+    """The stage's MoE layers on EP rank `ep_rank` under `routing` (StageSizes.routed and
+    expert_rows): what each saves beyond the balanced routing's (its rows received off N k, at
+    `received_row_bytes` each) and the rows of each of its experts; none: the balanced routing's."""
     if not c.use_moe or routing == RoutingPolicy.BALANCED:
-        return ()
+        return {}
     tokens = seq_len // par.cp * micro_batch_size // par.sequence_shards
     per_row = received_row_bytes(c, par, torch.empty((), dtype=as_dtype(dtype)).element_size())
     layers = stage_layers(c.num_hidden_layers, par.pp, stage)
-    rows = received_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)
-    return tuple((m - tokens * c.num_experts_per_tok) * per_row for m in rows)
+    experts = expert_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)
+    return {"routed": tuple((sum(m) - tokens * c.num_experts_per_tok) * per_row for m in experts),
+            "expert_rows": tuple(tuple(m) for m in experts)}
 
 
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                    num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0,
-                   bucket_size_mb: float = DEFAULT_BUCKET_MB, routed: tuple[int, ...] = ()) -> MemoryPrediction:
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB, routed: tuple[int, ...] = (),
+                   expert_rows: tuple[tuple[int, ...], ...] = ()) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then."""
     s = stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed)
+                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed,
+                    expert_rows=expert_rows)
     layout = zero_layout(c, par, stage, as_dtype(dtype), bucket_size_mb)
     stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
@@ -107,7 +111,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         raise NotImplementedError(f"predict_memory: the {schedule} schedule's chunks and W steps are not modelled "
                                   f"(gpipe and 1f1b are)")
     moments, in_flight = replay_schedule(s, order)
-    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight)
+    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if layout is None:
         states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
@@ -116,8 +120,12 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         states = optimizer_state_bytes(layout, s.b, device)
         moments = {k: (stored, a, t) for k, (_, a, t) in moments.items()}
         moments["optimizer"] = optimizer_step(s, slice_sizes(layout, s.b), grads=stored)
+    if layout is None and s.partial_grads_flat:
+        moments["partial_grad_sum"] = partial_grad_sum(s)
     report = moe_report(c, last=s.last, f=s.f)
-    moments["optimizer"] = moments["optimizer"][:2] + (moments["optimizer"][2] + state + report,)
+    for name in ("optimizer", "partial_grad_sum"):
+        if name in moments:
+            moments[name] = moments[name][:2] + (moments[name][2] + state + report,)
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]

@@ -93,6 +93,14 @@ def _forward_moment(s: StageSizes, n_held: int, grads: int, saved: int, extra: i
     return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
 
 
+def _backward_seed(s: StageSizes) -> int:
+    """The grad a backward starts from: the last stage's d loss / d loss; an earlier stage's MoE
+    layers' aux loss enters backward beside its output with its own (float32, 0-dim)."""
+    if s.last:
+        return s.loss_scalar
+    return s.f if s.aux_loss_experts else 0
+
+
 def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
     """Every moment of the stage's `order` (its schedule's actions) -> (grads, activations,
     temporaries), and how many microbatches each finds in flight."""
@@ -105,7 +113,7 @@ def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
         saved = batch_saved + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
         # the last stage's losses so far (and a backward's seed, d loss / d loss)
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
-        extra += s.loss_scalar if action.step is Step.BACKWARD and s.last else 0
+        extra += _backward_seed(s) if action.step is Step.BACKWARD else 0
         if action.step is Step.FORWARD:
             moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
@@ -129,4 +137,14 @@ def optimizer_step(s: StageSizes, stepped: list[int] | None = None, grads: int |
     scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
     saved = _batch_saved(s)
     return (s.param_bytes if grads is None else grads, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets
+            + (s.loss_scalar if s.last else 0))
+
+
+def partial_grad_sum(s: StageSizes) -> tuple[int, int, int]:
+    """After the last backward, `training.finalize_grads` sums the TP-partial grads (plan.py's
+    partial rule: under SP the norms and the MoE layers' router and experts) over TP in one flat
+    copy (`_all_reduce_grads`; none for a single tensor, summed in place): all grads alive, and
+    what the optimizer step finds (the schedule's loss weights gone, its reported loss not)."""
+    saved = _batch_saved(s)
+    return (s.param_bytes, saved, s.partial_grads_flat + s.batch - 4 * s.mb - saved + s.ddp_buckets
             + (s.loss_scalar if s.last else 0))
