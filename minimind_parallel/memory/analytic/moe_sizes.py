@@ -13,9 +13,9 @@ column-parallel inputs a block saves lose gate/up's share and gain the router's 
 Checked against `--estimate` to the byte (tests/test_memory.py) where the step's peak is the
 head's backward, on one rank and under TP, SP (basic, shared gather, async, VP), selective
 recompute, PP and DP, and under CP at the head's backward (the objective scaled by cp in place of
-the objective) and at the optimizer step (`moe_report`: the step's reported aux loss); not under
---recompute full nor CP with tied embeddings, whose last moment (the tied grads' sum) is predicted
-4 bytes high (one of the step's float32 scalars counted to the end of backward is gone by then).
+the objective) and at the optimizer step (`moe_report`: the step's reported aux loss), and at
+the tied grads' sum under --recompute full and CP (the grad of the stage's summed aux loss gone
+by then: backward_moments._after_the_aux_losses).
 The moments inside an MoE layer's own backward (its experts', one by one, and the norm's after
 it: moe_backward_moments.py), where a small vocabulary against N k I_e puts the peak, and under
 SP the sum of the TP-partial router and expert grads (schedule_replay.partial_grad_sum), are
