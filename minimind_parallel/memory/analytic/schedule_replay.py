@@ -101,6 +101,17 @@ def _backward_seed(s: StageSizes) -> int:
     return s.f if s.aux_loss_experts else 0
 
 
+def _moe_per_microbatch(s: StageSizes, finished: int, held: int) -> int:
+    """MoE: what each microbatch adds beyond the first's (moe_sizes.moe_temporaries counts one):
+    each finished forward's reported aux share (float32, 0-dim), and each microbatch held to its
+    backward its objective (the last stage; under CP its scaled copy is in `held_temps`) or its
+    aux loss's backward root (an earlier stage)."""
+    if not s.top_k:
+        return 0
+    per_held = 0 if s.last and s.par.cp > 1 else s.f
+    return max(finished - 1, 0) * s.f + max(held - 1, 0) * per_held
+
+
 def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
     """Every moment of the stage's `order` (its schedule's actions) -> (grads, activations,
     temporaries), and how many microbatches each finds in flight."""
@@ -115,10 +126,13 @@ def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
         extra += _backward_seed(s) if action.step is Step.BACKWARD else 0
         if action.step is Step.FORWARD:
+            # an earlier stage: this microbatch's aux share and backward root are made after its forward
+            extra += _moe_per_microbatch(s, n_fwd, n_held + 1) - (2 * s.f if s.top_k and not s.last else 0)
             moments[f"forward_end[{i}]"] = _forward_moment(s, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             continue
+        extra += _moe_per_microbatch(s, n_fwd, n_held)
         moved = n_held * s.held_temps
         for name, (new_grads, a, temp) in inner.items():
             moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * s.held + a - moved,
