@@ -647,3 +647,29 @@ def test_the_tied_grads_sum_is_predicted_to_the_byte(moe):
         pred = predict_memory(c, par, **kw)
         assert pred.peak_at.startswith("tied_grad_sum"), (name, pred.peak_at)
         _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+
+
+MOE_MICROBATCH_CASES = {  # (model fields, layout, sizes): several microbatches of the MoE model
+    "one rank, gpipe M3": (dict(vocab_size=2048), ParallelConfig(), dict(num_microbatches=3, schedule="gpipe",
+                                                                         dtype=torch.float32)),
+    "pp2 last stage, gpipe M3": (dict(vocab_size=2048, num_hidden_layers=4), ParallelConfig(tp=T, pp=2, dp=2),
+                                 dict(num_microbatches=3, schedule="gpipe", dtype=torch.float32, stage=1)),
+    "pp2 first stage, 1f1b M3": (dict(vocab_size=512, hidden_size=32, num_hidden_layers=4, num_experts=2,
+                                      num_experts_per_tok=1, moe_intermediate_size=64),
+                                 ParallelConfig(tp=T, pp=2, dp=2, ep=2, sequence_parallel=True),
+                                 dict(num_microbatches=3, schedule="1f1b", seq_len=128, micro_batch_size=1, stage=0)),
+}
+
+
+def test_each_microbatch_of_the_moe_model_adds_its_aux_share_and_its_objective_or_aux_root():
+    """Each finished forward's reported aux share lives to the step's end, each held microbatch's
+    objective (last stage) or aux backward root (earlier stage, made after its forward) to its
+    backward: against --estimate at a head's backward and an earlier stage's forward end."""
+    for name, (fields, par, sizes) in MOE_MICROBATCH_CASES.items():
+        c = replace(MOE, **fields)
+        kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16), **sizes}
+        pred = predict_memory(c, par, **kw)
+        # a later microbatch's moment, or several held: more than one microbatch's scalars alive
+        later = not pred.peak_at.endswith("[0]") or pred.held_at_peak > 1
+        assert pred.peak_at.startswith(("head_backward", "forward_end")) and later, (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
