@@ -214,8 +214,6 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
     check_recompute(par)
     check_zero(par)
     check_pipeline_chunks(model, par)
-    if model.use_moe and par.virtual_stages > 1:   # a stage's aux loss is its layers' of the last forward
-        raise ConfigError(f"--use_moe runs one model chunk per pipeline stage; got virtual_stages={par.virtual_stages}")
     if model.use_moe and par.zero == 3 and par.ep > 1:   # FSDP2's mesh is DP x CP: the experts' EDP group is not wired to it
         raise ConfigError(f"--zero 3 with --use_moe is supported with ep_size 1 (levels 1 and 2 at any ep_size); "
                           f"got zero={par.zero}, ep_size={par.ep}")

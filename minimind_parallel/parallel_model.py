@@ -247,9 +247,11 @@ class ParallelMiniMindForCausalLM(nn.Module):
             if plan_of(name).style is Style.EXPERT:   # reduced over EDP, not DP x CP
                 mark_expert_parameter(param)
 
-    def stage_aux_loss(self):
-        """This stage's MoE layers' aux loss of the last forward (None: a dense model)."""
-        return moe_aux_loss(self.model.layers)
+    def stage_aux_loss(self, chunk: int = 0):
+        """The MoE layers' aux loss of model chunk `chunk` of this stage, of its last forward (None:
+        a dense model). Each chunk's forward sets its own layers' only: with virtual stages a
+        chunk's aux loss is its layers' of that microbatch."""
+        return moe_aux_loss([self.model.layers[name] for name in self.model.chunks[chunk]])
 
     def forward(self, input_ids=None, targets=None, hidden_states=None, chunk: int = 0):
         """targets: the next token of every position (`data.batches`), -100 where none; the loss
@@ -259,8 +261,7 @@ class ParallelMiniMindForCausalLM(nn.Module):
         h = self.model(input_ids, hidden_states, chunk)
         if not self.last or chunk < self.par.virtual_stages - 1:
             return h                                                 # to the next (virtual) stage
-        aux = moe_aux_loss(self.model.layers)                        # this stage's MoE layers' (one chunk: MoE
-                                                                     # is refused with virtual stages)
+        aux = self.stage_aux_loss(chunk)                             # this chunk's MoE layers'
         if targets is not None and self.par.loss_chunks > 1:         # the logits never exist whole
             return CausalLMOutput(logits=None, loss=self._chunked_loss(h, targets.t()), aux_loss=aux)
         if self.par.vocab_parallel:

@@ -4,11 +4,12 @@ Each case draws a small model and a layout (TP 1/2/4, PP 1/2/4, DP 1/2, SP, asyn
 VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe, 1F1B or interleaved (2 or 4 chunks
 per stage, M a multiple of P), one stage; with --cp
 also CP 1/2/4 with every comm type and load balance on or off, --recompute none/selective/full and
---loss_chunks 1/2/3/4/8)
+--loss_chunks 1/2/3/4/8; with --moe MiniMind's MoE model: 2/4/8 experts, top-1/2, widths
+16/64/256, the experts over 1 or 2 of the DP x CP ranks)
 from a seeded generator, measures one step on fake tensors and compares the model's peak with it.
 One line per case; exit 1 if any differs.
 
-    python scripts/memory_model_sweep.py [--seed=0] [--cases 100] [--min_tokens_per_hidden 2] [--cp]
+    python scripts/memory_model_sweep.py [--seed=0] [--cases 100] [--min_tokens_per_hidden 2] [--cp] [--moe]
 
 --min_tokens_per_hidden keeps at least that many tokens per microbatch per unit of hidden size
 (S*B >= k*H): the model's domain. 0 also draws the few-token layouts where a block's weights
@@ -90,6 +91,19 @@ def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
     return _chunked(rng, c, par, sizes)
 
 
+def with_moe(rng: random.Random, case):
+    """The case's model as MiniMind's MoE one, its experts over EP ranks carved from DP x CP (None:
+    no valid draw)."""
+    if case is None:
+        return None
+    c, par, sizes = case
+    experts = rng.choice([2, 4, 8])
+    ep = rng.choice([e for e in (1, 2, 4) if (par.dp * par.cp) % e == 0 and experts % e == 0])
+    c = replace(c, use_moe=True, num_experts=experts, num_experts_per_tok=rng.choice([1, 2]),
+                moe_intermediate_size=rng.choice([16, 64, 256]))
+    return c, replace(par, ep=ep), sizes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
@@ -99,10 +113,13 @@ def main() -> int:
     ap.add_argument("--zero", type=int, nargs="+", choices=[1, 2], default=[],
                     help="draw these --zero levels (over dp x cp > 1: dp 2 when the draw has dp x cp = 1) and "
                          "--bucket_size_mb 0.01 / 0.05 / 25")
+    ap.add_argument("--moe", action="store_true", help="draw MiniMind's MoE model, with expert parallelism")
     args = ap.parse_args()
     rng, done, bad = random.Random(args.seed), 0, 0
     while done < args.cases:
         case = draw(rng, args.min_tokens_per_hidden, args.cp)
+        if args.moe:
+            case = with_moe(rng, case)
         if case is None:
             continue
         c, par, sizes = case
@@ -120,7 +137,9 @@ def main() -> int:
               f"V{par.virtual_stages} {str(sizes['dtype'])[6:]} stage {sizes['stage']} cp rank {sizes.get('cp_rank', 0)}  tp{par.tp} pp{par.pp} dp{par.dp} sp{par.sequence_parallel:d} "
               f"async{par.async_communication:d} shared{par.shared_sp_gather:d} vp{par.vocab_parallel:d} "
               f"cp{par.cp} {par.cp_comm_type} lb{par.cp_load_balance:d} {par.recompute} chunks{par.loss_chunks}"
-              + (f" zero{par.zero} bucket {sizes['bucket_size_mb']:g} MiB" if par.zero else ""), flush=True)
+              + (f" zero{par.zero} bucket {sizes['bucket_size_mb']:g} MiB" if par.zero else "")
+              + (f" E{c.num_experts} k{c.num_experts_per_tok} I{c.moe_intermediate_size} ep{par.ep}" if c.use_moe else ""),
+              flush=True)
     print(f"{done - bad} of {done} cases equal to the byte")
     return 1 if bad else 0
 

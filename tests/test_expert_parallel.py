@@ -11,6 +11,7 @@ import torch
 
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
+from minimind_parallel.pipeline_parallel import Schedule
 from minimind_parallel.validation import compare_with_dense, failures, format_report
 
 # 4 experts, top-2: with 2 x 16 tokens per rank every expert sees tokens on every rank
@@ -30,6 +31,11 @@ LAYOUTS = {
     "dp2_ep2_local_aux": (dict(dp=4, ep=2, moe_aux_loss="local"), dict()),
     "tp2_pp2_ep2_sp": (dict(tp=2, pp=2, dp=2, ep=2, sequence_parallel=True), dict(micro_batch_size=1,
                                                                                    num_microbatches=2)),
+    # two model chunks per stage: each chunk's aux loss enters backward with that chunk's output
+    "pp2_v2_ep2_interleaved": (dict(pp=2, dp=2, ep=2, virtual_stages=2),
+                               dict(micro_batch_size=1, num_microbatches=2, pp_schedule=Schedule.INTERLEAVED,
+                                    num_hidden_layers=4)),
+    "pp2_ep2_zb": (dict(pp=2, dp=2, ep=2), dict(micro_batch_size=1, num_microbatches=2, pp_schedule=Schedule.ZERO_BUBBLE)),
 }
 
 
@@ -38,7 +44,8 @@ def _validate(cases):
     out = {}
     for name, par, opts in cases:
         opts = dict(opts)
-        config = MiniMindConfig(**TINY_MOE, tie_word_embeddings=opts.pop("tied", False))
+        config = MiniMindConfig(**{**TINY_MOE, "num_hidden_layers": opts.pop("num_hidden_layers", 2)},
+                                tie_word_embeddings=opts.pop("tied", False))
         out[name] = compare_with_dense(config, par, ProcessGroups.build(par), seq_len=16,
                                        micro_batch_size=opts.pop("micro_batch_size", 2),
                                        optimizer_steps=2, seed=7, **opts)

@@ -14,6 +14,8 @@ from helpers import one_line_error
 from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM, ParallelConfig, ProcessGroups
 from minimind_parallel.memory import MemoryMeter, StorageTracker, estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic import activations_by_kind
+from minimind_parallel.memory.analytic.moe_sizes import RoutingPolicy
+from minimind_parallel.moe import routing_histogram
 from minimind_parallel.memory.estimate import fake_process_group
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 from minimind_parallel.plan import stage_parameters
@@ -41,21 +43,26 @@ MODES = {
 def measure_real(config, layouts, seq_len, rows):
     """On each gloo rank: one warm-up step, then the meter around one step, per layout (under CP
     each rank feeds its CP rank's tokens). Shared with tests/test_context_parallel_memory.py."""
-    out = {}
-    for name, par in layouts.items():
-        groups = ProcessGroups.build(par)
-        torch.manual_seed(0)
-        dense = MiniMindForCausalLM(config).state_dict()
-        model = wrap_data_parallel(build_parallel_model(config, par, groups, dense, dtype=torch.bfloat16), groups)
-        optimizer = make_optimizer(model, 1e-3)
-        batch = random_batch(0, rows, seq_len, config.vocab_size)
-        ids, targets = cp_tokens(batch, ContextLayout.of(par, seq_len), groups.cp_rank)
+    return {name: _measure_step(config, par, seq_len, rows)[0] for name, par in layouts.items()}
+
+
+def _measure_step(config, par, seq_len, rows, *, zero_routers=False):
+    """measure_real's run of one layout -> (report, the model after it). `zero_routers`: every
+    MoE router's weight zeroed and the learning rate 0, so every token's scores tie in both steps."""
+    groups = ProcessGroups.build(par)
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(config).state_dict()
+    if zero_routers:
+        dense = {k: v.zero_() if k.endswith(".mlp.gate.weight") else v for k, v in dense.items()}
+    model = wrap_data_parallel(build_parallel_model(config, par, groups, dense, dtype=torch.bfloat16), groups)
+    optimizer = make_optimizer(model, 0.0 if zero_routers else 1e-3)
+    batch = random_batch(0, rows, seq_len, config.vocab_size)
+    ids, targets = cp_tokens(batch, ContextLayout.of(par, seq_len), groups.cp_rank)
+    train_step(model, optimizer, groups, ids, targets)
+    meter = MemoryMeter("cpu", model, optimizer)
+    with meter:
         train_step(model, optimizer, groups, ids, targets)
-        meter = MemoryMeter("cpu", model, optimizer)
-        with meter:
-            train_step(model, optimizer, groups, ids, targets)
-        out[name] = meter.report()
-    return out
+    return meter.report(), model
 
 
 @pytest.fixture(scope="module")
@@ -607,3 +614,137 @@ def test_analytic_model_matches_the_estimate_of_expert_parallel_layouts():
         assert pred.peak_at.startswith(("head_backward", "optimizer")), (name, pred.peak_at)
         assert pred.activations_by_kind["block.moe"] > 0, name
         _check_model(pred, estimate_step_memory(config, par, iters=1, **kw), name)
+
+
+def measure_routing(configs, par, seq_len, rows):
+    """On each gloo rank, per config: the measured step of the MoE model as trained, and with its
+    routers zeroed (every token's scores tie, so top-k sends all of them to the same k experts),
+    each with its routing: this rank's tokens per expert of the step, per MoE layer."""
+    out = {}
+    for cname, config in configs.items():
+        for name, zero in (("trained", False), ("routers zeroed", True)):
+            report, model = _measure_step(config, par, seq_len, rows, zero_routers=zero)
+            out[cname, name] = report, routing_histogram(model)
+    return out
+
+
+# a small vocabulary against N k I_e: the peak inside an MoE layer's own backward (its experts')
+MOE_SMALL_VOCAB = replace(MOE, vocab_size=128, moe_intermediate_size=256, tie_word_embeddings=False)
+
+
+def test_analytic_model_predicts_a_measured_routing_and_the_worst_case():
+    """One real ep-2 launch (both ranks one EP group): its tokens per expert, summed over the
+    ranks, fed to predict_memory give the worst rank's peak to the byte -- the experts' saved
+    tensors and the dispatch's indices follow the rows each rank receives, and where the peak is
+    inside the experts' backward, the rows of each expert -- and the balanced prediction misses
+    it. With the routers zeroed every token lands on one rank's experts: the worst case."""
+    par = ParallelConfig(dp=2, ep=2)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+    configs = {"head": MOE, "experts": MOE_SMALL_VOCAB}
+    ranks = run_ranks(measure_routing, 2, configs, par, S, B)
+    routed_rows = par.ep * S * B * MOE.num_experts_per_tok      # the EP group's N k per layer
+    peaks = {"head": ("head_backward",), "experts": ("expert_", "post_norm_backward")}
+    for (cname, name) in ranks[0]:
+        config = configs[cname]
+        meas = max((r[cname, name][0] for r in ranks), key=lambda rep: rep.peak_bytes)
+        histogram = {}
+        for _, counts in (r[cname, name] for r in ranks):
+            for layer, c in counts.items():
+                histogram[layer] = [a + b for a, b in zip(histogram.get(layer, [0] * len(c)), c)]
+        assert len(histogram) == config.num_hidden_layers and all(sum(c) == routed_rows for c in histogram.values())
+        pred = predict_memory(config, par, routing=histogram, **kw)
+        assert pred.peak_at.startswith(peaks[cname]) and "histogram" in pred.routing, (cname, name, pred.peak_at)
+        _check_model(pred, meas, (cname, name))
+        assert predict_memory(config, par, **kw).peak_bytes != meas.peak_bytes, (cname, name)
+        if name == "routers zeroed":
+            assert all(c[:2] == [0, 0] or c[2:] == [0, 0] for c in histogram.values()), histogram
+            worst = predict_memory(config, par, routing=RoutingPolicy.WORST, **kw)
+            assert worst.routing.startswith("worst case"), worst.routing
+            _check_model(worst, meas, (cname, "worst case"))
+
+
+MOE_BACKWARD_MODES = {  # the peak inside the MoE layer's backward: its experts', or the norm's after it
+    "one rank bf16": (ParallelConfig(), torch.bfloat16, {}),
+    "one rank fp32 one layer": (ParallelConfig(), torch.float32, dict(num_hidden_layers=1)),
+    "tp2 fp32 (first block)": (ParallelConfig(tp=T), torch.float32, {}),
+    "tp2 three layers fp32 (first block)": (ParallelConfig(tp=T), torch.float32, dict(num_hidden_layers=3)),
+    "ep2 fp32": (ParallelConfig(dp=2, ep=2), torch.float32, {}),
+    "ep4": (ParallelConfig(dp=4, ep=4), torch.bfloat16, {}),
+    "ep2 selective": (ParallelConfig(dp=2, ep=2, recompute="selective"), torch.bfloat16, {}),
+    "pp2 ep2 stage 0": (ParallelConfig(pp=2, dp=2, ep=2), torch.bfloat16, dict(stage=0)),
+    "full (first block)": (ParallelConfig(recompute="full"), torch.bfloat16, {}),
+    # under SP the router and experts' grads are TP-partial: finalize_grads sums them in one flat copy
+    "tp2 sp": (ParallelConfig(tp=T, sequence_parallel=True), torch.bfloat16, {}),
+}
+
+
+def test_the_moe_layers_own_backward_is_predicted_to_the_byte():
+    """A small vocabulary against N k I_e: the peak is an expert's backward (the last expert's
+    down_proj or SwiGLU, every other expert's weight grads made), the post-attention norm's after
+    the layer, or under SP the TP-partial grads' sum; against --estimate (the balanced routing)."""
+    for name, (par, dtype, kw) in MOE_BACKWARD_MODES.items():
+        kw = dict(kw)
+        stage = kw.pop("stage", None)
+        config = replace(MOE_SMALL_VOCAB, **kw)
+        sizes = dict(seq_len=S, micro_batch_size=B, dtype=dtype)
+        pred = predict_memory(config, par, stage=stage, **sizes)
+        want = ("partial_grad_sum",) if par.sequence_parallel else ("expert_", "post_norm_backward")
+        assert pred.peak_at.startswith(want), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(config, par, iters=1, stage=stage or 0, **sizes), name)
+
+
+def test_a_routing_histogram_that_does_not_fit_the_layout_is_refused_in_one_line():
+    par, kw = ParallelConfig(dp=2, ep=2), dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+    rows = par.ep * S * B * MOE.num_experts_per_tok
+    short = {"model.layers.0.mlp": [rows, 0, 0, 0], "model.layers.1.mlp": [rows - 1, 0, 0, 0]}
+    message = one_line_error(ValueError, predict_memory, MOE, par, routing=short, **kw)
+    assert "summing to ep x tokens x k = 256; got 4 summing to 255" in message, message
+    message = one_line_error(ValueError, predict_memory, MOE, par, routing={"model.layers.0.mlp": [rows, 0, 0, 0]}, **kw)
+    assert "no counts for MoE layer(s) [1]" in message, message
+
+
+TIED_GRAD_SUM_MODES = {  # a large tied vocabulary: the step's last backward moment is the tied grads' sum
+    "full": ParallelConfig(recompute="full"),
+    "cp2 all-gather": ParallelConfig(cp=2),
+    "cp2 ring": ParallelConfig(cp=2, cp_comm_type="ring"),
+}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_tied_grads_sum_is_predicted_to_the_byte(moe):
+    """After the first MoE layer's aux loss has run its backward, the grad of the stage's summed
+    aux loss is gone: at the tied grads' sum (--recompute full, CP) as at the embedding's backward."""
+    dense = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=4096, tie_word_embeddings=True)
+    c = replace(MOE, vocab_size=4096, tie_word_embeddings=True) if moe else dense
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16)
+    for name, par in TIED_GRAD_SUM_MODES.items():
+        pred = predict_memory(c, par, **kw)
+        assert pred.peak_at.startswith("tied_grad_sum"), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+
+
+MOE_MICROBATCH_CASES = {  # (model fields, layout, sizes): several microbatches of the MoE model
+    "one rank, gpipe M3": (dict(vocab_size=2048), ParallelConfig(), dict(num_microbatches=3, schedule="gpipe",
+                                                                         dtype=torch.float32)),
+    "pp2 last stage, gpipe M3": (dict(vocab_size=2048, num_hidden_layers=4), ParallelConfig(tp=T, pp=2, dp=2),
+                                 dict(num_microbatches=3, schedule="gpipe", dtype=torch.float32, stage=1)),
+    "pp2 first stage, 1f1b M3": (dict(vocab_size=512, hidden_size=32, num_hidden_layers=4, num_experts=2,
+                                      num_experts_per_tok=1, moe_intermediate_size=64),
+                                 ParallelConfig(tp=T, pp=2, dp=2, ep=2, sequence_parallel=True),
+                                 dict(num_microbatches=3, schedule="1f1b", seq_len=128, micro_batch_size=1, stage=0)),
+}
+
+
+def test_each_microbatch_of_the_moe_model_adds_its_aux_share_and_its_objective_or_aux_root():
+    """Each finished forward's reported aux share lives to the step's end, each held microbatch's
+    objective (last stage) or aux backward root (earlier stage, made after its forward) to its
+    backward: against --estimate at a head's backward and an earlier stage's forward end."""
+    for name, (fields, par, sizes) in MOE_MICROBATCH_CASES.items():
+        c = replace(MOE, **fields)
+        kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16), **sizes}
+        pred = predict_memory(c, par, **kw)
+        # a later microbatch's moment, or several held: more than one microbatch's scalars alive
+        later = not pred.peak_at.endswith("[0]") or pred.held_at_peak > 1
+        assert pred.peak_at.startswith(("head_backward", "forward_end")) and later, (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)

@@ -328,9 +328,6 @@ BAD = [
     (["validate", "--pp_size", "2", "--dp_size", "2", "--", *TINY_CLI, "--num_hidden_layers", "4", "--pp_schedule",
       "zb", "--num_microbatches", "4", "--zero", "2"],
      "--zero 2 runs with the gpipe and 1f1b schedules; got pp_schedule=zb (--zero 1 composes with it)"),
-    (["validate", "--pp_size", "2", "--", *TINY_CLI, "--num_hidden_layers", "4", "--pp_schedule", "interleaved",
-      "--virtual_stages", "2", "--num_microbatches", "4", "--use_moe"],
-     "--use_moe runs one model chunk per pipeline stage; got virtual_stages=2"),
     (["validate", "--dp_size", "2", "--ep_size", "2", "--", *TINY_CLI, "--use_moe", "--zero", "3"],
      "--zero 3 with --use_moe is supported with ep_size 1 (levels 1 and 2 at any ep_size); got zero=3, ep_size=2"),
 ]

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -195,6 +196,24 @@ def test_model_flops_per_token_count_every_matmul_of_forward_and_backward():
         with FlopCounterMode(display=False) as counter:
             model(ids, labels=ids).loss.backward()
         assert counter.get_total_flops() == model_flops_per_token(config, 32) * ids.numel()
+
+
+def test_model_flops_per_token_count_the_routed_experts_and_the_router_of_moe():
+    """Each token passes its router ([E, H]) and k experts of moe_intermediate_size, not the dense
+    MLP's width nor all E experts: the FLOPs counted on the dense MoE model (its experts' GEMMs
+    over the N k routed rows), and a hand count."""
+    h, e, k, i_e, layers, vocab, s = 64, 4, 2, 48, 2, 256, 32
+    config = MiniMindConfig(hidden_size=h, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
+                            vocab_size=vocab, flash_attn=False, use_moe=True, num_experts=e, num_experts_per_tok=k,
+                            moe_intermediate_size=i_e)
+    model, ids = MiniMindForCausalLM(config), torch.randint(0, vocab, (2, s))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).loss.backward()
+    assert counter.get_total_flops() == model_flops_per_token(config, s) * ids.numel()
+    q, kv = 4 * 16, 2 * 16                               # heads x head_dim
+    by_hand = 6 * (layers * (h * (2 * q + 2 * kv) + h * e + k * 3 * h * i_e) + vocab * h) + 12 * layers * s * q
+    assert model_flops_per_token(config, s) == by_hand
+    assert model_flops_per_token(config, s) != model_flops_per_token(replace(config, use_moe=False), s)
 
 
 def _resumed(argv):

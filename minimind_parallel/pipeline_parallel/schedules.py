@@ -74,7 +74,7 @@ class _Stage:
         self.loss_weights = microbatch_weights(microbatches, dtype, groups.cp)   # [M]; summed over M and CP: 1
         self.grad_scale = cp_loss_factor(par)    # grads are averaged over DP x CP but the CP ranks' losses add up
         self.held: dict = {}        # (microbatch, chunk) -> (input, output), awaiting its backward
-        self.aux_roots: dict = {}   # microbatch -> this stage's scaled MoE aux loss, backward beside its output
+        self.aux_roots: dict = {}   # (microbatch, chunk) -> the chunk's scaled MoE aux loss, backward beside its output
         self.aux_scale = aux_loss_weight(len(microbatches)) * aux_loss_factor(par)
         self.losses, self.logits, self.aux_losses = [], [], []
         self.max_in_flight, self.busy = 0, 0.0
@@ -96,7 +96,7 @@ class _Stage:
             out = self.model(ids, targets, hidden_states=x, **({"chunk": chunk} if chunk else {}))
         self.busy += time.perf_counter() - start
         if not self.is_last(chunk):
-            self._hold_aux_loss(i)
+            self._hold_aux_loss(i, chunk)
             return out
         loss = out.loss * self.loss_weights[i].to(out.loss.dtype)
         self.losses.append(loss.detach())
@@ -107,18 +107,18 @@ class _Stage:
             self.logits.append(out.logits.detach())
         return backward_loss(loss, self.loss_scale, self.grad_scale)   # the reported loss is not scaled
 
-    def _hold_aux_loss(self, i: int) -> None:
-        """An earlier stage's MoE layers' aux loss of microbatch i (None: dense): its backward runs
-        beside the output's grad, scaled as the last stage scales its own (`loss_normalisation`;
-        the aux loss of a layer enters backward on the stage that holds it, as Megatron-LM's
-        MoEAuxLossAutoScaler)."""
+    def _hold_aux_loss(self, i: int, chunk: int) -> None:
+        """The MoE layers' aux loss of microbatch i in model chunk `chunk` of an earlier (virtual)
+        stage (None: dense): its backward runs beside that chunk's output grad, scaled as the last
+        stage scales its own (`loss_normalisation`; the aux loss of a layer enters backward on the
+        chunk that holds it, as Megatron-LM's MoEAuxLossAutoScaler)."""
         of = getattr(unwrap(self.model), "stage_aux_loss", None)
-        aux = of() if of is not None else None
+        aux = of(chunk) if of is not None else None
         if aux is None:
             return
         self.aux_losses.append(aux.detach() * aux_loss_weight(len(self.microbatches)))
         if torch.is_grad_enabled() and aux.requires_grad:
-            self.aux_roots[i] = backward_loss(aux * self.aux_scale, self.loss_scale, self.grad_scale)
+            self.aux_roots[i, chunk] = backward_loss(aux * self.aux_scale, self.loss_scale, self.grad_scale)
 
     def _grad_sync(self, i: int):
         """DDP (one stage only) all-reduces in the backward of its last forward: earlier ones under no_sync."""
@@ -136,7 +136,7 @@ class _Stage:
         chunk of the first stage). With a WeightGradStore (zb) this is B: the linears' wgrads are
         queued for the unit's W."""
         x, out = self.held.pop(unit)
-        aux = self.aux_roots.pop(unit[0], None)   # MoE runs one chunk per stage
+        aux = self.aux_roots.pop(unit, None)      # the chunk's own MoE aux loss (None: the last chunk's is in the loss)
         store = self.weight_grads
         start = time.perf_counter()
         with span("backward"), (store.collecting(unit) if store is not None else nullcontext()):

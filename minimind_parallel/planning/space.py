@@ -238,6 +238,12 @@ def _grid_reason(w: Workload, grid: dict) -> str | None:
     return None
 
 
+def _check_modelled_moe_schedule(model: MiniMindConfig, schedule: Schedule) -> None:
+    """predict_memory replays the MoE model under gpipe and 1f1b only (not its chunks' aux losses)."""
+    if model.use_moe and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        raise ConfigError(f"the memory model replays the MoE model under gpipe and 1f1b only; got pp_schedule={schedule}")
+
+
 def enumerate_layouts(w: Workload) -> tuple[list[Candidate], list[Cut]]:
     """Every assignment of DIMENSIONS -> (the layouts that pass every rule and check_layout, the cut
     ones with the reason). A rank grid that no flags can rescue is cut once, as a whole."""
@@ -262,6 +268,7 @@ def _expand(w: Workload, grid: dict, dims: tuple, valid: list, cuts: list) -> No
             check_layout(w.model, cand.parallel, seq_len=w.seq_len)
             if cand.pp > 1:
                 check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)
+                _check_modelled_moe_schedule(w.model, cand.pp_schedule)
         except ConfigError as e:
             cuts.append(Cut(cand, str(e)))
             continue

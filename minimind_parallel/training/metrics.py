@@ -32,12 +32,22 @@ CPU_PEAK_TFLOPS = 0.1
 
 
 def model_flops_per_token(config: MiniMindConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs of one token of a row of `seq_len` (6 N + 12 L S h d)."""
+    """Forward + backward FLOPs of one token of a row of `seq_len` (6 N + 12 L S h d), N the
+    matrix parameters a token passes through: with MoE its k experts of moe_intermediate_size and
+    the router's [E, H] (as Megatron-LM's num_floating_point_operations counts them), not all E."""
     c = config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + ffn_matrix_params_per_token(c)
     matrices = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
     return 6 * matrices + 12 * c.num_hidden_layers * seq_len * q
+
+
+def ffn_matrix_params_per_token(c: MiniMindConfig) -> int:
+    """The feed-forward's matrix parameters one token passes through in one layer: the SwiGLU's
+    three, or the router's and its k experts' (each a SwiGLU of moe_intermediate_size)."""
+    if not c.use_moe:
+        return 3 * c.hidden_size * c.intermediate_size
+    return c.hidden_size * c.num_experts + c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
 
 
 def peak_tflops(device, given: float | None) -> tuple[float | None, str]:

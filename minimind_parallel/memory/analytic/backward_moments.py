@@ -20,8 +20,9 @@ context parallelism a block's attention backward is one more (cp_attention_momen
 """
 from __future__ import annotations
 
-from ...config import CPCommType
+from ...config import CPCommType, Recompute
 from .cp_attention_moments import chunked_attention_backward, ring_attention_backward
+from .moe_backward_moments import moe_block_moments
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows, top_block_acts, top_block_saved
 
@@ -141,7 +142,21 @@ def _in_first_block(s: StageSizes, moment: tuple[int, int, int], received_counte
     grads, acts, temps = moment
     deeper = s.layers - 1
     received = s.b * s.nn * s.hid if not s.last and not received_counted else 0
-    return grads + deeper * s.block_params, acts - deeper * s.block, temps + received
+    routed_acts, routed_temps = _routed_shift(s, ffn_freed=received_counted)
+    return grads + deeper * s.block_params, acts - deeper * s.block + routed_acts, temps + received + routed_temps
+
+
+def _routed_shift(s: StageSizes, *, ffn_freed: bool) -> tuple[int, int]:
+    """(activations, temporaries) by which a moment in the first block differs from the top
+    block's under a routing other than the balanced one (`StageSizes.routed`, per layer): the
+    blocks above keep no MoE tensors any more, the first block its own (none once its MoE layer's
+    backward is done: `ffn_freed`); --recompute full: the first block's re-run in place of the top's."""
+    r = s.routed
+    if not r:
+        return 0, 0
+    if s.par.recompute == Recompute.FULL:
+        return 0, (0 if ffn_freed else r[0] - r[-1])
+    return -(sum(r[:-1]) if ffn_freed else sum(r[1:])), 0
 
 
 def _embedding_backward(s: StageSizes) -> tuple[int, int, int]:
@@ -170,7 +185,9 @@ def backward_moments(s: StageSizes) -> dict[str, tuple[int, int, int]]:
     elif s.last:
         inner.update(head_backward=_head_backward(s), head_mm_backward=_head_mm_backward(s),
                      final_norm_backward=_final_norm_backward(s))
-    if s.par.recompute.lean:
+    if s.expert_rows:
+        top = moe_block_moments(s, s.expert_rows[-1], first=s.layers == 1)
+    elif s.par.recompute.lean:
         top = {"swiglu_backward": _swiglu_backward(s), "post_norm_backward": _lean_post_norm_backward(s)}
     else:
         top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
@@ -180,10 +197,26 @@ def backward_moments(s: StageSizes) -> dict[str, tuple[int, int, int]]:
                                     else chunked_attention_backward(s))
     inner.update(top)
     if s.layers > 1:
+        # MoE: the first layer's own routing (its rows per expert) and its aux loss's last grad
+        first = ({**moe_block_moments(s, s.expert_rows[0], first=True),
+                  **({"attention_backward": top["attention_backward"]} if "attention_backward" in top else {})}
+                 if s.expert_rows else top)
         inner.update({f"{name}(first block)": _in_first_block(s, moment, name == "attention_backward")
-                      for name, moment in top.items()})
+                      for name, moment in first.items()})
     if s.first:
         inner["embedding_backward"] = _embedding_backward(s)
     if s.first and s.tied_here:
         inner["tied_grad_sum"] = _tied_grad_sum(s)
-    return inner
+    return _after_the_aux_losses(s, inner)
+
+
+def _after_the_aux_losses(s: StageSizes, inner: dict) -> dict:
+    """The moments after the stage's first MoE layer's aux loss has run its backward (that
+    layer's attention, the embedding's, the tied grads' sum): the grad of the stage's summed aux
+    loss (f, which the stacked layers' sum hands each layer a view of) is freed. (The first
+    layer's own MoE moments count it already: moe_backward_moments.)"""
+    if not s.aux_loss_experts:
+        return inner
+    attention = "attention_backward" if s.layers == 1 else "attention_backward(first block)"
+    after = (attention, "embedding_backward", "tied_grad_sum")
+    return {name: (g, a, t - s.f) if name in after else (g, a, t) for name, (g, a, t) in inner.items()}

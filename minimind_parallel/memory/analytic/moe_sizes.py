@@ -13,18 +13,97 @@ column-parallel inputs a block saves lose gate/up's share and gain the router's 
 Checked against `--estimate` to the byte (tests/test_memory.py) where the step's peak is the
 head's backward, on one rank and under TP, SP (basic, shared gather, async, VP), selective
 recompute, PP and DP, and under CP at the head's backward (the objective scaled by cp in place of
-the objective) and at the optimizer step (`moe_report`: the step's reported aux loss); not under
---recompute full nor CP with tied embeddings, whose last moment (the tied grads' sum) is predicted
-4 bytes high (one of the step's float32 scalars counted to the end of backward is gone by then). The moments inside an MoE layer's own backward (its experts' grads, the
-gather's and index_add's input grads) are not modelled yet: where one of them is the peak (a
-small vocabulary against N k I_e), the prediction is below the measurement.
+the objective) and at the optimizer step (`moe_report`: the step's reported aux loss), and at
+the tied grads' sum under --recompute full and CP (the grad of the stage's summed aux loss gone
+by then: backward_moments._after_the_aux_losses).
+The moments inside an MoE layer's own backward (its experts', one by one, and the norm's after
+it: moe_backward_moments.py), where a small vocabulary against N k I_e puts the peak, and under
+SP the sum of the TP-partial router and expert grads (schedule_replay.partial_grad_sum), are
+checked at one rank, TP, SP, EP 2 and 4, selective recompute and an earlier pipeline stage.
 
 Under expert parallelism the dispatch adds its two saved indices (`ep_dispatch_saved`), for the
 balanced routing --estimate follows (checked at ep 2 and 4, alone and beside TP + SP, PP, CP).
+
+The routing (`Routing`): under EP the rows a rank's experts receive, M, depend on where the
+tokens went; what its experts save (their input, gate out, up out, silu, product) and the
+dispatch's two indices are [M]-shaped (`received_row_bytes`), the rest of the layer [N k]-shaped.
+`predict_memory` takes the policy -- balanced (M = N k on every rank, --estimate's), the worst
+case (every token of the EP group on one rank's experts: M = P N k) -- or a measured histogram
+(the benchmark's tokens per expert: each MoE layer's rows per expert from one EP group in one
+microbatch; every microbatch taken to route alike), and predicts its worst EP rank. Checked against a real ep-2 run fed its own
+histogram, and one routed to a single rank's experts (tests/test_memory.py).
 """
 from __future__ import annotations
 
-from ...config import MiniMindConfig, ParallelConfig
+import re
+from collections.abc import Mapping, Sequence
+
+from ...config import Choice, MiniMindConfig, ParallelConfig
+from ...moe.experts import balanced_counts
+from ...moe.placement import local_experts
+
+
+class RoutingPolicy(Choice):
+    BALANCED = "balanced"   # every source routes N k / E rows to each expert (--estimate's policy)
+    WORST = "worst"         # every token of the EP group on one EP rank's experts
+
+
+# a measured routing: {MoE layer's module name ("model.layers.{i}.mlp"): rows each expert
+# receives from one EP group in one microbatch} (the benchmark's tokens per expert)
+Histogram = Mapping[str, Sequence[int]]
+Routing = RoutingPolicy | Histogram
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def routing_text(routing: Routing) -> str:
+    """Which routing a prediction is for (the output says which it printed)."""
+    if routing == RoutingPolicy.BALANCED:
+        return "balanced (N x k / E rows per expert from every source)"
+    if routing == RoutingPolicy.WORST:
+        return "worst case (every token of the EP group on one EP rank's experts)"
+    return "the given histogram (tokens per expert per MoE layer)"
+
+
+def received_row_bytes(c: MiniMindConfig, par: ParallelConfig, b: int) -> int:
+    """What one MoE layer saves per row its rank's experts receive: the experts' input [M, H],
+    gate out, up out, silu and product [M, I_e], and under EP the dispatch's two int64 indices."""
+    return b * c.hidden_size + 4 * b * c.moe_intermediate_size + (16 if par.ep > 1 else 0)
+
+
+def expert_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, layers: Sequence[int], *,
+                tokens: int, ep_rank: int) -> list[list[int]]:
+    """The rows each local expert of EP rank `ep_rank` receives in one microbatch, for each of
+    `layers` (global indices); their sum is M. Each of the P sources routes `tokens` x k rows.
+    Balanced: M = N k split evenly over the rank's experts (as --estimate's loop splits them);
+    the worst case: M = P N k on this rank, split evenly; a histogram: its counts (at ep 1 the
+    rank's experts are all of them)."""
+    rows, local = tokens * c.num_experts_per_tok, c.num_experts // par.ep
+    if routing == RoutingPolicy.BALANCED:
+        return [balanced_counts(rows, local)] * len(layers)
+    if routing == RoutingPolicy.WORST:
+        return [balanced_counts(par.ep * rows, local)] * len(layers)
+    mine = local_experts(c.num_experts, par.ep, ep_rank)
+    counts = _histogram_by_layer(c, routing, rows * par.ep)
+    missing = [i for i in layers if i not in counts]
+    if missing:
+        raise ValueError(f"routing histogram: no counts for MoE layer(s) {missing}; got layers {sorted(counts)}")
+    return [[counts[i][e] for e in mine] for i in layers]
+
+
+def _histogram_by_layer(c: MiniMindConfig, histogram: Histogram, total: int) -> dict[int, Sequence[int]]:
+    """{global layer index: counts [E]}, each layer's counts checked: E of them, summing to the
+    EP group's routed rows."""
+    out = {}
+    for name, counts in histogram.items():
+        m = _LAYER.search(name)
+        if m is None:
+            raise ValueError(f"routing histogram: {name!r} names no layer (want 'model.layers.{{i}}.mlp')")
+        if len(counts) != c.num_experts or sum(counts) != total:
+            raise ValueError(f"routing histogram: layer {name!r} must give num_experts={c.num_experts} counts "
+                             f"summing to ep x tokens x k = {total}; got {len(counts)} summing to {sum(counts)}")
+        out[int(m.group(1))] = counts
+    return out
 
 
 def moe_saved(c: MiniMindConfig, par: ParallelConfig, *, b: int, f: int, tokens: int) -> int:

@@ -10,12 +10,14 @@ import torch
 from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...pipeline_parallel.order import Schedule, check_schedule, posted, schedule_order
 from ...pipeline_parallel.releases import release_points
+from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
-from .moe_sizes import moe_report, moe_temporaries
+from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, expert_rows, received_row_bytes,
+                        routing_text)
 from .posted_replay import replay_posted
 from .saved_kinds import as_dtype
-from .schedule_replay import optimizer_step, replay_schedule
+from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import chunk_sizes, stage_sizes
 from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2_moments, zero_layouts
 
@@ -38,6 +40,7 @@ class MemoryPrediction:
     per_stage: list[int] = field(default_factory=list)   # peak bytes of each pipeline stage
     held_per_microbatch: int = 0   # what one microbatch keeps on this stage from its forward to its backward
     held_at_peak: int = 0          # microbatches whose activations are held at the peak
+    routing: str = ""              # MoE: the routing predicted for (moe_sizes.routing_text)
 
     def mib(self) -> float:
         return self.peak_bytes / 2**20
@@ -46,7 +49,8 @@ class MemoryPrediction:
 def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int, micro_batch_size: int,
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
-                   bucket_size_mb: float = DEFAULT_BUCKET_MB, worst_only: bool = False) -> MemoryPrediction:
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB, worst_only: bool = False,
+                   routing: Routing = RoutingPolicy.BALANCED) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
@@ -55,7 +59,9 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     contiguous one the later ranks' attention sees more blocks). Under --zero 1 and 2 (`par.zero`)
     the distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py).
     `worst_only` (with stage None): only the stages that can hold the worst peak
-    (`candidate_stages`), which `per_stage` then lists; the prediction is the same."""
+    (`candidate_stages`), which `per_stage` then lists; the prediction is the same. MoE under
+    EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
+    tokens per expert, then the worst EP rank's), said in `routing`."""
     c = model_config
     if par.zero not in MODELLED_ZERO_LEVELS:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (FSDP2's gathers); "
@@ -70,12 +76,18 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if cp_rank is not None and not 0 <= cp_rank < par.cp:
         raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
     cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
+    # a measured routing differs between EP ranks: each one's (the policies are symmetric)
+    ep_ranks = range(par.ep) if c.use_moe and routing not in tuple(RoutingPolicy) else range(1)
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
-                                  cp_rank=r, bucket_size_mb=bucket_size_mb) for r in cp_ranks), key=lambda s: s.peak_bytes)
+                                  cp_rank=r, bucket_size_mb=bucket_size_mb,
+                                  **_routed(c, par, routing, p, e, dtype=dtype, seq_len=seq_len,
+                                            micro_batch_size=micro_batch_size))
+                   for r in cp_ranks for e in ep_ranks), key=lambda s: s.peak_bytes)
               for p in (candidate_stages(par, schedule) if worst_only and stage is None else range(par.pp))]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
     pick.per_stage = [s.peak_bytes for s in stages]
+    pick.routing = routing_text(routing) if c.use_moe else ""
     return pick
 
 
@@ -97,19 +109,39 @@ def stage_order(pp: int, stage: int, num_microbatches: int, schedule: Schedule, 
     return tuple(schedule_order(pp, stage, num_microbatches, schedule, virtual_stages))
 
 
+def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int, ep_rank: int, *, dtype,
+            seq_len: int, micro_batch_size: int) -> dict:
+    """The stage's MoE layers on EP rank `ep_rank` under `routing` (StageSizes.routed and
+    expert_rows): what each saves beyond the balanced routing's (its rows received off N k, at
+    `received_row_bytes` each) and the rows of each of its experts; none: the balanced routing's."""
+    if not c.use_moe or routing == RoutingPolicy.BALANCED:
+        return {}
+    tokens = seq_len // par.cp * micro_batch_size // par.sequence_shards
+    per_row = received_row_bytes(c, par, torch.empty((), dtype=as_dtype(dtype)).element_size())
+    layers = stage_layers(c.num_hidden_layers, par.pp, stage)
+    experts = expert_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)
+    return {"routed": tuple((sum(m) - tokens * c.num_experts_per_tok) * per_row for m in experts),
+            "expert_rows": tuple(tuple(m) for m in experts)}
+
+
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                    num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0,
-                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryPrediction:
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB, routed: tuple[int, ...] = (),
+                   expert_rows: tuple[tuple[int, ...], ...] = ()) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then."""
     s = stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
+                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed,
+                    expert_rows=expert_rows)
     layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb)
     # the flat buffers: padding too
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
     if posted(order):   # its sends' release points come from every stage's order
+        if c.use_moe:
+            raise NotImplementedError(f"predict_memory: the MoE model under the {schedule} schedule is not modelled "
+                                      f"(its chunks' aux losses); gpipe and 1f1b are")
         orders = [stage_order(par.pp, p, num_microbatches, schedule, par.virtual_stages) for p in range(par.pp)]
         chunks = chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
                              num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
@@ -117,7 +149,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments, in_flight = replay_posted(s, chunks, order, releases)
     else:
         moments, in_flight = replay_schedule(s, order)
-    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight)
+    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:
         states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
@@ -131,8 +163,12 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments = zero2_moments(moments, layouts, s.b)
         grads, a, t = optimizer_step(s, slice_sizes(layouts, s.b), grads=sum(s.b * x.shard_numel for x in layouts))
         moments["optimizer"] = (grads, a, t + staging_bytes(layouts, s.b))
+    if not layouts and s.partial_grads_flat:
+        moments["partial_grad_sum"] = partial_grad_sum(s)
     report = moe_report(c, last=s.last, f=s.f)
-    moments["optimizer"] = moments["optimizer"][:2] + (moments["optimizer"][2] + state + report,)
+    for name in ("optimizer", "partial_grad_sum"):
+        if name in moments:
+            moments[name] = moments[name][:2] + (moments[name][2] + state + report,)
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]

@@ -93,6 +93,25 @@ def forward_moment(s: StageSizes, n_held: int, grads: int, saved: int, extra: in
     return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
 
 
+def _backward_seed(s: StageSizes) -> int:
+    """The grad a backward starts from: the last stage's d loss / d loss; an earlier stage's MoE
+    layers' aux loss enters backward beside its output with its own (float32, 0-dim)."""
+    if s.last:
+        return s.loss_scalar
+    return s.f if s.aux_loss_experts else 0
+
+
+def _moe_per_microbatch(s: StageSizes, finished: int, held: int) -> int:
+    """MoE: what each microbatch adds beyond the first's (moe_sizes.moe_temporaries counts one):
+    each finished forward's reported aux share (float32, 0-dim), and each microbatch held to its
+    backward its objective (the last stage; under CP its scaled copy is in `held_temps`) or its
+    aux loss's backward root (an earlier stage)."""
+    if not s.top_k:
+        return 0
+    per_held = 0 if s.last and s.par.cp > 1 else s.f
+    return max(finished - 1, 0) * s.f + max(held - 1, 0) * per_held
+
+
 def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
     """Every moment of the stage's `order` (its schedule's actions) -> (grads, activations,
     temporaries), and how many microbatches each finds in flight."""
@@ -105,12 +124,15 @@ def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
         saved = batch + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
         # the last stage's losses so far (and a backward's seed, d loss / d loss)
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
-        extra += s.loss_scalar if action.step is Step.BACKWARD and s.last else 0
+        extra += _backward_seed(s) if action.step is Step.BACKWARD else 0
         if action.step is Step.FORWARD:
+            # an earlier stage: this microbatch's aux share and backward root are made after its forward
+            extra += _moe_per_microbatch(s, n_fwd, n_held + 1) - (2 * s.f if s.top_k and not s.last else 0)
             moments[f"forward_end[{i}]"] = forward_moment(s, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             continue
+        extra += _moe_per_microbatch(s, n_fwd, n_held)
         moved = n_held * s.held_temps
         for name, (new_grads, a, temp) in inner.items():
             moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * s.held + a - moved,
@@ -129,4 +151,14 @@ def optimizer_step(s: StageSizes, stepped: list[int] | None = None, grads: int |
     scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
     saved = batch_saved(s)
     return (s.param_bytes if grads is None else grads, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets
+            + (s.loss_scalar if s.last else 0))
+
+
+def partial_grad_sum(s: StageSizes) -> tuple[int, int, int]:
+    """After the last backward, `training.finalize_grads` sums the TP-partial grads (plan.py's
+    partial rule: under SP the norms and the MoE layers' router and experts) over TP in one flat
+    copy (`_all_reduce_grads`; none for a single tensor, summed in place): all grads alive, and
+    what the optimizer step finds (the schedule's loss weights gone, its reported loss not)."""
+    saved = batch_saved(s)
+    return (s.param_bytes, saved, s.partial_grads_flat + s.batch - 4 * s.mb - saved + s.ddp_buckets
             + (s.loss_scalar if s.last else 0))

@@ -18,9 +18,10 @@ from functools import cached_property
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, Recompute
+from ...moe.experts import balanced_counts
 from ...moe.placement import expert_of, local_experts
 from ...memo import Frozen
-from ...plan import SHAPE_FIELDS, build_stage_parameters, is_first_stage, is_last_stage, stage_layers
+from ...plan import SHAPE_FIELDS, build_stage_parameters, grad_is_partial, is_first_stage, is_last_stage, stage_layers
 from .saved_kinds import activations_by_kind
 
 
@@ -57,6 +58,14 @@ class StageSizes:
     head_dim: int = 0
     chunk_len: int = 0         # CP: tokens of one sequence chunk (context_parallel.ContextLayout)
     cp_rank: int = 0           # CP: this rank's place in the CP group (which chunks it holds)
+    # MoE under a routing other than the balanced one: what each layer of the stage (in order)
+    # saves beyond "block.moe" (the rows its experts receive, moe_sizes.expert_rows); may be < 0
+    routed: tuple[int, ...] = ()
+    top_k: int = 0             # MoE: experts per token, and each expert's width I_e
+    expert_inter: int = 0
+    aux_loss_experts: int = 0  # MoE with router_aux_loss_coef > 0: E (the aux loss's statistics)
+    # MoE: the rows each local expert receives in one microbatch, per layer of the stage (in order)
+    expert_rows: tuple[tuple[int, ...], ...] = ()
 
     @cached_property
     def param_bytes(self) -> int:
@@ -86,7 +95,13 @@ class StageSizes:
             return 0
         # the input norm's saved input is the block's input: the checkpoint's, already held
         return (sum(v for k, v in self.kinds.items() if k.startswith("block.") and k != "block.checkpoint_input")
-                - self.kinds["block.checkpoint_input"])
+                - self.kinds["block.checkpoint_input"] + (self.routed[-1] if self.routed else 0))
+
+    @cached_property
+    def blocks(self) -> int:
+        """What the stage's blocks hold of one microbatch from its forward to its backward."""
+        routed = sum(self.routed) if self.par.recompute != Recompute.FULL else 0
+        return self.layers * self.block + routed
 
     @cached_property
     def batch(self) -> int:
@@ -126,7 +141,7 @@ class StageSizes:
     def held(self) -> int:
         """What one microbatch keeps from the end of its forward to its backward."""
         k = self.kinds
-        held = self.layers * self.block + self.held_temps + k["model.rope"]
+        held = self.blocks + self.held_temps + k["model.rope"]
         if self.first and self.par.vocab_parallel:
             held += 9 * self.n              # local ids and out-of-range mask (the ids are in `batch`)
         if self.last:
@@ -145,8 +160,43 @@ class StageSizes:
 
     @cached_property
     def ffn_saved(self) -> int:
-        """What one block's feed-forward saves: the MLP's, or the MoE layer's ("block.moe")."""
-        return self.kinds["block.moe"] if "block.moe" in self.kinds else self.kinds["block.mlp"]
+        """What the top block's feed-forward saves: the MLP's, or the MoE layer's ("block.moe", and
+        what its routing adds)."""
+        if "block.moe" not in self.kinds:
+            return self.kinds["block.mlp"]
+        return self.kinds["block.moe"] + (self.routed[-1] if self.routed else 0)
+
+    @cached_property
+    def routed_rows(self) -> int:
+        """R = Nn k: the (token, expert) pairs this rank routes per MoE layer."""
+        return self.nn * self.top_k
+
+    @cached_property
+    def partial_grads_flat(self) -> int:
+        """The flat copy of the TP-partial grads `training.finalize_grads` sums (plan.grad_is_partial;
+        none for a single tensor)."""
+        partial = [numel(shape) for key, shape in self.shapes.items() if grad_is_partial(key, self.par)]
+        return self.b * sum(partial) if len(partial) > 1 else 0
+
+    @cached_property
+    def aux_backward(self) -> tuple[int, int]:
+        """MoE with an aux loss: (what a layer's aux loss saved -- its N and load, f + f E --
+        freed by its backward, the grad of its score sums it leaves for the router's backward:
+        [E] cast to the model dtype, or in float32 the grad of the stacked statistics [2E + 1]
+        it is a slice of, moe.RouterStats.stacked)."""
+        e = self.aux_loss_experts
+        if not e:
+            return 0, 0
+        return self.f + self.f * e, self.b * e if self.b != self.f else self.f * (2 * e + 1)
+
+    @cached_property
+    def router_input(self) -> int:
+        """What the router's input adds to the block's column inputs: the post-attention norm's
+        output (moe_sizes.moe_column_input); under basic SP the shard, else gate/up's share."""
+        par = self.par
+        if par.sequence_parallel and not par.async_communication:
+            return self.b * self.nn * self.hid
+        return self.gate_up_input
 
     @cached_property
     def ffn_w_grads(self) -> int:
@@ -219,8 +269,11 @@ def build_stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: 
 
 
 def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
-                num_microbatches: int, dtype, cp_rank: int = 0) -> StageSizes:
-    """The sizes of pipeline stage `stage` (the whole model when pp = 1) on CP rank `cp_rank`."""
+                num_microbatches: int, dtype, cp_rank: int = 0, routed: tuple[int, ...] = (),
+                expert_rows: tuple[tuple[int, ...], ...] = ()) -> StageSizes:
+    """The sizes of pipeline stage `stage` (the whole model when pp = 1) on CP rank `cp_rank`;
+    `routed`, `expert_rows`: each layer's MoE bytes beyond the balanced routing's and its local
+    experts' rows (StageSizes; default: the balanced routing's)."""
     b = torch.empty((), dtype=dtype).element_size()
     t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
@@ -228,6 +281,9 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
     experts = local_experts(c.num_experts, par.ep, 0) if c.use_moe else range(c.num_experts)
     shapes, counts = stage_parameter_counts(c, par, stage, experts)
     layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
+    tokens = n // par.sequence_shards
+    if c.use_moe and not expert_rows:   # balanced: N k rows per rank, split evenly over its experts
+        expert_rows = (tuple(balanced_counts(tokens * c.num_experts_per_tok, c.num_experts // par.ep)),) * len(layers_at)
     return StageSizes(par=par, b=b, f=max(b, 4), n=n, nn=n // par.sequence_shards,
                       hid=c.hidden_size, inter=c.intermediate_size // t,
                       vocab=c.vocab_size // t if par.vocab_parallel else c.vocab_size, bsz=micro_batch_size,
@@ -237,7 +293,10 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
                       layers=len(layers_at),
                       block_params=b * counts.top_block,
                       heads=c.num_attention_heads // t, kv_heads=c.num_key_value_heads // t, head_dim=c.head_dim,
-                      chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank)
+                      chunk_len=seq_len // (2 * par.cp if par.cp_load_balance else par.cp), cp_rank=cp_rank,
+                      routed=routed, top_k=c.num_experts_per_tok if c.use_moe else 0,
+                      expert_inter=c.moe_intermediate_size if c.use_moe else 0, expert_rows=expert_rows,
+                      aux_loss_experts=c.num_experts if c.use_moe and c.router_aux_loss_coef > 0 else 0)
 
 
 def chunk_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, **kw) -> list[StageSizes]:

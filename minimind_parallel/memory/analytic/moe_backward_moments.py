@@ -1,0 +1,73 @@
+"""An MoE layer's own backward at its largest moments (the top block's; `backward_moments` moves
+them to the stage's first block), each (grads it adds, activations, temporaries).
+
+Autograd runs the layer backward from its output (moe/feed_forward.py, moe/experts.py):
+
+    start                 the layer's aux loss's backward done (its saved N and load freed, the
+                          grad of its score sums [E] waiting for the router's backward);
+                          index_add_'s and the weighting's backward done: the weighted and the
+                          experts' output [R, H], the sorted weights [R] and the sort's order
+                          freed (EP: the combine's backward too, its index [M] freed); the grad of
+                          the experts' output [M, H] and of the routing weights [R] live
+    per local expert, the last one first (its nodes are the newest), m rows of the M received:
+      down_backward       down_proj's weight grad [H, I_e] and input grad [m, I_e]
+      swiglu_backward     the product freed, the grads of silu and up [m, I_e] (the last expert:
+                          the experts' output grad [M, H] freed)
+      up_backward         silu and up freed, up_proj's input grad [m, H], silu's backward out
+      gate_backward       gate out freed, gate_proj's weight grad and input grad [m, H]
+    each expert leaves its three weight grads and its input grad [m, H] (until the concat), and
+    frees what it saved (4 b m I_e)
+    post_norm_backward    the router's and experts' grads in, the layer's saved tensors and the
+                          router's input freed, the post-attention norm's fp32 temporaries
+
+The rows per expert: the balanced split (--estimate's: the loop splits the M rows evenly), or a
+measured histogram's (StageSizes.expert_rows, per layer).
+"""
+from __future__ import annotations
+
+from .stage_sizes import StageSizes, top_block_saved
+
+
+def expert_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict[str, tuple[int, int, int]]:
+    """The top block's experts' backward, `rows`: the rows of each local expert (M in all);
+    `first`: the stage's first layer, whose aux loss's backward frees the grad of the stage's
+    summed aux loss (f: the stacked layers' sum hands each a view of it)."""
+    b, hid, inter, r = s.b, s.hid, s.expert_inter, s.routed_rows
+    m_all = sum(rows)
+    index = 8 * m_all if s.par.ep > 1 else 0          # the combine's regroup index, freed
+    grads = s.head_grads
+    aux_saved, aux_grad = s.aux_backward
+    start = 2 * b * r * hid + b * r + 8 * r + index + aux_saved    # freed before the first expert
+    temps = b * s.nn * hid + b * m_all * hid + b * r + s.waiting + aux_grad - (s.f if first and aux_grad else 0)
+    w = b * hid * inter
+    out = {}
+
+    def moment(grads: int, freed: int, live: int) -> tuple[int, int, int]:
+        acts, redone = top_block_saved(s, start + freed)       # --recompute full: the re-run's
+        return grads, acts, temps + live + redone
+
+    grads, freed = s.head_grads, 0
+    for j in reversed(range(len(rows))):
+        m, out_grad = rows[j], (b * m_all * hid if j == 0 else 0)
+        mi, mh = b * m * inter, b * m * hid
+        out[f"expert_down_backward(e{j})"] = moment(grads, freed, w + mi)
+        out[f"expert_swiglu_backward(e{j})"] = moment(grads + w, freed + mi, 3 * mi - out_grad)
+        out[f"expert_up_backward(e{j})"] = moment(grads + 2 * w, freed + 3 * mi, 2 * mi + mh - out_grad)
+        out[f"expert_gate_backward(e{j})"] = moment(grads + 2 * w, freed + 4 * mi, mi + 2 * mh + w - out_grad)
+        grads, freed, temps = grads + 3 * w, freed + 4 * mi, temps + mh
+    return out
+
+
+def moe_post_norm_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int]:
+    """The post-attention RMSNorm's backward after the MoE layer's: its grads in (the router's and
+    this rank's experts'), its saved tensors and the router's input freed, the norm's fp32
+    temporaries and the residual grad live."""
+    b, f, nn_, hid = s.b, s.f, s.nn, s.hid
+    acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_) + s.aux_backward[0])
+    return (s.head_grads + s.ffn_w_grads + b * hid, acts,
+            5 * f * nn_ * hid + b * nn_ * hid + s.waiting - (f if first and s.aux_loss_experts else 0) + redone)
+
+
+def moe_block_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict[str, tuple[int, int, int]]:
+    """Every moment of the top block's MoE backward listed above (`first`: see expert_moments)."""
+    return {**expert_moments(s, rows, first=first), "post_norm_backward": moe_post_norm_backward(s, first=first)}
