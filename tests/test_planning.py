@@ -17,7 +17,7 @@ from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enum
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
 from minimind_parallel.planning.allocator_rounding import block_excess, fresh_block, rounding_bytes
 from minimind_parallel.planning.ranking import workspace_bytes
-from minimind_parallel.planning.space import RULES
+from minimind_parallel.planning.space import RULES, check_candidate
 from minimind_parallel.planning.time_model import Collective, Op, block_matmul_params, expert_params, stage_compute
 from minimind_parallel.zero.buckets import DEFAULT_BUCKET_MB
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
@@ -47,8 +47,8 @@ def assert_valid_and_cuts_real(work):
         if rule is not None:
             assert cut.reason == rule
             continue
-        with pytest.raises(ConfigError) as e:
-            check_layout(work.model, cut.candidate.parallel, seq_len=work.seq_len)
+        with pytest.raises(ConfigError) as e:   # check_layout's, the schedule's, or the memory model's
+            check_candidate(work, cut.candidate)
         assert str(e.value) == cut.reason
     return valid, cuts
 

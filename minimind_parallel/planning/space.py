@@ -238,10 +238,17 @@ def _grid_reason(w: Workload, grid: dict) -> str | None:
     return None
 
 
-def _check_modelled_moe_schedule(model: MiniMindConfig, schedule: Schedule) -> None:
-    """predict_memory replays the MoE model under gpipe and 1f1b only (not its chunks' aux losses)."""
-    if model.use_moe and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
-        raise ConfigError(f"the memory model replays the MoE model under gpipe and 1f1b only; got pp_schedule={schedule}")
+def check_candidate(w: Workload, cand: "Candidate") -> None:
+    """Raise ConfigError (one line) where a full assignment cannot run or be predicted: check_layout,
+    the schedule's constraints (check_schedule), and the MoE model under a schedule of model chunks,
+    which predict_memory does not replay (its chunks' aux losses)."""
+    check_layout(w.model, cand.parallel, seq_len=w.seq_len)
+    if cand.pp == 1:
+        return
+    check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)
+    if w.model.use_moe and cand.pp_schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        raise ConfigError(f"the memory model replays the MoE model under gpipe and 1f1b only; "
+                          f"got pp_schedule={cand.pp_schedule}")
 
 
 def enumerate_layouts(w: Workload) -> tuple[list[Candidate], list[Cut]]:
@@ -265,10 +272,7 @@ def _expand(w: Workload, grid: dict, dims: tuple, valid: list, cuts: list) -> No
     for a in _assignments(w, dims, dict(grid)):
         cand = Candidate(**a, micro_batch_size=rows // a.get("num_microbatches", 1))
         try:
-            check_layout(w.model, cand.parallel, seq_len=w.seq_len)
-            if cand.pp > 1:
-                check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)
-                _check_modelled_moe_schedule(w.model, cand.pp_schedule)
+            check_candidate(w, cand)
         except ConfigError as e:
             cuts.append(Cut(cand, str(e)))
             continue
