@@ -13,6 +13,7 @@ import torch
 from minimind_parallel import cli
 from minimind_parallel.config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 from minimind_parallel.memory import predict_memory
+from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
 from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enumerate_layouts, plan, step_time
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
 from minimind_parallel.planning.allocator_rounding import block_excess, fresh_block, rounding_bytes
@@ -56,7 +57,7 @@ def assert_valid_and_cuts_real(work):
 def test_every_layout_passes_check_layout_and_every_cut_names_a_real_constraint():
     valid, cuts = assert_valid_and_cuts_real(WORK)
     # the zero dimension: 0 and 1 wherever dp x cp shards, never on one DP x CP rank
-    assert {k.zero for k in valid} == {0, 1} and all(k.dp * k.cp > 1 for k in valid if k.zero)
+    assert {k.zero for k in valid} == set(MODELLED_ZERO_LEVELS) and all(k.dp * k.cp > 1 for k in valid if k.zero)
     assert {k.ep for k in valid} == {1}                    # a dense model has no experts to spread
     # every rank grid check_layout admits (plain flags) is in the space
     grids = {(k.tp, k.pp, k.cp, k.dp) for k in valid if not k.zero}
@@ -382,8 +383,8 @@ def test_the_json_has_every_field_and_its_commands_run(tmp_path, capsys):
     for row in layouts:
         assert {"tp", "pp", "cp", "dp", "ep", "zero", "flags", "predicted_peak_mib", "predicted_step_ms",
                 "train_command", "estimate_command"} <= set(row)
-        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == 4 and row["ep"] == 1 and row["zero"] in (0, 1)
-    assert {r["zero"] for r in layouts} == {0, 1}
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == 4 and row["ep"] == 1 and row["zero"] in MODELLED_ZERO_LEVELS
+    assert {r["zero"] for r in layouts} == set(MODELLED_ZERO_LEVELS)
     assert [r["predicted_step_ms"] for r in layouts] == sorted(r["predicted_step_ms"] for r in layouts)
     assert "cut:" in printed and "num_key_value_heads must be divisible by tp_size" in printed
     assert_commands_are_the_layouts(layouts)
@@ -450,8 +451,8 @@ def test_a_moe_plan_spreads_the_experts_and_its_commands_run(tmp_path, capsys):
     assert code == 0
     data = json.loads(out.read_text())
     layouts = data["layouts"]
-    assert {r["ep"] for r in layouts} == {1, 2, 4} and {r["zero"] for r in layouts} == {0, 1}
-    assert "dispatch buffers" in printed and "dispatch buffers" in data["notes"][0]
+    assert {r["ep"] for r in layouts} == {1, 2, 4} and {r["zero"] for r in layouts} == set(MODELLED_ZERO_LEVELS)
+    assert "balanced routing" in printed and "balanced routing" in data["notes"][0]
     assert_commands_are_the_layouts(layouts, moe=True)
 
 

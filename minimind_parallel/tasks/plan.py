@@ -311,9 +311,8 @@ def notes(args) -> list[str]:
     """What the predictions leave out for this workload (printed and in the JSON)."""
     if not args.use_moe:
         return []
-    return ["MoE: the predicted peak leaves out the expert-parallel dispatch buffers (the all-to-alls' send and "
-            "receive rows; the analytic model counts each EP rank's experts, not yet these), and the time model "
-            "assumes balanced routing (N k rows per rank through its experts)"]
+    return ["MoE: the predicted peak and step time are those of balanced routing (N k rows per rank through its "
+            "experts); a skewed routing holds more (predict_memory's worst case: docs/memory.md)"]
 
 
 def print_plan(result, args, hw, seconds: float) -> None:
