@@ -12,18 +12,20 @@ from ...pipeline_parallel.order import Schedule, check_schedule, posted, schedul
 from ...pipeline_parallel.releases import release_points
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
+from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .moe_sizes import moe_report, moe_temporaries
 from .posted_replay import replay_posted
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, replay_schedule
-from .stage_sizes import chunk_sizes, stage_sizes
+from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
 from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
 
 
 # the schedules whose orders the model replays (zb's W-pending tensors are not modelled yet)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
-# the --zero levels it predicts (2: the grads alive depend on the buckets backward has finished; 3: FSDP2's
-# gathers); the planner enumerates these two tuples' members
+# the --zero levels it predicts for every layout (2: the grads alive depend on the buckets backward has
+# finished; 3: FSDP2's gathers, modelled for data parallelism alone: fsdp_replay.check_fully_sharded);
+# the planner enumerates these two tuples' members
 MODELLED_ZERO_LEVELS = (0, 1)
 
 
@@ -57,9 +59,11 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     (with stage None): only the stages that can hold the worst peak (`candidate_stages`), which
     `per_stage` then lists; the prediction is the same."""
     c = model_config
-    if par.zero > 1:
-        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (--zero 2: the grads alive depend "
-                                  f"on the buckets backward has finished; --zero 3: FSDP2's gathers)")
+    if par.zero == 2:
+        raise NotImplementedError("predict_memory: --zero 2 is not modelled (the grads alive depend on the buckets "
+                                  "backward has finished)")
+    if par.zero == 3:
+        check_fully_sharded(c, par, seq_len * micro_batch_size)
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
@@ -108,6 +112,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     stored = s.param_bytes if layout is None else s.b * layout.numel   # the flat buffer: padding too
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    if par.zero == 3:
+        return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
         orders = [stage_order(par.pp, p, num_microbatches, schedule, par.virtual_stages) for p in range(par.pp)]
         chunks = chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
@@ -127,6 +133,18 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments["optimizer"] = optimizer_step(s, slice_sizes(layout, s.b), grads=stored)
     report = moe_report(c, last=s.last, f=s.f)
     moments["optimizer"] = moments["optimizer"][:2] + (moments["optimizer"][2] + state + report,)
+    return _peak(s, moments, in_flight, params, states)
+
+
+def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str) -> MemoryPrediction:
+    """--zero 3 (FSDP2): its moments and this rank's shards (fsdp_replay.py)."""
+    rope = 2 * s.b * c.max_position_embeddings * c.head_dim
+    moments, in_flight, params, states = fully_sharded_moments(s, order, device)
+    return _peak(s, moments, in_flight, params + rope, states)
+
+
+def _peak(s: StageSizes, moments: dict, in_flight: dict, params: int, states: int) -> MemoryPrediction:
+    """The largest moment, its breakdown by category (params and states alive at every moment)."""
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]
