@@ -4,6 +4,7 @@ its analytic memory model against the tracker on fake tensors (--estimate). (Its
 checkpoints and train runs are tests/test_zero.py's.)"""
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,29 +58,41 @@ def _config(layers: int, vocab: int, tied: bool) -> MiniMindConfig:
                           vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=256)
 
 
-# (dp, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied): where each holds its peak
+SP_ASYNC = dict(tp=2, sequence_parallel=True, async_communication=True)
+# (layout, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied, cp_rank): where each holds its peak
 FULLY_SHARDED = [
-    (2, torch.float32, 1, 2, 32, 2, 128, False),    # the top block's MLP backward, the block below prefetched
-    (2, torch.float32, 1, 2, 32, 2, 128, True),     # tied: the gathered embedding saved by the head
-    (4, torch.bfloat16, 1, 2, 32, 2, 128, False),   # dim 0 padded to 4 rows
-    (2, torch.float32, 2, 2, 32, 2, 128, False),    # accumulation: the sharded grads of microbatch 0 alive
-    (4, torch.bfloat16, 3, 3, 32, 2, 128, True),
-    (4, torch.float32, 2, 4, 64, 1, 4096, True),    # the loss's backward, the top block's gather waiting
-    (2, torch.bfloat16, 2, 3, 64, 1, 4096, False),
+    (dict(dp=2), torch.float32, 1, 2, 32, 2, 128, False, 0),   # the top block's MLP backward, the block below prefetched
+    (dict(dp=2), torch.float32, 1, 2, 32, 2, 128, True, 0),    # tied: the gathered embedding saved by the head
+    (dict(dp=4), torch.bfloat16, 1, 2, 32, 2, 128, False, 0),  # dim 0 padded to 4 rows
+    (dict(dp=2), torch.float32, 2, 2, 32, 2, 128, False, 0),   # accumulation: microbatch 0's sharded grads alive
+    (dict(dp=4), torch.bfloat16, 3, 3, 32, 2, 128, True, 0),
+    (dict(dp=4), torch.float32, 2, 4, 64, 1, 4096, True, 0),   # the loss's backward, the top block's gather waiting
+    (dict(dp=2), torch.bfloat16, 2, 3, 64, 1, 4096, False, 0),
+    (dict(dp=2, tp=2, sequence_parallel=True), torch.bfloat16, 2, 2, 32, 2, 128, True, 0),  # FSDP2 over TP shards
+    (dict(dp=2, tp=2), torch.float32, 1, 3, 64, 1, 128, True, 0),
+    (dict(dp=2, **SP_ASYNC, vocab_parallel=True), torch.bfloat16, 2, 3, 64, 1, 128, True, 0),
+    (dict(dp=2, cp=2), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),       # a CP attention backward
+    (dict(dp=2, cp=2, cp_load_balance=False), torch.float32, 1, 2, 64, 2, 128, False, 1),
+    (dict(dp=2, tp=2, cp=2, sequence_parallel=True, cp_comm_type="ring"), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),
+    (dict(dp=4, loss_chunks=4), torch.float32, 1, 2, 32, 2, 128, False, 0),
+    (dict(dp=2, recompute="selective"), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),
+    (dict(dp=2, recompute="full"), torch.float32, 1, 2, 32, 2, 128, False, 0),   # the gathered block unsaved
+    (dict(dp=2, recompute="full"), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),
 ]
 
 
 def test_the_memory_model_of_zero3_is_the_estimate_to_the_byte():
     """predict_memory under --zero 3 (memory/analytic/fsdp_replay.py) equals the tracker on fake
     tensors running FSDP2 on every category: dp2 and dp4, fp32 and bf16, tied and untied, with and
-    without gradient accumulation, the peak in the top block, a middle block and the loss."""
-    for dp, dtype, microbatches, layers, seq_len, mbs, vocab, tied in FULLY_SHARDED:
-        config, par = _config(layers, vocab, tied), ParallelConfig(dp=dp, zero=3)
+    without gradient accumulation, the peak in the top block and the loss; under TP (SP, async,
+    VP), CP (both splits, ring), recompute and the chunked loss."""
+    for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, cp_rank in FULLY_SHARDED:
+        config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches)
-        estimate = estimate_step_memory(config, par, iters=1, **kw)
-        model = predict_memory(config, par, **kw)
+        estimate = estimate_step_memory(config, par, iters=1, cp_rank=cp_rank, **kw)
+        model = predict_memory(config, par, **kw)   # (the worst CP rank: the contiguous split's last)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
-            (dp, dtype, microbatches, layers, seq_len, mbs, vocab, tied, model.peak_at)
+            (layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, model.peak_at)
 
 
 def test_zero3_middle_blocks_are_exact_where_they_hold_the_peak(monkeypatch):
@@ -98,12 +111,13 @@ def test_zero3_middle_blocks_are_exact_where_they_hold_the_peak(monkeypatch):
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), layers
 
 
-@pytest.mark.parametrize("layout, seq_len, message", [
-    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 32, "got tp_size > 1"),
-    (dict(dp=2, cp=2, zero=3), 32, "got cp_size > 1"),
-    (dict(dp=2, zero=3), 16, "got seq_len * micro_batch_size = 32 < hidden_size = 64"),
+@pytest.mark.parametrize("layout, seq_len, moe, message", [
+    (dict(dp=2, zero=3), 32, True, "--zero 3 (FSDP2) with --use_moe is not modelled"),
+    (dict(dp=2, zero=3), 16, False, "got seq_len / cp_size * micro_batch_size = 32 < hidden_size = 64"),
+    (dict(dp=2, cp=2, zero=3), 32, False, "got seq_len / cp_size * micro_batch_size = 32 < hidden_size = 64"),
 ])
-def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(layout, seq_len, message):
+def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(layout, seq_len, moe, message):
+    config = replace(_config(2, 128, False), use_moe=moe)
     with pytest.raises(NotImplementedError, match=re.escape(message)) as refused:
-        predict_memory(_config(2, 128, False), ParallelConfig(**layout), seq_len=seq_len, micro_batch_size=2)
+        predict_memory(config, ParallelConfig(**layout), seq_len=seq_len, micro_batch_size=2)
     assert "\n" not in str(refused.value)

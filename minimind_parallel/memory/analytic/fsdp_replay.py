@@ -14,9 +14,9 @@
 """
 from __future__ import annotations
 
+from ...config import MiniMindConfig, ParallelConfig, Recompute
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
-from ...config import MiniMindConfig, ParallelConfig, Recompute
 from .fsdp_sizes import FsdpSizes, fsdp_sizes
 from .schedule_replay import batch_saved, forward_moment, optimizer_step
 from .stage_sizes import StageSizes
@@ -29,6 +29,9 @@ def _backward_state(s: StageSizes, z: FsdpSizes, name: str, block: int) -> tuple
     gathered or buffered bytes unsaved (temporaries))."""
     root_saved, root_unsaved = z.root - z.root_unsaved, z.root_unsaved
     top = s.layers - 1
+    # a block's gathered parameters, saved by its forward; under --recompute full only its
+    # recomputation in backward reads them (nothing saves them in forward): temporaries
+    saved, unsaved = (0, z.block) if s.par.recompute == Recompute.FULL else (z.block, 0)
     if name in ("embedding_backward", "tied_grad_sum"):   # every block reduced, block 0's input kept
         return s.layers, s.layers * s.block_params, root_saved, root_unsaved + z.block
     if name.startswith(("head_", "chunked_loss", "final_norm")):   # the root's pre-backward prefetched the top block
@@ -36,7 +39,7 @@ def _backward_state(s: StageSizes, z: FsdpSizes, name: str, block: int) -> tuple
     above = top - block
     prefetched = z.block if block > 0 else 0      # the all-gather of the block below, waiting
     kept = z.block if block < top else 0          # the reduce-scatter input of the block above
-    return above, above * s.block_params, root_saved + z.block, root_unsaved + prefetched + kept
+    return above, above * s.block_params, root_saved + saved, root_unsaved + unsaved + prefetched + kept
 
 
 def _block_moments(s: StageSizes, inner: dict) -> dict:
@@ -98,18 +101,14 @@ def fully_sharded_moments(s: StageSizes, order: list[Action], device: str) -> tu
 
 
 def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> None:
-    """The --zero 3 layouts the model follows exactly; every other one refused in one line. With
-    fewer `tokens` per microbatch than hidden_size a block's weight grads outweigh its
-    activations and the peak moves to moments not modelled (the attention's backward, a block's
-    gather copied out in its pre-backward)."""
-    others = {"tp_size > 1": par.tp > 1, "cp_size > 1": par.cp > 1, "pp_size > 1": par.pp > 1,
-              "--use_moe": c.use_moe, "--recompute": par.recompute != Recompute.NONE,
-              "--loss_chunks": par.loss_chunks > 1, "--vocab_parallel": par.vocab_parallel}
-    refused = [name for name, on in others.items() if on]
+    """The --zero 3 layouts the model follows exactly; the others refused in one line: MoE (its
+    experts' moments), and fewer `tokens` per microbatch on a rank than hidden_size, where a
+    block's weight grads outweigh its activations and the peak moves to moments not modelled
+    (inside the attention's backward, a block's gather copied out in its pre-backward). (PP and
+    EP do not compose with --zero 3: check_layout refuses them.)"""
+    if c.use_moe:
+        raise NotImplementedError("predict_memory: --zero 3 (FSDP2) with --use_moe is not modelled")
     if tokens < c.hidden_size:
-        refused.append(f"seq_len * micro_batch_size = {tokens} < hidden_size = {c.hidden_size}")
-    if refused:
-        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) is modelled without tensor, context and "
-                                  f"pipeline parallelism, MoE, recompute and chunked or vocab-parallel losses, at "
-                                  f"hidden_size tokens per microbatch or more; got "
-                                  f"{', '.join(refused)}")
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) is modelled at hidden_size tokens per "
+                                  f"microbatch on a rank or more; got seq_len / cp_size * micro_batch_size = "
+                                  f"{tokens} < hidden_size = {c.hidden_size}")

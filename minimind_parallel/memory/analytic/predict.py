@@ -24,7 +24,7 @@ from .zero_sizes import optimizer_state_bytes, slice_sizes, zero_layout
 # the schedules whose orders the model replays (zb's W-pending tensors are not modelled yet)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
 # the --zero levels it predicts for every layout (2: the grads alive depend on the buckets backward has
-# finished; 3: FSDP2's gathers, modelled for data parallelism alone: fsdp_replay.check_fully_sharded);
+# finished; 3: FSDP2's gathers, modelled but for MoE and few tokens: fsdp_replay.check_fully_sharded);
 # the planner enumerates these two tuples' members
 MODELLED_ZERO_LEVELS = (0, 1)
 
@@ -63,7 +63,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
         raise NotImplementedError("predict_memory: --zero 2 is not modelled (the grads alive depend on the buckets "
                                   "backward has finished)")
     if par.zero == 3:
-        check_fully_sharded(c, par, seq_len * micro_batch_size)
+        check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
