@@ -1,12 +1,17 @@
 """--zero 3 (FSDP2's fully_shard over the DP x CP mesh) in the benchmark: a cell runs it, its meter
-counting this rank's shards (the padded dim-0 rows FSDP2 keeps), not the DTensors' global sizes.
-(Its numbers, checkpoints and train runs are tests/test_zero.py's.)"""
+counting this rank's shards (the padded dim-0 rows FSDP2 keeps), not the DTensors' global sizes; and
+its analytic memory model against the tracker on fake tensors (--estimate). (Its numbers,
+checkpoints and train runs are tests/test_zero.py's.)"""
 import json
+import re
+from dataclasses import replace
 
+import pytest
 import torch
 
 from distributed import run_ranks
-from minimind_parallel import cli, tasks
+from minimind_parallel import MiniMindConfig, ParallelConfig, cli, tasks
+from minimind_parallel.memory import estimate_step_memory, predict_memory
 from minimind_parallel.job import read_job, write_job
 from minimind_parallel.tasks.benchmark.cells import cell_job
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
@@ -46,3 +51,73 @@ def test_the_tp_sp_async_zero3_mode_is_fsdp2_over_the_tp_shards():
     (run,) = check_benchmark(job)
     par = run.par
     assert (par.tp, par.dp, par.zero, par.sequence_parallel, par.async_communication) == (2, 2, 3, True, True)
+
+
+def _config(layers: int, vocab: int, tied: bool) -> MiniMindConfig:
+    return MiniMindConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                          vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=256)
+
+
+SP_ASYNC = dict(tp=2, sequence_parallel=True, async_communication=True)
+# (layout, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied, cp_rank): where each holds its peak
+FULLY_SHARDED = [
+    (dict(dp=2), torch.float32, 1, 2, 32, 2, 128, False, 0),   # the top block's MLP backward, the block below prefetched
+    (dict(dp=2), torch.float32, 1, 2, 32, 2, 128, True, 0),    # tied: the gathered embedding saved by the head
+    (dict(dp=4), torch.bfloat16, 1, 2, 32, 2, 128, False, 0),  # dim 0 padded to 4 rows
+    (dict(dp=2), torch.float32, 2, 2, 32, 2, 128, False, 0),   # accumulation: microbatch 0's sharded grads alive
+    (dict(dp=4), torch.bfloat16, 3, 3, 32, 2, 128, True, 0),
+    (dict(dp=4), torch.float32, 2, 4, 64, 1, 4096, True, 0),   # the loss's backward, the top block's gather waiting
+    (dict(dp=2), torch.bfloat16, 2, 3, 64, 1, 4096, False, 0),
+    (dict(dp=2, tp=2, sequence_parallel=True), torch.bfloat16, 2, 2, 32, 2, 128, True, 0),  # FSDP2 over TP shards
+    (dict(dp=2, tp=2), torch.float32, 1, 3, 64, 1, 128, True, 0),
+    (dict(dp=2, **SP_ASYNC, vocab_parallel=True), torch.bfloat16, 2, 3, 64, 1, 128, True, 0),
+    (dict(dp=2, cp=2), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),       # a CP attention backward
+    (dict(dp=2, cp=2, cp_load_balance=False), torch.float32, 1, 2, 64, 2, 128, False, 1),
+    (dict(dp=2, tp=2, cp=2, sequence_parallel=True, cp_comm_type="ring"), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),
+    (dict(dp=4, loss_chunks=4), torch.float32, 1, 2, 32, 2, 128, False, 0),
+    (dict(dp=2, recompute="selective"), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),
+    (dict(dp=2, recompute="full"), torch.float32, 1, 2, 32, 2, 128, False, 0),   # the gathered block unsaved
+    (dict(dp=2, recompute="full"), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),
+]
+
+
+def test_the_memory_model_of_zero3_is_the_estimate_to_the_byte():
+    """predict_memory under --zero 3 (memory/analytic/fsdp_replay.py) equals the tracker on fake
+    tensors running FSDP2 on every category: dp2 and dp4, fp32 and bf16, tied and untied, with and
+    without gradient accumulation, the peak in the top block and the loss; under TP (SP, async,
+    VP), CP (both splits, ring), recompute and the chunked loss."""
+    for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, cp_rank in FULLY_SHARDED:
+        config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches)
+        estimate = estimate_step_memory(config, par, iters=1, cp_rank=cp_rank, **kw)
+        model = predict_memory(config, par, **kw)   # (the worst CP rank: the contiguous split's last)
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
+            (layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, model.peak_at)
+
+
+def test_zero3_middle_blocks_are_exact_where_they_hold_the_peak(monkeypatch):
+    """Half hidden_size tokens per microbatch (refused by default: a little fewer and the peak moves
+    to moments not modelled): a middle block's backward holds the peak, the grads of the block
+    above reduce-scattered (their shard a .grad), its reduce-scatter input kept, the block below
+    prefetched. The same bytes as the tracker on fake tensors."""
+    from minimind_parallel.memory.analytic import predict
+    monkeypatch.setattr(predict, "check_fully_sharded", lambda *args: None)
+    for layers, tied, block in ((3, True, 1), (4, False, 2)):
+        config, par = _config(layers, 128, tied), ParallelConfig(dp=2, zero=3)
+        kw = dict(seq_len=32, micro_batch_size=1, dtype=torch.float32)
+        estimate = estimate_step_memory(config, par, iters=1, **kw)
+        model = predict_memory(config, par, **kw)
+        assert f"(block {block})" in model.peak_at
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), layers
+
+
+@pytest.mark.parametrize("layout, seq_len, moe, message", [
+    (dict(dp=2, zero=3), 32, True, "--zero 3 (FSDP2) with --use_moe is not modelled"),
+    (dict(dp=2, zero=3), 16, False, "got seq_len / cp_size * micro_batch_size = 32 < hidden_size = 64"),
+    (dict(dp=2, cp=2, zero=3), 32, False, "got seq_len / cp_size * micro_batch_size = 32 < hidden_size = 64"),
+])
+def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(layout, seq_len, moe, message):
+    config = replace(_config(2, 128, False), use_moe=moe)
+    with pytest.raises(NotImplementedError, match=re.escape(message)) as refused:
+        predict_memory(config, ParallelConfig(**layout), seq_len=seq_len, micro_batch_size=2)
+    assert "\n" not in str(refused.value)

@@ -13,19 +13,21 @@ from ...pipeline_parallel.releases import release_points
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
+from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, expert_rows, received_row_bytes,
                         routing_text)
 from .posted_replay import replay_posted
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
-from .stage_sizes import chunk_sizes, stage_sizes
+from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
 from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2_moments, zero_layouts
 
 
 # the schedules whose orders the model replays (zb's W-pending tensors are not modelled yet)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
-# the --zero levels whose buffers the model holds (3, FSDP2's sharded parameters, is not modelled);
-# the planner enumerates these two tuples' members
+# the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers, is
+# modelled but for MoE and few tokens per microbatch -- fsdp_replay.check_fully_sharded -- and the
+# planner's time model has no FSDP2 yet); the planner enumerates these two tuples' members
 MODELLED_ZERO_LEVELS = (0, 1, 2)
 
 
@@ -63,9 +65,11 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
     tokens per expert, then the worst EP rank's), said in `routing`."""
     c = model_config
-    if par.zero not in MODELLED_ZERO_LEVELS:
-        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled (FSDP2's gathers); "
-                                  f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))}")
+    if par.zero == 3:
+        check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
+    elif par.zero not in MODELLED_ZERO_LEVELS:
+        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled; "
+                                  f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))} and 3")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
@@ -138,6 +142,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    if par.zero == 3:
+        return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
         if c.use_moe:
             raise NotImplementedError(f"predict_memory: the MoE model under the {schedule} schedule is not modelled "
@@ -169,6 +175,25 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     for name in ("optimizer", "partial_grad_sum"):
         if name in moments:
             moments[name] = moments[name][:2] + (moments[name][2] + state + report,)
+    totals = {k: params + states + sum(v) for k, v in moments.items()}
+    peak_at = max(totals, key=totals.get)
+    grads, act, temp = moments[peak_at]
+    breakdown = dict(zip(CATEGORIES, (params, grads, states, act, temp)))
+    return MemoryPrediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, activations_by_kind=s.kinds,
+                            num_layers=s.layers, peak_at=peak_at, candidates=totals, held_per_microbatch=s.held,
+                            held_at_peak=in_flight.get(peak_at, 0))
+
+
+def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str) -> MemoryPrediction:
+    """--zero 3 (FSDP2): its moments and this rank's shards (fsdp_replay.py)."""
+    rope = 2 * s.b * c.max_position_embeddings * c.head_dim
+    moments, in_flight, params, states = fully_sharded_moments(s, order, device)
+    return _peak(s, moments, in_flight, params + rope, states)
+
+
+def _peak(s: StageSizes, moments: dict, in_flight: dict, params: int, states: int) -> MemoryPrediction:
+    """The largest moment, its breakdown by category (params and states alive at every moment; the
+    dense path above does the same inline)."""
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]

@@ -1,0 +1,114 @@
+"""--zero 3 (FSDP2) replayed: the moments of schedule_replay.py, with what FSDP2 holds at each
+(torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py; sizes: fsdp_sizes.py).
+
+    root        the root group (embedding, final norm, head) is gathered at the first forward
+                and kept to the end of the backward (the root does not reshard after forward)
+    a block     gathered at its forward and freed after it; gathered again at its backward,
+                while FSDP2 prefetches the block below (its all-gather output waits, a
+                temporary, for that block's own pre-backward); freed at its post-backward
+    its grads   unsharded (temporaries, not a registered parameter's .grad) until the block's
+                post-backward copies them into the reduce-scatter input; its sharded grads (a
+                view of the reduce-scatter output) are .grad from then on (accumulated into on
+                later microbatches); FSDP2 keeps the reduce-scatter input alive until the next
+                group's post-backward (one in flight)
+"""
+from __future__ import annotations
+
+from ...config import MiniMindConfig, ParallelConfig, Recompute
+from ...pipeline_parallel.order import Action, Step
+from .backward_moments import backward_moments
+from .fsdp_sizes import FsdpSizes, fsdp_sizes
+from .schedule_replay import batch_saved, forward_moment, optimizer_step
+from .stage_sizes import StageSizes
+
+
+def _backward_state(s: StageSizes, z: FsdpSizes, name: str, block: int) -> tuple[int, int, int, int]:
+    """What FSDP2 holds at a backward moment (in `block`, the top one unless named otherwise)
+    beyond the dense model's activations and temporaries: (blocks reduce-scattered so far, the
+    dense grad bytes those blocks account for in the moment, gathered bytes saved (activations),
+    gathered or buffered bytes unsaved (temporaries))."""
+    root_saved, root_unsaved = z.root - z.root_unsaved, z.root_unsaved
+    top = s.layers - 1
+    # a block's gathered parameters, saved by its forward; under --recompute full only its
+    # recomputation in backward reads them (nothing saves them in forward): temporaries
+    saved, unsaved = (0, z.block) if s.par.recompute == Recompute.FULL else (z.block, 0)
+    if name in ("embedding_backward", "tied_grad_sum"):   # every block reduced, block 0's input kept
+        return s.layers, s.layers * s.block_params, root_saved, root_unsaved + z.block
+    if name.startswith(("head_", "chunked_loss", "final_norm")):   # the root's pre-backward prefetched the top block
+        return 0, 0, root_saved, root_unsaved + z.block
+    above = top - block
+    prefetched = z.block if block > 0 else 0      # the all-gather of the block below, waiting
+    kept = z.block if block < top else 0          # the reduce-scatter input of the block above
+    return above, above * s.block_params, root_saved + saved, root_unsaved + unsaved + prefetched + kept
+
+
+def _block_moments(s: StageSizes, inner: dict) -> dict:
+    """The backward's moments, named and placed in a block: the top block's, then (where they
+    differ) the second one's and the second from the bottom's (between them a moment gains a
+    block's sharded grads and loses its activations: the peak is at one end), then the first's.
+    -> name: (block, (dense new grads, activations, temporaries))."""
+    top, out, first = s.layers - 1, {}, "(first block)"
+    for name, moment in inner.items():
+        if not name.endswith(first):
+            out[name] = (top, moment)
+            continue
+        base = inner[name[:-len(first)]]
+        for k in sorted({top - 1, 1} & set(range(1, top)), reverse=True):
+            deeper = top - k
+            out[f"{name[:-len(first)]}(block {k})"] = (k, (base[0] + deeper * s.block_params,
+                                                          base[1] - deeper * s.block, base[2]))
+        out[name] = (0, moment)
+    return out
+
+
+def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tuple[dict, dict]:
+    """Every moment of the stage's `order` -> (grads, activations, temporaries) under FSDP2, and
+    how many microbatches each finds in flight."""
+    moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
+    inner, batch = _block_moments(s, backward_moments(s)), batch_saved(s)
+    every = z.params   # every group's sharded grads, after the first backward
+    for action in order:
+        i = action.microbatch
+        saved = batch + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
+        extra = s.batch - saved + (n_fwd * s.loss_scalar if s.last else 0)
+        extra += s.loss_scalar if action.step is Step.BACKWARD and s.last else 0
+        if action.step is Step.FORWARD:
+            _, a, t = forward_moment(s, n_held, 0, saved, extra)
+            moments[f"forward_end[{i}]"] = (every if n_bwd else 0, a + z.root - z.root_unsaved, t + z.root_unsaved)
+            in_flight[f"forward_end[{i}]"] = n_held + 1
+            n_held, n_fwd = n_held + 1, n_fwd + 1
+            continue
+        moved = n_held * s.held_temps
+        for name, (block, (new_grads, a, temp)) in inner.items():
+            reduced, reduced_dense, acts, temps = _backward_state(s, z, name, block)
+            grads = every if n_bwd else reduced * z.block_shard
+            moments[f"{name}[{i}]"] = (grads, saved + (n_held - 1) * s.held + a - moved + acts,
+                                       extra + temp + moved + temps + new_grads - reduced_dense)
+            in_flight[f"{name}[{i}]"] = n_held
+        n_held, n_bwd = n_held - 1, n_bwd + 1
+    return moments, in_flight
+
+
+def fully_sharded_moments(s: StageSizes, order: list[Action], device: str) -> tuple[dict, dict, int, int]:
+    """The step's moments under FSDP2, the optimizer step's last (AdamW over this rank's shards),
+    how many microbatches each finds in flight, this rank's parameter shards and AdamW's states
+    (two per shard, and a float32 step counter per parameter on the CPU)."""
+    z = fsdp_sizes(s)
+    moments, in_flight = replay_fully_sharded(s, z, order)
+    moments["optimizer"] = optimizer_step(s, list(z.shards), grads=z.params)
+    states = 2 * z.params + (4 * len(z.shards) if device == "cpu" else 0)
+    return moments, in_flight, z.params, states
+
+
+def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> None:
+    """The --zero 3 layouts the model follows exactly; the others refused in one line: MoE (its
+    experts' moments), and fewer `tokens` per microbatch on a rank than hidden_size, where a
+    block's weight grads outweigh its activations and the peak moves to moments not modelled
+    (inside the attention's backward, a block's gather copied out in its pre-backward). (PP and
+    EP do not compose with --zero 3: check_layout refuses them.)"""
+    if c.use_moe:
+        raise NotImplementedError("predict_memory: --zero 3 (FSDP2) with --use_moe is not modelled")
+    if tokens < c.hidden_size:
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) is modelled at hidden_size tokens per "
+                                  f"microbatch on a rank or more; got seq_len / cp_size * micro_batch_size = "
+                                  f"{tokens} < hidden_size = {c.hidden_size}")

@@ -1,0 +1,53 @@
+"""--zero 3's facet of the memory model (FSDP2's `fully_shard`, zero/fully_shard.py): the sizes of
+its parameter groups, one per block and the root's (the embedding, the final norm, the head), as
+FSDP2 lays them out over the W = DP x CP ranks (torch/distributed/fsdp/_fully_shard:
+_fsdp_param.py, _fsdp_collectives.py).
+
+    shard       this rank's rows of a parameter: dim 0 padded to a multiple of W, 1/W of it (rank 0
+                holds ceil(d0 / W) rows, never padding); its grad and AdamW's two states alike
+    gathered    a group's all-gather output, its unsharded parameters (one padded storage each)
+                and its reduce-scatter input: the padded dim-0 of every parameter of the group
+    unsaved     the gathered bytes autograd never saves: the untied embedding (its backward needs
+                the ids only); every other unsharded parameter is saved by the op that reads it
+                and so is filed under activations from the first forward on
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .stage_sizes import StageSizes, numel
+
+
+@dataclass(frozen=True)
+class FsdpSizes:
+    """Bytes of FSDP2's groups on this rank (rank 0 of the DP x CP group)."""
+
+    block: int            # one block's gathered parameters (every block holds the same shapes)
+    block_shard: int      # its shard on this rank
+    root: int             # the root group's gathered parameters
+    root_shard: int
+    root_unsaved: int     # the gathered untied embedding
+    shards: tuple         # every parameter's shard, in the model's order (the order AdamW steps them)
+
+    @property
+    def params(self) -> int:
+        return sum(self.shards)
+
+
+def _rows(shape: tuple, world: int) -> int:
+    """Rows of dim 0 on rank 0 (ceil(d0 / W)) times the rest: one shard's elements."""
+    return -(-shape[0] // world) * numel(shape[1:])
+
+
+def fsdp_sizes(s: StageSizes) -> FsdpSizes:
+    """The groups of `s`'s parameters (pp = 1: the whole model) over W = dp * cp ranks."""
+    world, b = s.par.dp * s.par.cp, s.b
+    shards = {name: b * _rows(shape, world) for name, shape in s.shapes.items()}
+    top = next(name for name in shards if name.startswith("model.layers.")).split(".")[2]
+    block = [name for name in shards if name.startswith(f"model.layers.{top}.")]
+    root = [name for name in shards if not name.startswith("model.layers.")]
+    embed = "model.embed_tokens.weight"
+    return FsdpSizes(block=world * sum(shards[k] for k in block), block_shard=sum(shards[k] for k in block),
+                     root=world * sum(shards[k] for k in root), root_shard=sum(shards[k] for k in root),
+                     root_unsaved=world * shards[embed] if not s.tied_here else 0,
+                     shards=tuple(shards.values()))
