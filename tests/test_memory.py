@@ -294,8 +294,8 @@ def test_a_zero_bubble_w_step_frees_each_deferred_linears_output_grad_and_input(
     """ZB-H1's W-pending tensors, per unit until its W (docs/pipeline.md): every deferred linear's
     output grad dY -- q, o, down [N, H], k, v [N, kv d], gate, up [N, I] -- and saved input X --
     q/k/v's and gate/up's shared [N, H], o's [N, H], down's [N, I] -- per block. Measured on fake
-    tensors: the tracker's live bytes across each W of stage 0 (after the first W, which makes the
-    weights' grads)."""
+    tensors: the tracker's live bytes across each W of stage 0 (the first W also makes the weights'
+    grads)."""
     from minimind_parallel.pipeline_parallel import schedules
     trackers, freed = [], []
 
@@ -317,7 +317,10 @@ def test_a_zero_bubble_w_step_frees_each_deferred_linears_output_grad_and_input(
     h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * c.head_dim
     blocks = c.num_hidden_layers // 2
     d_y, x = blocks * b * n * (3 * h + 2 * kv + 2 * i), blocks * b * n * (3 * h + i)
+    weights = blocks * b * (2 * h * h + 2 * kv * h + 3 * i * h)   # q, o, k, v, gate, up, down
     assert len(freed) == 4
+    # the first W makes the deferred weights' grads, filed as grads when made (its post-accumulate-grad hooks)
+    assert freed[0] == dict(params=0, grads=-weights, optimizer=0, activations=x, temporaries=d_y), freed[0]
     for f in freed[1:]:
         assert f == dict(params=0, grads=0, optimizer=0, activations=x, temporaries=d_y), f
 
