@@ -268,6 +268,14 @@ POSTED_CASES = [   # (layers, layout, schedule, microbatches, dtype, tied)
     (4, dict(pp=2, virtual_stages=2, dp=2, recompute="selective"), "interleaved", 4, torch.float32, True),
     (8, dict(pp=4, virtual_stages=2, tp=2, sequence_parallel=True, vocab_parallel=True, recompute="full"),
      "interleaved", 4, torch.bfloat16, False),
+    # ZB-H1: B without the deferred weight grads, each unit's W-pending output grads and inputs to its W
+    (4, dict(pp=2), "zb", 4, torch.float32, False),
+    (4, dict(pp=2), "zb", 5, torch.bfloat16, True),
+    (8, dict(pp=2), "zb", 3, torch.bfloat16, False),
+    (4, dict(pp=4), "zb", 4, torch.float32, False),
+    (8, dict(pp=4), "zb", 6, torch.bfloat16, True),
+    (8, dict(pp=4, tp=2, vocab_parallel=True), "zb", 5, torch.bfloat16, True),
+    (4, dict(pp=2, dp=2, zero=1), "zb", 4, torch.bfloat16, False),
 ]
 
 
@@ -284,9 +292,16 @@ def test_posted_schedules_are_predicted_to_the_byte_on_every_stage(layers, flags
         _check_model(pred, estimate_step_memory(c, par, iters=1, stage=stage, **kw), f"stage {stage}")
 
 
-def test_the_zero_bubble_schedule_is_refused_until_its_w_pending_tensors_are_modelled():
-    with pytest.raises(NotImplementedError, match="the zb schedule is not modelled"):
-        predict_memory(PIPE, ParallelConfig(pp=2), seq_len=S, micro_batch_size=B, num_microbatches=4, schedule="zb")
+@pytest.mark.parametrize("flags,shown", [
+    (dict(tp=2, sequence_parallel=True), "--sequence_parallel"),
+    (dict(cp=2), "--cp_size > 1"),
+    (dict(recompute="selective"), "--recompute selective"),
+    (dict(loss_chunks=2), "--loss_chunks > 1"),
+])
+def test_the_zero_bubble_variants_not_modelled_are_refused_in_one_line(flags, shown):
+    with pytest.raises(NotImplementedError, match=f"zb schedule's memory is not modelled with {shown}"):
+        predict_memory(PIPE, ParallelConfig(pp=2, **flags), seq_len=S, micro_batch_size=B, num_microbatches=4,
+                       schedule="zb")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
