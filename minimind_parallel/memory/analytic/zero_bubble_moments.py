@@ -1,11 +1,13 @@
 """ZB-H1's B and W steps (Qi et al. 2023, "Zero Bubble Pipeline Parallelism";
-tensor_parallel/deferred_wgrad.py), for the plain layout: no TP, CP, recompute or chunked loss.
+tensor_parallel/deferred_wgrad.py), with TP, SP (basic and shared gather), VP, DP and --zero 1;
+not (yet) with the async linear, CP, recompute, the chunked loss or MoE (`unmodelled`).
 
 B is the 1F1B backward (backward_moments.py) without the deferred linears' weight grads, and
 each deferred linear keeps its output grad dY and saved input X from its backward until the
 unit's W (`pending`): per block q, o, down's dY [N, H], k, v's [N, kv d], gate, up's [N, I]
 (temporaries) and the inputs of q/k/v and of gate/up [N, H] each, o's [N, H], down's [N, I]
-(activations, as saved); the replicated lm_head's on the last stage, dY [N, V] and X [N, H].
+(activations, as saved; under basic SP each column linear its own gathered [N, H]); the
+lm_head's on the last stage, dY [N, V(/T)] and X [N, H]. Under TP the sizes are this rank's.
 W runs the unit's closures in the order B queued them (`closures`); each makes its weight's
 grad [out, in] (a .grad on the first W, added and freed on later ones) and frees its dY, and X
 once the last linear reading it is done.
@@ -18,13 +20,13 @@ from ...config import Recompute
 from .stage_sizes import StageSizes, top_block_acts
 
 
-def unmodelled(*, use_moe: bool = False, sequence_parallel: bool = False, async_communication: bool = False,
-               cp: int = 1, recompute: Recompute = Recompute.NONE, loss_chunks: int = 1) -> str | None:
+def unmodelled(*, use_moe: bool = False, async_communication: bool = False, cp: int = 1,
+               recompute: Recompute = Recompute.NONE, loss_chunks: int = 1) -> str | None:
     """Why zb's B and W steps of a layout are not modelled (one line), or None: what B defers and
-    keeps differs under SP's gathered inputs, CP's attention, recompute's fused Functions, the
-    chunked loss and the experts, and those are not replayed yet."""
-    gaps = [name for name, on in (("--use_moe", use_moe), ("--sequence_parallel", sequence_parallel),
-                                  ("--async_communication", async_communication), ("--cp_size > 1", cp > 1),
+    keeps differs under the async linear (W gathers its input again), CP's attention, recompute's
+    fused Functions, the chunked loss and the experts, and those are not replayed yet."""
+    gaps = [name for name, on in (("--use_moe", use_moe), ("--async_communication", async_communication),
+                                  ("--cp_size > 1", cp > 1),
                                   (f"--recompute {recompute}", recompute is not Recompute.NONE),
                                   ("--loss_chunks > 1", loss_chunks > 1)) if on]
     return f"the zb schedule's memory is not modelled with {', '.join(gaps)}" if gaps else None
@@ -39,12 +41,15 @@ class Closure:
 
 def _block(s: StageSizes) -> list[Closure]:
     """One block's closures, in B's order: down, up, gate (X: the post-attention norm's output,
-    freed with the second), o, v, k, q (X: the attention norm's output, freed with the third)."""
-    b, n, h, i = s.b, s.n, s.hid, s.inter
+    freed with the second), o, v, k, q (X: the attention norm's output, freed with the third; autograd runs the
+    later-made linear's backward first)."""
+    b, n, h, i, par = s.b, s.n, s.hid, s.inter, s.par
     qd, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    return [Closure(b * h * i, b * n * h, b * n * i), Closure(b * i * h, b * n * i, 0),
+    # basic SP gathers the input once per column linear: each keeps its own [N, H]
+    own = b * n * h if par.sequence_parallel and not par.shared_sp_gather else 0
+    return [Closure(b * h * i, b * n * h, b * n * i), Closure(b * i * h, b * n * i, own),
             Closure(b * i * h, b * n * i, b * n * h), Closure(b * h * qd, b * n * h, b * n * qd),
-            Closure(b * kv * h, b * n * kv, 0), Closure(b * kv * h, b * n * kv, 0),
+            Closure(b * kv * h, b * n * kv, own), Closure(b * kv * h, b * n * kv, own),
             Closure(b * qd * h, b * n * qd, b * n * h)]
 
 
@@ -97,6 +102,11 @@ def zb_backward_moments(s: StageSizes, inner: dict) -> dict:
     norm_grad = b * h if s.last else 0
     x_block, dy_block = block_pending(s)
     top = top_block_acts(s) + head_x
+    # under SP down_proj's output grad is gathered [N, H], apart from the residual stream's grad
+    down_dy = b * s.n * h if s.par.sequence_parallel else 0
+    # without SP the top block's down_proj dY is an earlier stage's received grad, which the 1F1B
+    # moments below the top block count as still bound by the schedule
+    received = b * nn_ * h if not s.last and not s.par.sequence_parallel else 0
     out = {}
     for name, (g, a, t) in inner.items():
         if name == "head_mm_backward":
@@ -106,20 +116,21 @@ def zb_backward_moments(s: StageSizes, inner: dict) -> dict:
         elif name.startswith("down_backward"):
             out[name] = (norm_grad, top, t - s.mlp_w_grad + head_dy)
         elif name.startswith("mlp_backward"):
-            out[name] = (norm_grad, top, 3 * s.mlp_out + b * nn_ * h + head_dy)
+            out[name] = (norm_grad, top, 3 * s.mlp_out + b * nn_ * h + down_dy + head_dy)
         elif name.startswith("post_norm_backward"):
             out[name] = (norm_grad + b * h, top - 3 * s.mlp_out - (f * nn_ * h + f * nn_),
-                         5 * f * nn_ * h + b * nn_ * h + 2 * s.mlp_out + head_dy)
+                         5 * f * nn_ * h + b * nn_ * h + 2 * s.mlp_out + down_dy + head_dy)
         elif name == "embedding_backward":
-            out[name] = (g - deferred_grads(s), a + s.layers * x_block + head_x, t + s.layers * dy_block + head_dy)
+            out[name] = (g - deferred_grads(s), a + s.layers * x_block + head_x,
+                         t + s.layers * dy_block + head_dy - received)
         else:
             out[name] = (g, a, t)
         if name.endswith("(first block)"):
             g2, a2, t2 = out[name]
             deeper = s.layers - 1
-            received = b * nn_ * h if not s.last else 0
+            bound = b * nn_ * h if not s.last and s.par.sequence_parallel else 0
             out[name] = (g2 + deeper * (s.block_params - sum(c.w for c in _block(s))),
-                         a2 - deeper * (s.block - x_block), t2 + deeper * dy_block + received)
+                         a2 - deeper * (s.block - x_block), t2 + deeper * dy_block + bound)
     return out
 
 
