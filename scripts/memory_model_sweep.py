@@ -60,8 +60,7 @@ def _chunked(rng: random.Random, c: MiniMindConfig, par: ParallelConfig, sizes: 
     """Interleaved: V = 2 or 4 chunks of one layer per stage, M a multiple of P (one stage: V = 1).
     zb: None where its variant is not modelled (predict_memory refuses it)."""
     if sizes["schedule"] == Schedule.ZERO_BUBBLE and par.pp > 1 and unmodelled(
-            use_moe=c.use_moe, async_communication=par.async_communication, cp=par.cp, recompute=par.recompute,
-            loss_chunks=par.loss_chunks):
+            use_moe=c.use_moe, cp=par.cp, recompute=par.recompute, loss_chunks=par.loss_chunks):
         return None
     if sizes["schedule"] != Schedule.INTERLEAVED or par.pp == 1:
         return c, replace(par, virtual_stages=1), sizes

@@ -279,6 +279,8 @@ POSTED_CASES = [   # (layers, layout, schedule, microbatches, dtype, tied)
     (4, dict(pp=2, tp=2, sequence_parallel=True), "zb", 4, torch.bfloat16, False),
     (8, dict(pp=4, tp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True), "zb", 5,
      torch.float32, True),
+    (8, dict(pp=4, tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True), "zb", 5,
+     torch.float32, True),
 ]
 
 
@@ -296,7 +298,6 @@ def test_posted_schedules_are_predicted_to_the_byte_on_every_stage(layers, flags
 
 
 @pytest.mark.parametrize("flags,shown", [
-    (dict(tp=2, sequence_parallel=True, async_communication=True), "--async_communication"),
     (dict(cp=2), "--cp_size > 1"),
     (dict(recompute="selective"), "--recompute selective"),
     (dict(loss_chunks=2), "--loss_chunks > 1"),

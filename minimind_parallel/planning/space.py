@@ -143,8 +143,8 @@ def _expert_parallel_mode(w: Workload, c: dict) -> str | None:
 
 def _modelled_schedules(w: Workload, c: dict) -> list[Schedule]:
     """MODELLED_SCHEDULES, without zb where predict_memory refuses its variant."""
-    gap = zero_bubble_unmodelled(use_moe=w.model.use_moe, async_communication=c.get("async_communication", False),
-                                 cp=c["cp"], recompute=c["recompute"], loss_chunks=c["loss_chunks"])
+    gap = zero_bubble_unmodelled(use_moe=w.model.use_moe, cp=c["cp"], recompute=c["recompute"],
+                                 loss_chunks=c["loss_chunks"])
     return [s for s in MODELLED_SCHEDULES if s is not Schedule.ZERO_BUBBLE or gap is None]
 
 

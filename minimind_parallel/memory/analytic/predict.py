@@ -68,8 +68,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if par.pp > 1 and schedule not in MODELLED_SCHEDULES:
         raise NotImplementedError(f"predict_memory: the {schedule} schedule is not modelled "
                                   f"({', '.join(map(str, MODELLED_SCHEDULES))} are)")
-    gap = unmodelled(use_moe=c.use_moe, async_communication=par.async_communication, cp=par.cp,
-                     recompute=par.recompute, loss_chunks=par.loss_chunks)
+    gap = unmodelled(use_moe=c.use_moe, cp=par.cp, recompute=par.recompute, loss_chunks=par.loss_chunks)
     if par.pp > 1 and Schedule(schedule) is Schedule.ZERO_BUBBLE and gap is not None:
         raise NotImplementedError(f"predict_memory: {gap} (yet)")
     if cp_rank is not None and not 0 <= cp_rank < par.cp:

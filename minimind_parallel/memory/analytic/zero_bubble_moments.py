@@ -1,6 +1,6 @@
 """ZB-H1's B and W steps (Qi et al. 2023, "Zero Bubble Pipeline Parallelism";
-tensor_parallel/deferred_wgrad.py), with TP, SP (basic and shared gather), VP, DP and --zero 1;
-not (yet) with the async linear, CP, recompute, the chunked loss or MoE (`unmodelled`).
+tensor_parallel/deferred_wgrad.py), with TP, SP (basic, shared gather, async), VP, DP and
+--zero 1; not (yet) with CP, recompute, the chunked loss or MoE (`unmodelled`).
 
 B is the 1F1B backward (backward_moments.py) without the deferred linears' weight grads, and
 each deferred linear keeps its output grad dY and saved input X from its backward until the
@@ -20,13 +20,12 @@ from ...config import Recompute
 from .stage_sizes import StageSizes, top_block_acts
 
 
-def unmodelled(*, use_moe: bool = False, async_communication: bool = False, cp: int = 1,
-               recompute: Recompute = Recompute.NONE, loss_chunks: int = 1) -> str | None:
+def unmodelled(*, use_moe: bool = False, cp: int = 1, recompute: Recompute = Recompute.NONE,
+               loss_chunks: int = 1) -> str | None:
     """Why zb's B and W steps of a layout are not modelled (one line), or None: what B defers and
-    keeps differs under the async linear (W gathers its input again), CP's attention, recompute's
-    fused Functions, the chunked loss and the experts, and those are not replayed yet."""
-    gaps = [name for name, on in (("--use_moe", use_moe), ("--async_communication", async_communication),
-                                  ("--cp_size > 1", cp > 1),
+    keeps differs under CP's attention, recompute's fused Functions, the chunked loss and the
+    experts, and those are not replayed yet."""
+    gaps = [name for name, on in (("--use_moe", use_moe), ("--cp_size > 1", cp > 1),
                                   (f"--recompute {recompute}", recompute is not Recompute.NONE),
                                   ("--loss_chunks > 1", loss_chunks > 1)) if on]
     return f"the zb schedule's memory is not modelled with {', '.join(gaps)}" if gaps else None
@@ -37,6 +36,7 @@ class Closure:
     w: int      # its weight's grad
     dy: int     # its output grad, freed when it finishes
     x: int      # the input it frees when it finishes (0: a later closure reads it too)
+    gather: int = 0   # the async linear: its saved shard gathered again [N, H] while its wgrad is made
 
 
 def _block(s: StageSizes) -> list[Closure]:
@@ -45,28 +45,34 @@ def _block(s: StageSizes) -> list[Closure]:
     later-made linear's backward first)."""
     b, n, h, i, par = s.b, s.n, s.hid, s.inter, s.par
     qd, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    # basic SP gathers the input once per column linear: each keeps its own [N, H]
-    own = b * n * h if par.sequence_parallel and not par.shared_sp_gather else 0
-    return [Closure(b * h * i, b * n * h, b * n * i), Closure(b * i * h, b * n * i, own),
-            Closure(b * i * h, b * n * i, b * n * h), Closure(b * h * qd, b * n * h, b * n * qd),
-            Closure(b * kv * h, b * n * kv, own), Closure(b * kv * h, b * n * kv, own),
-            Closure(b * qd * h, b * n * qd, b * n * h)]
+    # basic SP gathers the input once per column linear: each keeps its own [N, H]; the async
+    # linear keeps the local shard [N/T, H] (shared), gathered again in W
+    async_ = par.async_communication
+    own = b * n * h if par.sequence_parallel and not par.shared_sp_gather and not async_ else 0
+    col, g = (b * s.nn * h, b * n * h) if async_ else (b * n * h, 0)
+    return [Closure(b * h * i, b * n * h, b * n * i), Closure(b * i * h, b * n * i, own, g),
+            Closure(b * i * h, b * n * i, col, g), Closure(b * h * qd, b * n * h, b * n * qd),
+            Closure(b * kv * h, b * n * kv, own, g), Closure(b * kv * h, b * n * kv, own, g),
+            Closure(b * qd * h, b * n * qd, col, g)]
 
 
 def closures(s: StageSizes) -> list[Closure]:
     """One unit's W closures, in the order its B queued them: the head, then each block top-down;
     a later stage's received input goes with the last."""
     x_head, dy_head = head_pending(s)
-    head = [Closure(s.head_w_grad, dy_head, x_head)] if s.last else []
+    par = s.par
+    regather = s.b * s.n * s.hid if par.vocab_parallel and par.sequence_parallel and par.async_communication else 0
+    head = [Closure(s.head_w_grad, dy_head, x_head, regather)] if s.last else []
     block = _block(s)
     acts, temps = received_pending(s)
-    last = Closure(block[-1].w, block[-1].dy + temps, block[-1].x + acts)
+    last = Closure(block[-1].w, block[-1].dy + temps, block[-1].x + acts, block[-1].gather)
     return head + block * (s.layers - 1) + block[:-1] + [last]
 
 
 def head_pending(s: StageSizes) -> tuple[int, int]:
-    """(X, dY) the last stage's lm_head keeps from B to W: its input [N, H], the logits' grad [N, V]."""
-    return (s.b * s.n * s.hid, s.b * s.n * s.vocab) if s.last else (0, 0)
+    """(X, dY) the last stage's lm_head keeps from B to W: its saved input [N, H] (VP + SP + async:
+    the shard [N/T, H]), the logits' grad [N, V(/T)]."""
+    return (s.kinds["model.head_input"], s.b * s.n * s.vocab) if s.last else (0, 0)
 
 
 def received_pending(s: StageSizes) -> tuple[int, int]:
@@ -139,6 +145,6 @@ def weight_moments(s: StageSizes, first: bool) -> list[tuple[int, int, int]]:
     at each closure's weight grad made. `first`: the stage's first W, whose grads stay."""
     made, x_freed, dy_freed, out = 0, 0, 0, []
     for c in closures(s):
-        out.append((made if first else 0, x_freed, c.w - dy_freed))
+        out.append((made if first else 0, x_freed, c.w + c.gather - dy_freed))
         made, x_freed, dy_freed = made + c.w, x_freed + c.x, dy_freed + c.dy
     return out
