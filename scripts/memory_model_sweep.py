@@ -1,8 +1,8 @@
 """The analytic memory model against --estimate on random layouts: every byte, every stage.
 
 Each case draws a small model and a layout (TP 1/2/4, PP 1/2/4, DP 1/2, SP, async, shared gather,
-VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe, 1F1B or interleaved (2 or 4 chunks
-per stage, M a multiple of P), one stage; with --cp
+VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe, 1F1B, interleaved (2 or 4 chunks
+per stage, M a multiple of P) or ZB-H1 (where its variant is modelled), one stage; with --cp
 also CP 1/2/4 with every comm type and load balance on or off, --recompute none/selective/full and
 --loss_chunks 1/2/3/4/8; with --moe MiniMind's MoE model: 2/4/8 experts, top-1/2, widths
 16/64/256, the experts over 1 or 2 of the DP x CP ranks)
@@ -27,6 +27,7 @@ from minimind_parallel import MiniMindConfig, ParallelConfig
 from minimind_parallel.config import CPCommType, Recompute
 from minimind_parallel.memory import estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.predict import MODELLED_SCHEDULES
+from minimind_parallel.memory.analytic.zero_bubble_moments import unmodelled
 from minimind_parallel.pipeline_parallel import Schedule
 
 
@@ -57,7 +58,11 @@ def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = Fa
 
 
 def _chunked(rng: random.Random, c: MiniMindConfig, par: ParallelConfig, sizes: dict):
-    """Interleaved: V = 2 or 4 chunks of one layer per stage, M a multiple of P (one stage: V = 1)."""
+    """Interleaved: V = 2 or 4 chunks of one layer per stage, M a multiple of P (one stage: V = 1).
+    zb: None where its variant is not modelled (predict_memory refuses it)."""
+    if sizes["schedule"] == Schedule.ZERO_BUBBLE and par.pp > 1 and unmodelled(
+            use_moe=c.use_moe, cp=par.cp, recompute=par.recompute, loss_chunks=par.loss_chunks):
+        return None
     if sizes["schedule"] != Schedule.INTERLEAVED or par.pp == 1:
         return c, replace(par, virtual_stages=1), sizes
     v = rng.choice([2, 4])

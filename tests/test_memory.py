@@ -275,6 +275,19 @@ POSTED_CASES = [   # (layers, layout, schedule, microbatches, dtype, tied)
     (4, dict(pp=2, virtual_stages=2, dp=2, recompute="selective"), "interleaved", 4, torch.float32, True),
     (8, dict(pp=4, virtual_stages=2, tp=2, sequence_parallel=True, vocab_parallel=True, recompute="full"),
      "interleaved", 4, torch.bfloat16, False),
+    # ZB-H1: B without the deferred weight grads, each unit's W-pending output grads and inputs to its W
+    (4, dict(pp=2), "zb", 4, torch.float32, False),
+    (4, dict(pp=2), "zb", 5, torch.bfloat16, True),
+    (8, dict(pp=2), "zb", 3, torch.bfloat16, False),
+    (4, dict(pp=4), "zb", 4, torch.float32, False),
+    (8, dict(pp=4), "zb", 6, torch.bfloat16, True),
+    (8, dict(pp=4, tp=2, vocab_parallel=True), "zb", 5, torch.bfloat16, True),
+    (4, dict(pp=2, dp=2, zero=1), "zb", 4, torch.bfloat16, False),
+    (4, dict(pp=2, tp=2, sequence_parallel=True), "zb", 4, torch.bfloat16, False),
+    (8, dict(pp=4, tp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True), "zb", 5,
+     torch.float32, True),
+    (8, dict(pp=4, tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True), "zb", 5,
+     torch.float32, True),
 ]
 
 
@@ -291,9 +304,15 @@ def test_posted_schedules_are_predicted_to_the_byte_on_every_stage(layers, flags
         _check_model(pred, estimate_step_memory(c, par, iters=1, stage=stage, **kw), f"stage {stage}")
 
 
-def test_the_zero_bubble_schedule_is_refused_until_its_w_pending_tensors_are_modelled():
-    with pytest.raises(NotImplementedError, match="the zb schedule is not modelled"):
-        predict_memory(PIPE, ParallelConfig(pp=2), seq_len=S, micro_batch_size=B, num_microbatches=4, schedule="zb")
+@pytest.mark.parametrize("flags,shown", [
+    (dict(cp=2), "--cp_size > 1"),
+    (dict(recompute="selective"), "--recompute selective"),
+    (dict(loss_chunks=2), "--loss_chunks > 1"),
+])
+def test_the_zero_bubble_variants_not_modelled_are_refused_in_one_line(flags, shown):
+    with pytest.raises(NotImplementedError, match=f"zb schedule's memory is not modelled with {shown}"):
+        predict_memory(PIPE, ParallelConfig(pp=2, **flags), seq_len=S, micro_batch_size=B, num_microbatches=4,
+                       schedule="zb")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -301,8 +320,8 @@ def test_a_zero_bubble_w_step_frees_each_deferred_linears_output_grad_and_input(
     """ZB-H1's W-pending tensors, per unit until its W (docs/pipeline.md): every deferred linear's
     output grad dY -- q, o, down [N, H], k, v [N, kv d], gate, up [N, I] -- and saved input X --
     q/k/v's and gate/up's shared [N, H], o's [N, H], down's [N, I] -- per block. Measured on fake
-    tensors: the tracker's live bytes across each W of stage 0 (after the first W, which makes the
-    weights' grads)."""
+    tensors: the tracker's live bytes across each W of stage 0 (the first W also makes the weights'
+    grads)."""
     from minimind_parallel.pipeline_parallel import schedules
     trackers, freed = [], []
 
@@ -324,7 +343,10 @@ def test_a_zero_bubble_w_step_frees_each_deferred_linears_output_grad_and_input(
     h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * c.head_dim
     blocks = c.num_hidden_layers // 2
     d_y, x = blocks * b * n * (3 * h + 2 * kv + 2 * i), blocks * b * n * (3 * h + i)
+    weights = blocks * b * (2 * h * h + 2 * kv * h + 3 * i * h)   # q, o, k, v, gate, up, down
     assert len(freed) == 4
+    # the first W makes the deferred weights' grads, filed as grads when made (its post-accumulate-grad hooks)
+    assert freed[0] == dict(params=0, grads=-weights, optimizer=0, activations=x, temporaries=d_y), freed[0]
     for f in freed[1:]:
         assert f == dict(params=0, grads=0, optimizer=0, activations=x, temporaries=d_y), f
 

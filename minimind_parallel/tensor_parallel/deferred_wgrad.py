@@ -62,12 +62,16 @@ def defers(store: WeightGradStore | None) -> bool:
 
 
 def accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """param.grad += grad, as autograd's AccumulateGrad (the first grad becomes .grad)."""
+    """param.grad += grad, as autograd's AccumulateGrad (the first grad becomes .grad), which then
+    runs the parameter's post-accumulate-grad hooks (a memory meter files the new .grad as a grad
+    there; --zero 2 counts the parameter's bucket ready)."""
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
     else:
         param.grad.add_(grad)
+    for hook in (param._post_accumulate_grad_hooks or {}).values():
+        hook(param)
 
 
 def wgrad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

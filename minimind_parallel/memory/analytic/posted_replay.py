@@ -7,8 +7,9 @@ virtual stage c P + p as a stage of a P V-stage pipeline: its blocks, the receiv
 embedding on virtual stage 0, the head and loss on the last), and a chunk's grads exist from
 its first backward on. And what a posted send sent is alive until its release point
 (pipeline_parallel.releases): a sent output whole, [S(/T), B, H], instead of its one-element
-stand-in, an input grad of that shape. (zb's W steps are not replayed: from its B to its W a
-unit keeps every deferred linear's output grad and saved input, docs/pipeline.md.)
+stand-in, an input grad of that shape. Under zb (zero_bubble_moments.py) B leaves out the
+deferred weight grads, a unit keeps its linears' output grads and inputs from its B to its W,
+and the deferred grads exist from the stage's first W on.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .schedule_replay import batch_saved, forward_moment
 from .stage_sizes import StageSizes
+from .zero_bubble_moments import deferred_grads, pending, weight_moments, zb_backward_moments
 
 
 def _sent(s: StageSizes, action: Action) -> int:
@@ -29,7 +31,7 @@ def _sent(s: StageSizes, action: Action) -> int:
 
 def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
                   releases: dict[int, int]) -> tuple[dict, dict]:
-    """Every moment of the stage's posted `order` (chunks, no W steps) -> (grads, activations,
+    """Every moment of the stage's posted `order` (chunks or W steps) -> (grads, activations,
     temporaries), and how many units each finds held. `s`: the stage's sizes (batch, loss
     scalars), `chunks[c]` those of its chunk c, `releases` the send release points."""
     moments, in_flight = {}, {}
@@ -38,12 +40,19 @@ def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
     sending: dict = {}              # index of a sending action -> bytes alive until its release
     n_fwd_last = 0
     targets = batch_saved(replace(s, first=False))   # the last stage's share of batch_saved
+    zb = any(a.step is Step.WEIGHT for a in order)
     inner = [backward_moments(cs) for cs in chunks]
+    if zb:
+        inner = [zb_backward_moments(cs, moments_c) for cs, moments_c in zip(chunks, inner)]
+    waiting: dict = {}              # unit -> (X, dY) from its B to its W
+    weighted = False                # a W has run: the deferred grads exist
     for k, action in enumerate(order):
         i, c = action.unit
         cs = chunks[c]
         sending = {j: v for j, v in sending.items() if releases[j] > k}   # released after this receive
-        grads = sum(chunks[x].param_bytes for x in backwarded)
+        # zb: the deferred weight grads from the stage's first W on
+        grads = sum(chunks[x].param_bytes - (deferred_grads(chunks[x]) if zb and not weighted else 0)
+                    for x in backwarded)
         # the last chunk's targets are saved from its first forward on (the ids from the first's)
         loss_seen = n_fwd_last > 0 or (action.step is Step.FORWARD and cs.last)
         saved = batch_saved(s) - (0 if loss_seen else targets)
@@ -53,6 +62,16 @@ def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
         held.pop(action.unit, None)       # a backward's own unit: in its moments' own terms
         others_acts = sum(u.held - u.held_temps for u in held.values())
         others_temps = sum(u.held_temps for u in held.values())
+        x_u, dy_u = waiting.pop(action.unit, (0, 0)) if action.step is Step.WEIGHT else (0, 0)
+        others_acts += sum(x for x, _ in waiting.values())
+        others_temps += sum(dy for _, dy in waiting.values())
+        if action.step is Step.WEIGHT:
+            for j, (made, x_freed, temp) in enumerate(weight_moments(cs, first=not weighted)):
+                moments[f"weight[{i}.{c}]#{j}"] = (grads + made, saved + others_acts + x_u - x_freed,
+                                                   extra + others_temps + dy_u + temp)
+                in_flight[f"weight[{i}.{c}]#{j}"] = len(held)
+            weighted = True
+            continue
         if action.step is Step.FORWARD:
             g, a, t = forward_moment(cs, 0, grads, saved, extra)
             moments[f"forward_end[{i}.{c}]"] = (g, a + others_acts, t + others_temps)
@@ -69,6 +88,8 @@ def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
                                            extra + temp + others_temps + cs.held_temps)
             in_flight[f"{name}[{i}.{c}]"] = len(held) + 1
         backwarded.add(c)
+        if zb:
+            waiting[action.unit] = pending(cs)
         if releases.get(k) is not None:
             sending[k] = _sent(cs, action)
     return moments, in_flight

@@ -1,0 +1,150 @@
+"""ZB-H1's B and W steps (Qi et al. 2023, "Zero Bubble Pipeline Parallelism";
+tensor_parallel/deferred_wgrad.py), with TP, SP (basic, shared gather, async), VP, DP and
+--zero 1; not (yet) with CP, recompute, the chunked loss or MoE (`unmodelled`).
+
+B is the 1F1B backward (backward_moments.py) without the deferred linears' weight grads, and
+each deferred linear keeps its output grad dY and saved input X from its backward until the
+unit's W (`pending`): per block q, o, down's dY [N, H], k, v's [N, kv d], gate, up's [N, I]
+(temporaries) and the inputs of q/k/v and of gate/up [N, H] each, o's [N, H], down's [N, I]
+(activations, as saved; under basic SP each column linear its own gathered [N, H]); the
+lm_head's on the last stage, dY [N, V(/T)] and X [N, H]. Under TP the sizes are this rank's.
+W runs the unit's closures in the order B queued them (`closures`); each makes its weight's
+grad [out, in] (a .grad on the first W, added and freed on later ones) and frees its dY, and X
+once the last linear reading it is done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...config import Recompute
+from .stage_sizes import StageSizes, top_block_acts
+
+
+def unmodelled(*, use_moe: bool = False, cp: int = 1, recompute: Recompute = Recompute.NONE,
+               loss_chunks: int = 1) -> str | None:
+    """Why zb's B and W steps of a layout are not modelled (one line), or None: what B defers and
+    keeps differs under CP's attention, recompute's fused Functions, the chunked loss and the
+    experts, and those are not replayed yet."""
+    gaps = [name for name, on in (("--use_moe", use_moe), ("--cp_size > 1", cp > 1),
+                                  (f"--recompute {recompute}", recompute is not Recompute.NONE),
+                                  ("--loss_chunks > 1", loss_chunks > 1)) if on]
+    return f"the zb schedule's memory is not modelled with {', '.join(gaps)}" if gaps else None
+
+
+@dataclass(frozen=True)
+class Closure:
+    w: int      # its weight's grad
+    dy: int     # its output grad, freed when it finishes
+    x: int      # the input it frees when it finishes (0: a later closure reads it too)
+    gather: int = 0   # the async linear: its saved shard gathered again [N, H] while its wgrad is made
+
+
+def _block(s: StageSizes) -> list[Closure]:
+    """One block's closures, in B's order: down, up, gate (X: the post-attention norm's output,
+    freed with the second), o, v, k, q (X: the attention norm's output, freed with the third; autograd runs the
+    later-made linear's backward first)."""
+    b, n, h, i, par = s.b, s.n, s.hid, s.inter, s.par
+    qd, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    # basic SP gathers the input once per column linear: each keeps its own [N, H]; the async
+    # linear keeps the local shard [N/T, H] (shared), gathered again in W
+    async_ = par.async_communication
+    own = b * n * h if par.sequence_parallel and not par.shared_sp_gather and not async_ else 0
+    col, g = (b * s.nn * h, b * n * h) if async_ else (b * n * h, 0)
+    return [Closure(b * h * i, b * n * h, b * n * i), Closure(b * i * h, b * n * i, own, g),
+            Closure(b * i * h, b * n * i, col, g), Closure(b * h * qd, b * n * h, b * n * qd),
+            Closure(b * kv * h, b * n * kv, own, g), Closure(b * kv * h, b * n * kv, own, g),
+            Closure(b * qd * h, b * n * qd, col, g)]
+
+
+def closures(s: StageSizes) -> list[Closure]:
+    """One unit's W closures, in the order its B queued them: the head, then each block top-down;
+    a later stage's received input goes with the last."""
+    x_head, dy_head = head_pending(s)
+    par = s.par
+    regather = s.b * s.n * s.hid if par.vocab_parallel and par.sequence_parallel and par.async_communication else 0
+    head = [Closure(s.head_w_grad, dy_head, x_head, regather)] if s.last else []
+    block = _block(s)
+    acts, temps = received_pending(s)
+    last = Closure(block[-1].w, block[-1].dy + temps, block[-1].x + acts, block[-1].gather)
+    return head + block * (s.layers - 1) + block[:-1] + [last]
+
+
+def head_pending(s: StageSizes) -> tuple[int, int]:
+    """(X, dY) the last stage's lm_head keeps from B to W: its saved input [N, H] (VP + SP + async:
+    the shard [N/T, H]), the logits' grad [N, V(/T)]."""
+    return (s.kinds["model.head_input"], s.b * s.n * s.vocab) if s.last else (0, 0)
+
+
+def received_pending(s: StageSizes) -> tuple[int, int]:
+    """(activations, temporaries): a later stage's received input [N, H], alive until the W (the
+    first norm's saved input in fp32; in half precision it saves an fp32 copy)."""
+    if s.first:
+        return 0, 0
+    one = s.b * s.nn * s.hid
+    return (one, 0) if s.b == s.f else (0, one)
+
+
+def block_pending(s: StageSizes) -> tuple[int, int]:
+    """(X, dY) one block keeps from its B to its W."""
+    block = _block(s)
+    return sum(c.x for c in block), sum(c.dy for c in block)
+
+
+def pending(s: StageSizes) -> tuple[int, int]:
+    """(X, dY) one unit keeps from its B to its W: activations, temporaries."""
+    return sum(c.x for c in closures(s)), sum(c.dy for c in closures(s))
+
+
+def deferred_grads(s: StageSizes) -> int:
+    """The weight grads W makes (none before the stage's first W)."""
+    return sum(c.w for c in closures(s))
+
+
+def zb_backward_moments(s: StageSizes, inner: dict) -> dict:
+    """B's moments, from the 1F1B backward's (`inner`, backward_moments): (grads it adds,
+    activations, temporaries)."""
+    b, f, nn_, h = s.b, s.f, s.nn, s.hid
+    head_x, head_dy = head_pending(s)
+    norm_grad = b * h if s.last else 0
+    x_block, dy_block = block_pending(s)
+    top = top_block_acts(s) + head_x
+    # under SP down_proj's output grad is gathered [N, H], apart from the residual stream's grad
+    down_dy = b * s.n * h if s.par.sequence_parallel else 0
+    # without SP the top block's down_proj dY is an earlier stage's received grad, which the 1F1B
+    # moments below the top block count as still bound by the schedule
+    received = b * nn_ * h if not s.last and not s.par.sequence_parallel else 0
+    out = {}
+    for name, (g, a, t) in inner.items():
+        if name == "head_mm_backward":
+            out[name] = (g, a, t - s.head_w_grad)
+        elif name == "final_norm_backward":
+            out[name] = (norm_grad, a + head_x, t + head_dy)
+        elif name.startswith("down_backward"):
+            out[name] = (norm_grad, top, t - s.mlp_w_grad + head_dy)
+        elif name.startswith("mlp_backward"):
+            out[name] = (norm_grad, top, 3 * s.mlp_out + b * nn_ * h + down_dy + head_dy)
+        elif name.startswith("post_norm_backward"):
+            out[name] = (norm_grad + b * h, top - 3 * s.mlp_out - (f * nn_ * h + f * nn_),
+                         5 * f * nn_ * h + b * nn_ * h + 2 * s.mlp_out + down_dy + head_dy)
+        elif name == "embedding_backward":
+            out[name] = (g - deferred_grads(s), a + s.layers * x_block + head_x,
+                         t + s.layers * dy_block + head_dy - received)
+        else:
+            out[name] = (g, a, t)
+        if name.endswith("(first block)"):
+            g2, a2, t2 = out[name]
+            deeper = s.layers - 1
+            bound = b * nn_ * h if not s.last and s.par.sequence_parallel else 0
+            out[name] = (g2 + deeper * (s.block_params - sum(c.w for c in _block(s))),
+                         a2 - deeper * (s.block - x_block), t2 + deeper * dy_block + bound)
+    return out
+
+
+def weight_moments(s: StageSizes, first: bool) -> list[tuple[int, int, int]]:
+    """W's moments, each (grads made so far, X freed so far, temporaries net of the dY freed):
+    at each closure's weight grad made. `first`: the stage's first W, whose grads stay."""
+    made, x_freed, dy_freed, out = 0, 0, 0, []
+    for c in closures(s):
+        out.append((made if first else 0, x_freed, c.w + c.gather - dy_freed))
+        made, x_freed, dy_freed = made + c.w, x_freed + c.x, dy_freed + c.dy
+    return out
