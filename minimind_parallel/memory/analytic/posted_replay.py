@@ -29,6 +29,19 @@ def _sent(s: StageSizes, action: Action) -> int:
     return boundary - s.b if action.step is Step.FORWARD else boundary
 
 
+class _Sums:
+    """Two running sums of integers (bytes), added to and taken from as units come and go."""
+
+    def __init__(self):
+        self.first = self.second = 0
+
+    def add(self, first: int, second: int) -> None:
+        self.first, self.second = self.first + first, self.second + second
+
+    def drop(self, first: int, second: int) -> None:
+        self.first, self.second = self.first - first, self.second - second
+
+
 def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
                   releases: dict[int, int]) -> tuple[dict, dict]:
     """Every moment of the stage's posted `order` (chunks or W steps) -> (grads, activations,
@@ -46,25 +59,28 @@ def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
         inner = [zb_backward_moments(cs, moments_c) for cs, moments_c in zip(chunks, inner)]
     waiting: dict = {}              # unit -> (X, dY) from its B to its W
     weighted = False                # a W has run: the deferred grads exist
+    deferred = [deferred_grads(cs) if zb else 0 for cs in chunks]
+    held_sums = _Sums()             # the held units' (activations, temporaries), kept as they come and go
+    waiting_sums = _Sums()          # the waiting units' (X, dY)
     for k, action in enumerate(order):
         i, c = action.unit
         cs = chunks[c]
         sending = {j: v for j, v in sending.items() if releases[j] > k}   # released after this receive
         # zb: the deferred weight grads from the stage's first W on
-        grads = sum(chunks[x].param_bytes - (deferred_grads(chunks[x]) if zb and not weighted else 0)
-                    for x in backwarded)
+        grads = sum(chunks[x].param_bytes - (0 if weighted else deferred[x]) for x in backwarded)
         # the last chunk's targets are saved from its first forward on (the ids from the first's)
         loss_seen = n_fwd_last > 0 or (action.step is Step.FORWARD and cs.last)
         saved = batch_saved(s) - (0 if loss_seen else targets)
         saved += 4 * s.mb if s.last and s.weight == 0 and n_fwd_last else 0
         extra = s.batch - saved + s.ddp_buckets + (n_fwd_last * s.loss_scalar if s.last else 0)
         extra += sum(sending.values())
-        held.pop(action.unit, None)       # a backward's own unit: in its moments' own terms
-        others_acts = sum(u.held - u.held_temps for u in held.values())
-        others_temps = sum(u.held_temps for u in held.values())
+        if action.unit in held:           # a backward's own unit: in its moments' own terms
+            u = held.pop(action.unit)
+            held_sums.drop(u.held - u.held_temps, u.held_temps)
         x_u, dy_u = waiting.pop(action.unit, (0, 0)) if action.step is Step.WEIGHT else (0, 0)
-        others_acts += sum(x for x, _ in waiting.values())
-        others_temps += sum(dy for _, dy in waiting.values())
+        waiting_sums.drop(x_u, dy_u)
+        others_acts = held_sums.first + waiting_sums.first
+        others_temps = held_sums.second + waiting_sums.second
         if action.step is Step.WEIGHT:
             for j, (made, x_freed, temp) in enumerate(weight_moments(cs, first=not weighted)):
                 moments[f"weight[{i}.{c}]#{j}"] = (grads + made, saved + others_acts + x_u - x_freed,
@@ -77,6 +93,7 @@ def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
             moments[f"forward_end[{i}.{c}]"] = (g, a + others_acts, t + others_temps)
             in_flight[f"forward_end[{i}.{c}]"] = len(held) + 1
             held[action.unit] = cs
+            held_sums.add(cs.held - cs.held_temps, cs.held_temps)
             n_fwd_last += cs.last
             if releases.get(k) is not None:
                 sending[k] = _sent(cs, action)
@@ -90,6 +107,7 @@ def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
         backwarded.add(c)
         if zb:
             waiting[action.unit] = pending(cs)
+            waiting_sums.add(*waiting[action.unit])
         if releases.get(k) is not None:
             sending[k] = _sent(cs, action)
     return moments, in_flight

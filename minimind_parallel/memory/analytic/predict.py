@@ -117,6 +117,14 @@ def stage_order(pp: int, stage: int, num_microbatches: int, schedule: Schedule, 
     return tuple(schedule_order(pp, stage, num_microbatches, schedule, virtual_stages))
 
 
+@functools.lru_cache(maxsize=256)
+def stage_releases(pp: int, num_microbatches: int, schedule: Schedule, virtual_stages: int) -> tuple:
+    """Every stage's release points of its posted sends (pipeline_parallel.releases), remembered: they
+    depend on the orders alone, which the planner's layouts share."""
+    orders = [stage_order(pp, p, num_microbatches, schedule, virtual_stages) for p in range(pp)]
+    return tuple(release_points(orders, pp, virtual_stages))
+
+
 def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int, ep_rank: int, *, dtype,
             seq_len: int, micro_batch_size: int) -> dict:
     """The stage's MoE layers on EP rank `ep_rank` under `routing` (StageSizes.routed and
@@ -152,10 +160,9 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         if c.use_moe:
             raise NotImplementedError(f"predict_memory: the MoE model under the {schedule} schedule is not modelled "
                                       f"(its chunks' aux losses); gpipe and 1f1b are")
-        orders = [stage_order(par.pp, p, num_microbatches, schedule, par.virtual_stages) for p in range(par.pp)]
         chunks = chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
                              num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
-        releases = release_points(orders, par.pp, par.virtual_stages)[stage]
+        releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
         moments, in_flight = replay_posted(s, chunks, order, releases)
     else:
         moments, in_flight = replay_schedule(s, order)
