@@ -186,13 +186,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     for name in ("optimizer", "partial_grad_sum"):
         if name in moments:
             moments[name] = moments[name][:2] + (moments[name][2] + state + report,)
-    totals = {k: params + states + sum(v) for k, v in moments.items()}
-    peak_at = max(totals, key=totals.get)
-    grads, act, temp = moments[peak_at]
-    breakdown = dict(zip(CATEGORIES, (params, grads, states, act, temp)))
-    return MemoryPrediction(peak_bytes=sum(breakdown.values()), breakdown=breakdown, activations_by_kind=s.kinds,
-                            num_layers=s.layers, peak_at=peak_at, candidates=totals, held_per_microbatch=s.held,
-                            held_at_peak=in_flight.get(peak_at, 0))
+    return _peak(s, moments, in_flight, params, states)
 
 
 def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str) -> MemoryPrediction:
@@ -203,8 +197,7 @@ def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, devic
 
 
 def _peak(s: StageSizes, moments: dict, in_flight: dict, params: int, states: int) -> MemoryPrediction:
-    """The largest moment, its breakdown by category (params and states alive at every moment; the
-    dense path above does the same inline)."""
+    """The largest moment, its breakdown by category (params and states alive at every moment)."""
     totals = {k: params + states + sum(v) for k, v in moments.items()}
     peak_at = max(totals, key=totals.get)
     grads, act, temp = moments[peak_at]
