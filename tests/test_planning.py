@@ -460,6 +460,7 @@ def test_on_a_cpu_every_collective_is_exposed_and_full_recompute_reruns_the_forw
     layers = TINY.num_hidden_layers
     ring = Candidate(cp=2, dp=2, micro_batch_size=2, cp_comm_type=CPCommType.RING)
     fwd, bwd = context_collectives(TINY, ring, WORK)
+    assert (len(fwd), len(bwd)) == (1, 3)                    # K/V forward; K/V and twice dK/dV backward
     gpu_t, cpu_t = (step_time(ring, WORK, hw, stage_params=1000) for hw in (SLOW, cpu))
     assert cpu_t.cp_exposed == pytest.approx(layers * (seconds(fwd, LINK) + seconds(bwd, LINK)))
     assert gpu_t.cp_exposed < cpu_t.cp_exposed
@@ -494,6 +495,9 @@ def test_the_calibration_measures_at_the_workloads_shapes_and_old_files_still_lo
     rates = compute_rates("cpu", torch.float32, Shapes(model=TINY, seq=32))
     assert set(rates) == {"gemm_flops", "attention_flops", "blockwise_attention_flops", "memory_bandwidth",
                           "op_overhead_s"} and all(0 < v < math.inf for v in rates.values())
+    measured = replace(SLOW, overlaps_communication=False, blockwise_attention_flops=1e9)
+    save_calibration(measured, str(tmp_path / "new.json"))
+    assert load_calibration(str(tmp_path / "new.json")) == measured
     old = {k: v for k, v in SLOW.to_json().items() if k not in ("overlaps_communication", "blockwise_attention_flops")}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))

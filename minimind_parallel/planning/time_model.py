@@ -11,8 +11,9 @@
                  --shared_sp_gather), forward and backward; --async_communication overlaps the
                  backward's with the weight-grad GEMM (and re-gathers the input under SP)
     context      all_gather: K/V gathered forward, their grads reduce-scattered backward; a2a: four
-                 all-to-alls each way; ring: cp - 1 K/V block passes each way, each overlapped
-                 with one block of attention
+                 all-to-alls each way; ring: cp - 1 K/V block passes forward, cp - 1 and cp dK/dV
+                 passes backward, each overlapped with one block of attention (on a GPU); the
+                 attention itself blockwise (matmuls and an explicit softmax per chunk pair)
     pipeline     M microbatches and the bubble of the schedule: (P - 1) x the slowest stage's microbatch
                  (GPipe and 1F1B); divided by V with V model chunks per stage (interleaved, Narayanan et
                  al. 2021), whose boundaries each send the activation V times; (P - 1) x its forward
@@ -273,7 +274,9 @@ def context_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[l
         each = [Collective(Op.ALL_TO_ALL, q, k.cp), Collective(Op.ALL_TO_ALL, kv / 2, k.cp),
                 Collective(Op.ALL_TO_ALL, kv / 2, k.cp), Collective(Op.ALL_TO_ALL, q, k.cp)]
         return each, each
-    return [Collective(Op.P2P, kv, 2)] * (k.cp - 1), [Collective(Op.P2P, 2 * kv, 2)] * (k.cp - 1)
+    # ring (context_parallel/ring.py): forward C - 1 K/V passes; backward C - 1 K/V passes and C passes
+    # of the dK/dV accumulators (home after C steps), each the K/V's size
+    return [Collective(Op.P2P, kv, 2)] * (k.cp - 1), [Collective(Op.P2P, kv, 2)] * (2 * k.cp - 1)
 
 
 def expert_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[list, list]:
