@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from ..config import DTYPES, MiniMindConfig
 from .hardware import CPU_DEFAULT, Hardware, Link
 from .op_count import OpCount
-from .time_model import (OPS_PER_BLOCK, OPS_PER_CHUNK_PAIR, blockwise_attention_flops, causal_attention_flops,
-                         chunk_pairs)
+from .time_model import OPS_PER_BLOCK, blockwise_attention_flops, causal_attention_flops
 
 SMALL, LARGE = 1, 4 * 2**20      # all-reduce elements (float32): the latency's, the bandwidth's
 
@@ -68,7 +67,7 @@ def compute_rates(device: str, dtype: torch.dtype, shapes: Shapes = Shapes()) ->
     op_s = op_overhead(device, dtype)
     return dict(gemm_flops=3 * 2 * s * c.hidden_size * c.intermediate_size / gemm_s,   # forward, dgrad, wgrad
                 attention_flops=fused_attention_rate(c, s, device, dtype),
-                blockwise_attention_flops=blockwise_attention_rate(c, s, device, dtype, op_s),
+                blockwise_attention_flops=blockwise_attention_rate(c, s, device, dtype),
                 memory_bandwidth=elementwise_rate(c, s, device, dtype), op_overhead_s=op_s)
 
 
@@ -85,20 +84,23 @@ def fused_attention_rate(c: MiniMindConfig, s: int, device: str, dtype: torch.dt
     return 3 * causal_attention_flops(1, s, c.num_attention_heads * c.head_dim) / t
 
 
-def blockwise_attention_rate(c: MiniMindConfig, s: int, device: str, dtype: torch.dtype, op_s: float) -> float:
+def blockwise_attention_rate(c: MiniMindConfig, s: int, device: str, dtype: torch.dtype) -> float:
     """Context parallelism's blockwise attention (context_parallel/blockwise.py: matmuls and an explicit
     softmax per chunk pair, merged by log-sum-exp) forward and backward, as CP rank 0 of 2 under the
     load-balanced split runs it: its chunks 0 and 3 over all four; 3 x the forward FLOPs of its
-    visible chunk pairs (time_model.blockwise_attention_flops) per second, once their dispatched ops
-    (OPS_PER_CHUNK_PAIR each, at `op_s`, which the time model counts on their own) are taken out."""
+    visible chunk pairs (time_model.blockwise_attention_flops) per second, from the time it adds
+    between 1 and 4 rows (so without its per-op cost, which the time model counts on its own)."""
     from ..context_parallel.blockwise import ChunkedAttention
     kv, rep, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
-    q = torch.randn(1, kv, rep, s // 2, d, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(1, kv, 1, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-    t = _timed(lambda: _backward(ChunkedAttention.apply(q, k, v, (0, 3), (0, 1, 2, 3))), reps=3, device=device)
-    pairs, _ = chunk_pairs(2, True)
-    work = max(t - pairs * OPS_PER_CHUNK_PAIR * op_s, t / 10)     # never below a tenth of what was measured
-    return 3 * blockwise_attention_flops(1, s, c.num_attention_heads * c.head_dim, cp=2, load_balance=True) / work
+
+    def seconds(rows: int) -> float:
+        q = torch.randn(rows, kv, rep, s // 2, d, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(rows, kv, 1, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        return _timed(lambda: _backward(ChunkedAttention.apply(q, k, v, (0, 3), (0, 1, 2, 3))), reps=3, device=device)
+
+    one, four = seconds(1), seconds(4)
+    flops = 3 * blockwise_attention_flops(3, s, c.num_attention_heads * c.head_dim, cp=2, load_balance=True)
+    return flops / max(four - one, one / 10)     # a loaded machine's noise: never faster than 10 x one row's
 
 
 def elementwise_rate(c: MiniMindConfig, s: int, device: str, dtype: torch.dtype) -> float:

@@ -1,11 +1,13 @@
 """`step_time`: the predicted time of one optimizer step of a layout, from a few stated rates
 (`Hardware`). Every piece is one line of arithmetic (docs/planning.md states them):
 
-    compute      GEMM FLOPs / gemm_flops + causal attention FLOPs / attention_flops + elementwise
-                 bytes / memory_bandwidth, and the dispatched ops x op_overhead_s: on a GPU the
-                 host runs ahead of the kernels (the longer of the two), on a CPU they add up;
-                 per microbatch per stage;
-                 backward = 2 x forward; --recompute full re-runs every block's forward
+    compute      GEMM FLOPs / gemm_flops + causal attention FLOPs / attention_flops (with CP:
+                 the busiest rank's chunk pairs, blockwise, / its own rate) + the block's counted
+                 memory-bound bytes (BLOCK_TRAFFIC) / memory_bandwidth, and the dispatched ops x
+                 op_overhead_s: on a GPU the host runs ahead of the kernels (the longer of the
+                 two), on a CPU they add up; per microbatch per stage; GEMMs and attention
+                 backward = 2 x forward; --recompute full re-runs every block's forward (and its
+                 TP / CP collectives), selective its norms' and SwiGLU's traffic
     tensor       per block: the row-parallel outputs' all-reduce (reduce-scatter under SP) and the
                  column-parallel inputs' copy / all-gather (one per linear, one per region with
                  --shared_sp_gather), forward and backward; --async_communication overlaps the
@@ -29,7 +31,11 @@
                  dp x cp / ep): under DDP (pp = 1) overlapped with the backward, under a pipeline
                  after it; --zero 1 (the distributed optimizer) instead reduce-scatters each bucket
                  after the last microbatch and all-gathers it after the step, both exposed;
-                 --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1)
+                 --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1);
+                 --zero 3 (FSDP2) gathers every block's parameters for its forward and its
+                 backward and reduce-scatters its grads, per microbatch
+    overlaps     only where `Hardware.overlaps_communication` (a GPU's streams); on a CPU gloo runs
+                 on the rank's own cores and every collective adds to the step
     optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
                  one tensor per bucket)
 
