@@ -22,6 +22,24 @@ VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "expand", "slice", 
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 
 
+# each category's table of op counts
+TABLES = dict(collective="collectives", gemm="gemm_ops", attention="attention_calls", view="views",
+              elementwise="elementwise_ops")
+
+
+def category(func) -> str:
+    """What the time model costs an aten op as: collective, gemm, attention, view or elementwise
+    (every other op: elementwise, a reduction, a copy -- memory-bound)."""
+    namespace, name = func.namespace, func._opname   # e.g. ("aten", "mm"), ("c10d", "allreduce_")
+    if namespace in ("c10d", "_c10d_functional"):
+        return "collective"
+    if name in GEMMS:
+        return "gemm"
+    if any(a in name for a in ATTENTION):
+        return "attention"
+    return "view" if name in VIEWS else "elementwise"
+
+
 def _gemm_flops(name: str, args, out) -> float:
     """2 x M x N x K of a matmul (batched: x the batch); addmm/baddbmm's add is elementwise work we ignore."""
     a = args[1] if name in ("addmm", "baddbmm") else args[0]
@@ -54,21 +72,14 @@ class OpCount(TorchDispatchMode):
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         seconds = time.perf_counter() - t0
-        namespace, name = func.namespace, func._opname   # e.g. ("aten", "mm"), ("c10d", "allreduce_")
-        if namespace == "c10d" or namespace == "_c10d_functional":
-            self._add(self.collectives, 1)
-        elif name in GEMMS:
-            self._add(self.gemm_flops, _gemm_flops(name, args, out))
-            self._add(self.gemm_ops, 1)
-        elif any(a in name for a in ATTENTION):
-            self._add(self.attention_calls, 1)
-        elif name in VIEWS:
-            self._add(self.views, 1)
-        else:
+        kind = category(func)
+        if kind == "gemm":
+            self._add(self.gemm_flops, _gemm_flops(func._opname, args, out))
+        elif kind == "elementwise":
             tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
             self._add(self.elementwise_bytes, sum(t.numel() * t.element_size() for t in tensors))
-            self._add(self.elementwise_ops, 1)
             self._add(self.elementwise_seconds, seconds)
+        self._add(getattr(self, TABLES[kind]), 1)
         return out
 
     def total(self, table: dict) -> float:
