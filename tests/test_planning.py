@@ -19,7 +19,8 @@ from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, 
 from minimind_parallel.planning.allocator_rounding import block_excess, fresh_block, rounding_bytes
 from minimind_parallel.planning.ranking import workspace_bytes
 from minimind_parallel.planning.space import RULES, check_candidate
-from minimind_parallel.planning.time_model import Collective, Op, block_matmul_params, expert_params, stage_compute
+from minimind_parallel.planning.time_model import (ADAMW_ACCESSES, Collective, Op, block_matmul_params, expert_params,
+                                                   stage_compute)
 from minimind_parallel.zero.buckets import DEFAULT_BUCKET_MB
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
 from test_cli import assert_refused_before_launch
@@ -273,7 +274,8 @@ def test_the_forward_gemm_time_is_the_blocks_flops_at_the_rate():
 
 
 def test_the_bubble_is_p_minus_1_microbatch_times_and_overlaps_hide_communication():
-    hw = replace(SLOW, intra=Link(latency_s=0.0, bandwidth=math.inf))
+    # no memory-bound traffic: its backward is not twice its forward (BLOCK_TRAFFIC), the GEMMs' are
+    hw = replace(SLOW, intra=Link(latency_s=0.0, bandwidth=math.inf), memory_bandwidth=math.inf)
     k = Candidate(pp=4, dp=1, num_microbatches=4, micro_batch_size=2)
     t = step_time(k, replace(WORK, world_size=4), hw, stage_params=1000)
     assert t.bubble == pytest.approx(3 / 4 * t.compute)      # (P - 1) / M of the compute: (4 - 1) / 4
@@ -298,7 +300,8 @@ def test_interleaved_divides_the_bubble_by_its_chunks_and_zb_fills_it_with_weigh
     al. 2021); ZB-H1 (P - 1) forwards, the weight-grad half of each backward filling the rest (Qi et al.
     2023)."""
     from minimind_parallel.pipeline_parallel.order import Schedule
-    hw = replace(SLOW, intra=Link(latency_s=0.0, bandwidth=math.inf))
+    # no memory-bound traffic: its backward is not twice its forward (BLOCK_TRAFFIC), the GEMMs' are
+    hw = replace(SLOW, intra=Link(latency_s=0.0, bandwidth=math.inf), memory_bandwidth=math.inf)
     k = Candidate(pp=4, dp=1, num_microbatches=4, micro_batch_size=2)
     work = replace(WORK, model=replace(TINY, num_hidden_layers=8))
     plain, chunked, zb = (step_time(x, work, hw, stage_params=1000) for x in
@@ -323,11 +326,14 @@ def test_zero_1_reduce_scatters_and_all_gathers_each_bucket_instead_of_the_all_r
                       + Collective(Op.ALL_GATHER, half, g).seconds(LINK))
         assert zero.dp_exposed == pytest.approx(2 * per_bucket)  # both exposed: after the last microbatch, the step
         all_reduce = Collective(Op.ALL_REDUCE, params * 2, g).seconds(LINK)
-        bwd = plain.compute * 2 / 3
+        bwd = k.num_microbatches * plain.parts["backward_ms"] / 1e3
         assert plain.dp_exposed == pytest.approx(max(0.0, all_reduce - bwd) if pp == 1 else all_reduce)
+        # on a CPU (gloo on the rank's own cores) nothing hides behind the backward
+        cpu = step_time(k, WORK, replace(SLOW, overlaps_communication=False), stage_params=params)
+        assert cpu.dp_exposed == pytest.approx(all_reduce)
         # AdamW steps this rank's slice, one tensor per bucket
-        assert zero.optimizer == pytest.approx(params / g * 12 * 2 / SLOW.memory_bandwidth)
-        assert plain.optimizer == pytest.approx(params * 12 * 2 / SLOW.memory_bandwidth)
+        assert zero.optimizer == pytest.approx(params / g * ADAMW_ACCESSES * 2 / SLOW.memory_bandwidth)
+        assert plain.optimizer == pytest.approx(params * ADAMW_ACCESSES * 2 / SLOW.memory_bandwidth)
         dispatch = replace(SLOW, op_overhead_s=1e-6, memory_bandwidth=math.inf)   # 10 ops per tensor stepped
         plain, zero = (step_time(replace(k, zero=z), WORK, dispatch, stage_params=params) for z in (0, 1))
         assert zero.optimizer == pytest.approx(10 * 2 * 1e-6)                        # the two buckets' slices
@@ -363,6 +369,140 @@ def test_a_group_wider_than_a_node_takes_the_slower_link():
     k = Candidate(tp=4, micro_batch_size=8)
     inside, across = (step_time(k, w, SLOW, stage_params=1000) for w in (WORK, two_nodes))
     assert across.tp_exposed > inside.tp_exposed > 0
+
+
+# ---------------------------------------------------------------- the time model's counts, against OpCount
+
+def _counted_block(c: MiniMindConfig, tokens: int):
+    """OpCount of MiniMind's block, forward then backward, over one row of `tokens` tokens (float32)."""
+    from minimind_parallel.model import MiniMindBlock, rope_tables
+    from minimind_parallel.planning.op_count import OpCount
+    torch.manual_seed(0)
+    block = MiniMindBlock(c)
+    cos, sin = rope_tables(c.head_dim, tokens, c.rope_theta)
+    h = torch.randn(1, tokens, c.hidden_size, requires_grad=True)
+    with OpCount() as n:
+        n.phase = "forward"
+        out = block(h, cos, sin)
+        n.phase = "backward"
+        out.backward(torch.ones_like(out))
+    return n
+
+
+@pytest.mark.parametrize("shape", [dict(num_attention_heads=4, num_key_value_heads=2),                  # GQA
+                                   dict(num_attention_heads=4, num_key_value_heads=4),                  # no repeat
+                                   dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, hidden_size=96,
+                                        intermediate_size=160)])
+def test_a_blocks_memory_bound_traffic_is_the_bytes_its_ops_read_and_write(shape):
+    """BLOCK_TRAFFIC, at the block's widths, is every elementwise / reduction / copy op's input and
+    output bytes that OpCount sees in MiniMind's block, forward and backward, to the byte."""
+    from minimind_parallel.planning.time_model import block_traffic
+    c = replace(TINY, **shape)
+    tokens = 24
+    n = _counted_block(c, tokens)
+    fwd, bwd = block_traffic(c, tokens, tp=1, sequence_parallel=False)
+    assert (4 * fwd, 4 * bwd) == (n.elementwise_bytes["forward"], n.elementwise_bytes["backward"])
+    # and its GEMMs are the block's matrices: 2 x tokens x params forward, twice that backward
+    assert n.gemm_flops["forward"] == 2 * tokens * block_matmul_params(c)
+    assert n.gemm_flops["backward"] == 2 * n.gemm_flops["forward"]
+
+
+def test_adamw_reads_and_writes_its_counted_accesses_per_element():
+    """ADAMW_ACCESSES: the bytes of training.make_optimizer's AdamW step (foreach off) per element."""
+    from minimind_parallel.planning.op_count import OpCount
+    from minimind_parallel.training import make_optimizer
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 20, bias=False))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer = make_optimizer(model, 1e-3)
+    optimizer.step()
+    with OpCount() as n:
+        optimizer.step()
+    elements = sum(p.numel() for p in model.parameters())
+    # each tensor's step count (a 0-dim float32) is read and written besides its elements
+    assert n.total(n.elementwise_bytes) // 4 - ADAMW_ACCESSES * elements < 4 * 8 * len(list(model.parameters()))
+    assert n.total(n.elementwise_bytes) // 4 >= ADAMW_ACCESSES * elements
+
+
+@pytest.mark.parametrize("cp,load_balance", [(2, True), (2, False), (4, True), (3, False)])
+def test_cp_attention_costs_its_busiest_ranks_chunk_pairs(cp, load_balance):
+    """chunk_pairs / blockwise_attention_flops: the visible chunk pairs of the busiest CP rank
+    (context_parallel/layout.py's chunks), and the FLOPs its blockwise attention's matmuls run
+    (OpCount), forward; OPS_PER_CHUNK_PAIR its ops per pair (within 10 %: merges and masks vary)."""
+    from minimind_parallel.context_parallel import ContextLayout
+    from minimind_parallel.context_parallel.blockwise import ChunkedAttention, visible_pairs
+    from minimind_parallel.planning.op_count import OpCount
+    from minimind_parallel.planning.time_model import OPS_PER_CHUNK_PAIR, blockwise_attention_flops, chunk_pairs
+    seq, kv, rep, d = 48, 2, 2, 8
+    layout = ContextLayout.of(ParallelConfig(cp=cp, cp_load_balance=load_balance), seq)
+    every = [x for r in range(cp) for x in layout.chunks(r)]
+    busiest = max(range(cp), key=lambda r: len(visible_pairs(layout.chunks(r), every)))
+    pairs, share = chunk_pairs(cp, load_balance)
+    assert pairs == len(visible_pairs(layout.chunks(busiest), every)) and share * seq == layout.chunk_len
+    mine = layout.chunks(busiest)
+    q = torch.randn(1, kv, rep, len(mine) * layout.chunk_len, d, requires_grad=True)
+    k, v = (torch.randn(1, kv, 1, seq, d, requires_grad=True) for _ in range(2))
+    with OpCount() as n:
+        n.phase = "forward"
+        out = ChunkedAttention.apply(q, k, v, mine, tuple(every))
+        n.phase = "backward"
+        out.backward(torch.ones_like(out))
+    assert n.gemm_flops["forward"] == blockwise_attention_flops(1, seq, kv * rep * d, cp=cp, load_balance=load_balance)
+    assert n.ops("forward") + n.ops("backward") == pytest.approx(pairs * OPS_PER_CHUNK_PAIR, rel=0.1)
+
+
+def test_on_a_cpu_every_collective_is_exposed_and_full_recompute_reruns_the_forwards():
+    """overlaps_communication False (a CPU: gloo on the rank's own cores): ring CP's K/V passes and
+    async TP's backward collectives add in full; --recompute full runs the forward's collectives twice."""
+    from minimind_parallel.planning.time_model import context_collectives, seconds, tensor_collectives
+    from minimind_parallel.config import CPCommType, Recompute
+    cpu = replace(SLOW, overlaps_communication=False)
+    layers = TINY.num_hidden_layers
+    ring = Candidate(cp=2, dp=2, micro_batch_size=2, cp_comm_type=CPCommType.RING)
+    fwd, bwd = context_collectives(TINY, ring, WORK)
+    assert (len(fwd), len(bwd)) == (1, 3)                    # K/V forward; K/V and twice dK/dV backward
+    gpu_t, cpu_t = (step_time(ring, WORK, hw, stage_params=1000) for hw in (SLOW, cpu))
+    assert cpu_t.cp_exposed == pytest.approx(layers * (seconds(fwd, LINK) + seconds(bwd, LINK)))
+    assert gpu_t.cp_exposed < cpu_t.cp_exposed
+    full = step_time(replace(ring, recompute=Recompute.FULL), WORK, cpu, stage_params=1000)
+    assert full.cp_exposed == pytest.approx(layers * (2 * seconds(fwd, LINK) + seconds(bwd, LINK)))
+    tp = Candidate(tp=2, dp=2, micro_batch_size=2, sequence_parallel=True, async_communication=True)
+    tf, overlap, rest = tensor_collectives(TINY, tp, WORK)
+    assert step_time(tp, WORK, cpu, stage_params=1000).tp_exposed == pytest.approx(
+        layers * (seconds(tf, LINK) + seconds(overlap, LINK) + seconds(rest, LINK)))
+
+
+def test_zero_3_gathers_each_block_twice_and_scatters_its_grads_per_microbatch():
+    """--zero 3 (FSDP2): per microbatch every unit (block, root) all-gathered for its forward, every
+    block again for its backward, every unit's grads reduce-scattered; exposed on a CPU, hidden
+    behind the compute on a GPU; AdamW steps this rank's 1/(dp x cp)."""
+    cpu = replace(SLOW, overlaps_communication=False)
+    params, layers = 40_000, TINY.num_hidden_layers
+    k = Candidate(dp=4, micro_batch_size=1, num_microbatches=2, zero=3)
+    units, each = layers + 1, params * 2 / (layers + 1)
+    gather, scatter = (Collective(op, each, 4).seconds(LINK) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
+    t = step_time(k, WORK, cpu, stage_params=params)
+    assert t.dp_exposed == pytest.approx(2 * (units * gather + layers * gather + units * scatter))
+    assert step_time(k, WORK, replace(SLOW, gemm_flops=1e6), stage_params=params).dp_exposed == 0   # hidden
+    assert t.optimizer == pytest.approx(params / 4 * ADAMW_ACCESSES * 2 / SLOW.memory_bandwidth)
+
+
+def test_the_calibration_measures_at_the_workloads_shapes_and_old_files_still_load(tmp_path):
+    """compute_rates at a tiny workload's block and sequence (every rate measured, positive); a
+    calibration file written before the CP blockwise rate and the overlap flag existed loads with
+    their defaults (a GPU's: overlapping; CP's attention at the fused rate)."""
+    from minimind_parallel.planning.calibrate import Shapes, compute_rates
+    rates = compute_rates("cpu", torch.float32, Shapes(model=TINY, seq=32))
+    assert set(rates) == {"gemm_flops", "attention_flops", "blockwise_attention_flops", "memory_bandwidth",
+                          "op_overhead_s"} and all(0 < v < math.inf for v in rates.values())
+    measured = replace(SLOW, overlaps_communication=False, blockwise_attention_flops=1e9)
+    save_calibration(measured, str(tmp_path / "new.json"))
+    assert load_calibration(str(tmp_path / "new.json")) == measured
+    old = {k: v for k, v in SLOW.to_json().items() if k not in ("overlaps_communication", "blockwise_attention_flops")}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    hw = load_calibration(str(path))
+    assert hw.overlaps_communication and hw.blockwise_rate == SLOW.attention_flops
 
 
 # ---------------------------------------------------------------- the task
@@ -537,8 +677,11 @@ def test_validate_times_every_layout_once_a_round_at_that_rounds_rates_and_takes
     monkeypatch.setattr(plan_task, "run_cell", cell)
     calibrated = []
 
-    def calibrate(device, dtype):
+    def calibrate(device, dtype, shapes):
         calibrated.append(len(calls))            # when: after the memory cells, before each round
+        # at the workload's shapes: its block and its sequence
+        assert (shapes.seq, shapes.model.hidden_size, shapes.model.head_dim) == (WORK.seq_len, WORK.model.hidden_size,
+                                                                                 WORK.model.head_dim)
         return rates[len(calibrated) - 1]
 
     monkeypatch.setattr(calibration, "calibrate", calibrate)

@@ -12,7 +12,9 @@ calibrated time model, ranked by predicted tokens/s (docs/planning.md).
                     time, the fitting ones ranked, the others with why
     allocator_rounding.py  the CUDA allocator's block rounding at the peak, estimated from the
                     analytic model's saved tensors
-    calibrate.py    `calibrate`: this machine's rates, measured
+    calibrate.py    `calibrate`: this machine's rates, measured at the workload's shapes
+    op_count.py     `OpCount`: a step's dispatched ops by what the time model costs (GEMM FLOPs,
+                    memory-bound bytes, attention, views, collectives); calibrate's and the tests'
     agreement.py    predicted against measured: MAPE, Spearman's rank correlation
 """
 from .hardware import GPU_PROFILES, Hardware, Link

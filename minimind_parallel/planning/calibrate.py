@@ -1,14 +1,17 @@
-"""`calibrate`: this machine's rates for the time model, measured in well under a minute: a GEMM
-and causal attention of the book's block shapes, an elementwise pass (memory bandwidth), a step of
-a model too small to compute anything (what each dispatched op costs beyond its work), and the all-reduce's latency and bandwidth
-between two ranks (gloo on CPU, NCCL on GPUs; two processes on one node, a FileStore rendezvous,
-both joined before it returns). One rank's threads: one on CPU, as the launcher gives each rank."""
+"""`calibrate`: this machine's rates for the time model, measured in well under a minute, forward
+and backward at the workload's shapes (`Shapes`: its block, one row of its sequence): a linear of
+its MLP's width, causal SDPA of its heads (no CP), CP's blockwise attention, the memory-bound ops of
+its block (bytes counted by `OpCount`), a step of a model too small to compute anything (what each
+dispatched op costs beyond its work), and the all-reduce's latency and bandwidth between two ranks
+(gloo on CPU, NCCL on GPUs; two processes on one node, a FileStore rendezvous, both joined before it
+returns). One rank's threads: one on CPU, as the launcher gives each rank."""
 from __future__ import annotations
 
 import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,8 @@ import torch.nn.functional as F
 
 from ..config import DTYPES, MiniMindConfig
 from .hardware import CPU_DEFAULT, Hardware, Link
-from .time_model import OPS_PER_BLOCK
+from .op_count import OpCount
+from .time_model import OPS_PER_BLOCK, blockwise_attention_flops, causal_attention_flops
 
 SMALL, LARGE = 1, 4 * 2**20      # all-reduce elements (float32): the latency's, the bandwidth's
 
@@ -37,21 +41,87 @@ def _timed(fn, *, reps: int, device: str) -> float:
     return statistics.median(times)
 
 
-def compute_rates(device: str, dtype: torch.dtype, *, tokens: int = 1024, hidden: int = 768, inter: int = 2432,
-                  heads: int = 8, head_dim: int = 96, seq: int = 1024) -> dict:
-    """GEMM and attention FLOP/s, elementwise bytes/s and seconds per dispatched op on this device."""
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    w = torch.randn(inter, hidden, device=device, dtype=dtype)
-    gemm_s = _timed(lambda: F.linear(x, w), reps=10, device=device)
-    q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype)
-    attn_s = _timed(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), reps=5, device=device)
-    big = torch.randn(8 * 2**20, device=device, dtype=dtype)
-    other = torch.randn_like(big)
-    add_s = _timed(lambda: big.add_(other), reps=10, device=device)
-    b = big.element_size()
-    return dict(gemm_flops=2 * tokens * hidden * inter / gemm_s,
-                attention_flops=2 * 2 * seq * seq * heads * head_dim / 2 / attn_s,   # causal: half of QK^T and PV
-                memory_bandwidth=3 * big.numel() * b / add_s, op_overhead_s=op_overhead(device, dtype))
+@dataclass(frozen=True)
+class Shapes:
+    """What the compute rates are measured at: one row of the workload's sequence through its block
+    (the book's block at S 1024 when no workload is given)."""
+
+    model: MiniMindConfig = field(default_factory=lambda: MiniMindConfig(hidden_size=768, intermediate_size=2432,
+                                                                         num_hidden_layers=1))
+    seq: int = 1024
+
+    def describe(self) -> str:
+        c = self.model
+        return (f"S {self.seq}, H {c.hidden_size}, I {c.intermediate_size}, {c.num_attention_heads} heads "
+                f"({c.num_key_value_heads} kv) x {c.head_dim}")
+
+
+def compute_rates(device: str, dtype: torch.dtype, shapes: Shapes = Shapes()) -> dict:
+    """GEMM and attention FLOP/s, elementwise bytes/s and seconds per dispatched op on this device, each
+    measured forward and backward together at the workload's shapes (a GEMM's and attention's rate
+    depend on them: small head dims and widths run far below a large GEMM's)."""
+    c, s = shapes.model, shapes.seq
+    x = torch.randn(s, c.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(c.intermediate_size, c.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    gemm_s = _timed(lambda: _backward(F.linear(x, w)), reps=10, device=device)
+    op_s = op_overhead(device, dtype)
+    return dict(gemm_flops=3 * 2 * s * c.hidden_size * c.intermediate_size / gemm_s,   # forward, dgrad, wgrad
+                attention_flops=fused_attention_rate(c, s, device, dtype),
+                blockwise_attention_flops=blockwise_attention_rate(c, s, device, dtype),
+                memory_bandwidth=elementwise_rate(c, s, device, dtype), op_overhead_s=op_s)
+
+
+def _backward(y: torch.Tensor) -> None:
+    y.backward(torch.ones_like(y))
+
+
+def fused_attention_rate(c: MiniMindConfig, s: int, device: str, dtype: torch.dtype) -> float:
+    """Causal SDPA (the model's path without CP; k and v repeated to every head) forward and backward:
+    3 x its forward FLOPs (half of QK^T and PV) per second."""
+    q, k, v = (torch.randn(1, c.num_attention_heads, s, c.head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    t = _timed(lambda: _backward(F.scaled_dot_product_attention(q, k, v, is_causal=True)), reps=5, device=device)
+    return 3 * causal_attention_flops(1, s, c.num_attention_heads * c.head_dim) / t
+
+
+def blockwise_attention_rate(c: MiniMindConfig, s: int, device: str, dtype: torch.dtype) -> float:
+    """Context parallelism's blockwise attention (context_parallel/blockwise.py: matmuls and an explicit
+    softmax per chunk pair, merged by log-sum-exp) forward and backward, as CP rank 0 of 2 under the
+    load-balanced split runs it: its chunks 0 and 3 over all four; 3 x the forward FLOPs of its
+    visible chunk pairs (time_model.blockwise_attention_flops) per second, from the time it adds
+    between 1 and 4 rows (so without its per-op cost, which the time model counts on its own)."""
+    from ..context_parallel.blockwise import ChunkedAttention
+    kv, rep, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
+
+    def seconds(rows: int) -> float:
+        q = torch.randn(rows, kv, rep, s // 2, d, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(rows, kv, 1, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        return _timed(lambda: _backward(ChunkedAttention.apply(q, k, v, (0, 3), (0, 1, 2, 3))), reps=3, device=device)
+
+    one, four = seconds(1), seconds(4)
+    flops = 3 * blockwise_attention_flops(3, s, c.num_attention_heads * c.head_dim, cp=2, load_balance=True)
+    return flops / max(four - one, one / 10)     # a loaded machine's noise: never faster than 10 x one row's
+
+
+def elementwise_rate(c: MiniMindConfig, s: int, device: str, dtype: torch.dtype) -> float:
+    """Bytes per second of the memory-bound ops (elementwise, reductions, copies) of the workload's
+    block, forward and backward: on a CPU the time inside those ops of one row of S tokens, against
+    their counted bytes (`OpCount`); on a GPU, where kernels run asynchronously, a large add."""
+    if device == "cuda":
+        big = torch.randn(8 * 2**20, device=device, dtype=dtype)
+        other = torch.randn_like(big)
+        return 3 * big.numel() * big.element_size() / _timed(lambda: big.add_(other), reps=10, device=device)
+    from ..model import MiniMindBlock, rope_tables
+    block = MiniMindBlock(replace(c, use_moe=False)).to(device=device, dtype=dtype)
+    cos, sin = rope_tables(c.head_dim, s, c.rope_theta, device=device)
+    h = torch.randn(1, s, c.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    _backward(block(h, cos, sin))
+    counts = []
+    for _ in range(3):
+        with OpCount() as n:
+            _backward(block(h, cos, sin))
+        counts.append(n.total(n.elementwise_bytes) / n.total(n.elementwise_seconds))
+    return statistics.median(counts)
 
 
 def op_overhead(device: str, dtype: torch.dtype, layers: int = 4) -> float:
@@ -107,13 +177,13 @@ def link_rates(device: str) -> Link:
     return Link(latency_s=latency, bandwidth=bandwidth)
 
 
-def calibrate(device: str, dtype: str = "float32") -> Hardware:
-    """This machine's Hardware (`device` cpu or cuda; rates in `dtype`)."""
+def calibrate(device: str, dtype: str = "float32", shapes: Shapes = Shapes()) -> Hardware:
+    """This machine's Hardware (`device` cpu or cuda; rates in `dtype`, at `shapes`)."""
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
     try:
-        rates = compute_rates(device, DTYPES[dtype])
+        rates = compute_rates(device, DTYPES[dtype], shapes)
     finally:
         torch.set_num_threads(threads)
     link = link_rates(device)
@@ -121,6 +191,7 @@ def calibrate(device: str, dtype: str = "float32") -> Hardware:
     # the MFU's peak: the CPU default of training/metrics.py unless this core's GEMM is faster; a GPU's reached GEMM rate
     peak = max(CPU_DEFAULT.peak_flops, rates["gemm_flops"]) if device == "cpu" else rates["gemm_flops"]
     return Hardware(name=name, source=f"plan --calibrate on this machine, {time.strftime('%Y-%m-%d %H:%M')}, "
-                    f"{dtype}", peak_flops=peak, intra=link, inter=link, async_dispatch=device == "cuda",
+                    f"{dtype}, {shapes.describe()}", peak_flops=peak, intra=link, inter=link,
+                    async_dispatch=device == "cuda", overlaps_communication=device == "cuda",
                     memory_gib=(torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else None),
                     cuda_capability=(torch.cuda.get_device_capability() if device == "cuda" else None), **rates)

@@ -36,6 +36,11 @@ class Hardware:
     intra: Link
     inter: Link
     async_dispatch: bool = True     # a GPU: kernels queued ahead (see `dispatched`)
+    # a GPU: communication runs on its own streams beside compute (the overlaps the time model counts);
+    # on a CPU gloo's collectives run on the cores the rank computes on, and every one is exposed
+    overlaps_communication: bool = True
+    # CP's blockwise attention (matmuls and an explicit softmax per chunk pair); None: attention_flops
+    blockwise_attention_flops: float | None = None
     memory_gib: float | None = None
     cuda_capability: tuple[int, int] | None = None
     extra: dict = field(default_factory=dict)
@@ -44,6 +49,15 @@ class Hardware:
         """Ops whose kernels take `work_s` and whose dispatch takes `dispatch_s`: on a GPU the host
         queues kernels ahead of the device (the longer of the two), on a CPU it runs them (the sum)."""
         return max(work_s, dispatch_s) if self.async_dispatch else work_s + dispatch_s
+
+    @property
+    def blockwise_rate(self) -> float:
+        return self.blockwise_attention_flops or self.attention_flops
+
+    def hidden(self, comm_s: float, behind_s: float) -> float:
+        """The exposed part of communication `comm_s` that can overlap `behind_s` of compute: what is left
+        of it on a GPU, all of it on a CPU (see `overlaps_communication`)."""
+        return max(0.0, comm_s - behind_s) if self.overlaps_communication else comm_s
 
     def link(self, inter_node: bool) -> Link:
         return self.inter if inter_node else self.intra
@@ -106,7 +120,7 @@ CPU_DEFAULT = Hardware(name="cpu", source="assumed: one AVX2 core per rank (100 
                        "run plan --calibrate for this machine's", gemm_flops=50e9, attention_flops=20e9,
                        memory_bandwidth=5e9, op_overhead_s=15e-6, peak_flops=100e9,
                        intra=Link(latency_s=50e-6, bandwidth=2e9), inter=Link(latency_s=100e-6, bandwidth=1e9),
-                       async_dispatch=False)
+                       async_dispatch=False, overlaps_communication=False, blockwise_attention_flops=10e9)
 
 
 def gpu_profile(name: str) -> Hardware:

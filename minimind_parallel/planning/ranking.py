@@ -70,7 +70,8 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
     if device == "cuda":
         breakdown["workspaces"], breakdown["rounding"] = workspaces, rounding_bytes(pred, k.parallel)
         peak += workspaces + breakdown["rounding"]
-    params = pred.breakdown["params"] // DTYPES[w.dtype].itemsize
+    # this rank's parameter elements: the memory model's params hold RoPE's cos/sin tables too
+    params = pred.breakdown["params"] // DTYPES[w.dtype].itemsize - 2 * w.model.max_position_embeddings * w.model.head_dim
     experts = w.model.num_hidden_layers // k.pp * w.model.num_experts // k.ep * expert_params(w.model) \
         if w.model.use_moe else 0                                       # this rank's experts' elements
     t = step_time(k, w, hw, stage_params=params, expert_params=experts)
@@ -89,6 +90,6 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int) -> Plan:
     for k in valid:
         e = evaluate(k, w, hw, device, flops, workspaces)
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
-    result.fitting.sort(key=lambda e: (-e.tokens_per_s, e.peak_bytes))
+    result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
     result.over_budget.sort(key=lambda e: e.peak_bytes)
     return result

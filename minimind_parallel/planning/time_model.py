@@ -1,18 +1,21 @@
 """`step_time`: the predicted time of one optimizer step of a layout, from a few stated rates
 (`Hardware`). Every piece is one line of arithmetic (docs/planning.md states them):
 
-    compute      GEMM FLOPs / gemm_flops + causal attention FLOPs / attention_flops + elementwise
-                 bytes / memory_bandwidth, and the dispatched ops x op_overhead_s: on a GPU the
-                 host runs ahead of the kernels (the longer of the two), on a CPU they add up;
-                 per microbatch per stage;
-                 backward = 2 x forward; --recompute full re-runs every block's forward
+    compute      GEMM FLOPs / gemm_flops + causal attention FLOPs / attention_flops (with CP:
+                 the busiest rank's chunk pairs, blockwise, / its own rate) + the block's counted
+                 memory-bound bytes (BLOCK_TRAFFIC) / memory_bandwidth, and the dispatched ops x
+                 op_overhead_s: on a GPU the host runs ahead of the kernels (the longer of the
+                 two), on a CPU they add up; per microbatch per stage; GEMMs and attention
+                 backward = 2 x forward; --recompute full re-runs every block's forward (and its
+                 TP / CP collectives), selective its norms' and SwiGLU's traffic
     tensor       per block: the row-parallel outputs' all-reduce (reduce-scatter under SP) and the
                  column-parallel inputs' copy / all-gather (one per linear, one per region with
                  --shared_sp_gather), forward and backward; --async_communication overlaps the
                  backward's with the weight-grad GEMM (and re-gathers the input under SP)
     context      all_gather: K/V gathered forward, their grads reduce-scattered backward; a2a: four
-                 all-to-alls each way; ring: cp - 1 K/V block passes each way, each overlapped
-                 with one block of attention
+                 all-to-alls each way; ring: cp - 1 K/V block passes forward, cp - 1 and cp dK/dV
+                 passes backward, each overlapped with one block of attention (on a GPU); the
+                 attention itself blockwise (matmuls and an explicit softmax per chunk pair)
     pipeline     M microbatches and the bubble of the schedule: (P - 1) x the slowest stage's microbatch
                  (GPipe and 1F1B); divided by V with V model chunks per stage (interleaved, Narayanan et
                  al. 2021), whose boundaries each send the activation V times; (P - 1) x its forward
@@ -28,7 +31,11 @@
                  dp x cp / ep): under DDP (pp = 1) overlapped with the backward, under a pipeline
                  after it; --zero 1 (the distributed optimizer) instead reduce-scatters each bucket
                  after the last microbatch and all-gathers it after the step, both exposed;
-                 --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1)
+                 --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1);
+                 --zero 3 (FSDP2) gathers every block's parameters for its forward and its
+                 backward and reduce-scatters its grads, per microbatch
+    overlaps     only where `Hardware.overlaps_communication` (a GPU's streams); on a CPU gloo runs
+                 on the rank's own cores and every collective adds to the step
     optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
                  one tensor per bucket)
 
@@ -51,10 +58,22 @@ from .space import Candidate, Workload
 # AdamW's step (foreach off), counted under a TorchDispatchMode on the book's block (H 768).
 OPS_PER_BLOCK = 340
 OPS_PER_PARAM_STEP = 10
-# Elementwise passes over the hidden state per block (norms, residuals, RoPE, SwiGLU; forward and
-# backward), in units of one [tokens, H] tensor read or written; AdamW's per element accesses.
-ELEMENTWISE_PASSES_PER_BLOCK = 40
-ADAMW_ACCESSES = 12
+# The memory-bound traffic (elementwise ops, reductions, copies: each op's tensor inputs and outputs)
+# of one MiniMind block, counted by `op_count.OpCount` on the block in float32, in elements per token
+# by the width each op streams: the hidden state (norms, residuals), the MLP's (SiLU and the gate
+# product), the query and key/value projections' (their norms, RoPE, the attention layout's copies),
+# GQA's repeat of k and v to every query head (when kv heads < heads), the head dim (RoPE's tables),
+# per head (the q/k norms' statistics), per token; and per block, the norms' weights (hidden and
+# head dim wide). Forward, backward.
+BLOCK_TRAFFIC = (dict(hidden=20, inter=5, q=17, gqa=4, kv=17, head_dim=4, heads=6, kv_heads=6, token=12),
+                 dict(hidden=65, inter=9, q=36, gqa=4, kv=40, head_dim=4, heads=9, kv_heads=9, token=18))
+BLOCK_WEIGHT_TRAFFIC = (dict(hidden=2, head_dim=2), dict(hidden=4, head_dim=4))
+# CP's blockwise attention: dispatched ops per visible chunk pair, forward and backward together
+# (431 counted at cp 2 over the 5 pairs of a load-balanced rank: scores, mask, log-sum-exp, merge).
+OPS_PER_CHUNK_PAIR = 86
+# AdamW's memory accesses per element (foreach off: its lerp_, mul_, addcmul_, sqrt, div, add_,
+# addcdiv_ and the weight decay's mul_), counted by `OpCount`.
+ADAMW_ACCESSES = 21
 
 
 class Op(Choice):
@@ -142,24 +161,85 @@ def moe_forward_flops(c: MiniMindConfig, k: Candidate, w: Workload) -> float:
     return 2 * n * c.hidden_size * c.num_experts + 2 * n * c.num_experts_per_tok * expert_params(c)
 
 
+def causal_attention_flops(rows: float, seq: int, q_width: float) -> float:
+    """Fused causal attention's forward FLOPs over `rows` whole sequences: QK^T and PV (2 x 2 S^2 per
+    query dim each), half of them under the causal mask."""
+    return 2 * rows * seq * seq * q_width
+
+
+def chunk_pairs(cp: int, load_balance: bool) -> tuple[int, float]:
+    """CP's blockwise attention on its busiest rank: (visible chunk pairs, chunk length as a share of
+    the sequence). Load-balanced: 2C chunks of S/(2C), rank i holding i and 2C-1-i, which see i + 1 and
+    2C - i chunks (2C + 1 pairs on every rank); contiguous: C chunks of S/C, the last rank's seeing C."""
+    return (2 * cp + 1, 1 / (2 * cp)) if load_balance else (cp, 1 / cp)
+
+
+def blockwise_attention_flops(rows: float, seq: int, q_width: float, *, cp: int, load_balance: bool) -> float:
+    """The forward FLOPs of CP's blockwise attention on its busiest rank: every visible chunk pair's
+    QK^T and PV in full (a diagonal pair is masked, not skipped), 2 x 2 L^2 per query dim each."""
+    pairs, share = chunk_pairs(cp, load_balance)
+    chunk = seq * share
+    return pairs * 4 * rows * chunk * chunk * q_width
+
+
+def block_traffic(c: MiniMindConfig, tokens: float, *, tp: int, sequence_parallel: bool) -> tuple[float, float]:
+    """Elements the memory-bound ops of one block read and write, (forward, backward), for `tokens`
+    tokens on a rank (BLOCK_TRAFFIC): under TP the projections' and the MLP's widths are split, and the
+    hidden state's ops run on a T-th of the tokens under SP (replicated without)."""
+    moe_inter = c.num_experts_per_tok * c.moe_intermediate_size if c.use_moe else c.intermediate_size
+    gqa = c.num_attention_heads * c.head_dim / tp if c.num_key_value_heads < c.num_attention_heads else 0
+    width = dict(hidden=c.hidden_size, inter=moe_inter / tp, q=c.num_attention_heads * c.head_dim / tp, gqa=gqa,
+                 kv=c.num_key_value_heads * c.head_dim / tp, head_dim=c.head_dim, heads=c.num_attention_heads / tp,
+                 kv_heads=c.num_key_value_heads / tp, token=1)
+    sharded = tokens / tp if sequence_parallel else tokens
+
+    def elements(per_token: dict, weights: dict) -> float:
+        split = sum(n * width[k] for k, n in per_token.items() if k not in ("hidden", "token"))
+        whole = per_token["hidden"] * width["hidden"] + per_token["token"]
+        return tokens * split + sharded * whole + sum(n * width[k] for k, n in weights.items())
+
+    return tuple(elements(t, w) for t, w in zip(BLOCK_TRAFFIC, BLOCK_WEIGHT_TRAFFIC))
+
+
+def selective_traffic(c: MiniMindConfig, tokens: float, *, tp: int, sequence_parallel: bool) -> float:
+    """Elements `--recompute selective` re-reads and re-writes in backward: the forward's hidden-state
+    (norms) and MLP-wide (SwiGLU) traffic."""
+    moe_inter = c.num_experts_per_tok * c.moe_intermediate_size if c.use_moe else c.intermediate_size
+    fwd = BLOCK_TRAFFIC[0]
+    return (tokens / tp if sequence_parallel else tokens) * fwd["hidden"] * c.hidden_size + tokens * fwd["inter"] * moe_inter / tp
+
+
+def attention_seconds(c: MiniMindConfig, k: Candidate, w: Workload, hw: Hardware) -> tuple[float, float]:
+    """One block's attention on one rank, (work, dispatch) seconds of its forward and backward together:
+    fused causal SDPA without CP, CP's blockwise attention (its chunk pairs' matmuls and explicit
+    softmax, at its own calibrated rate, and their ops) with it."""
+    q = c.num_attention_heads * c.head_dim / k.tp
+    rows = k.micro_batch_size
+    if k.cp == 1:
+        return 3 * causal_attention_flops(rows, w.seq_len, q) / hw.attention_flops, 0.0
+    flops = blockwise_attention_flops(rows, w.seq_len, q, cp=k.cp, load_balance=k.cp_load_balance)
+    pairs, _ = chunk_pairs(k.cp, k.cp_load_balance)
+    return 3 * flops / hw.blockwise_rate, pairs * OPS_PER_CHUNK_PAIR * hw.op_overhead_s
+
+
 def stage_compute(c: MiniMindConfig, k: Candidate, w: Workload, hw: Hardware, *, last: bool) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch on one rank of a stage (the last one adds the head)."""
     layers = c.num_hidden_layers // k.pp
     tokens = k.micro_batch_size * w.seq_len / k.cp                       # this rank's tokens
-    q = c.num_attention_heads * c.head_dim / k.tp
     gemm = 2 * tokens * block_matmul_params(c) / k.tp + moe_forward_flops(c, k, w)   # forward FLOPs of one block
-    balance = 1.0 if (k.cp == 1 or k.cp_load_balance) else (2 * k.cp - 1) / k.cp   # the last CP rank's share
-    attention = 2 * tokens * w.seq_len * q * balance                     # causal: QK^T and PV over S/2 keys
+    attention, attention_ops = attention_seconds(c, k, w, hw)
     b = DTYPES[w.dtype].itemsize
-    elementwise = ELEMENTWISE_PASSES_PER_BLOCK * tokens * c.hidden_size * b / (k.tp if k.sequence_parallel else 1)
-    fwd_block = gemm / hw.gemm_flops + attention / hw.attention_flops + elementwise / 3 / hw.memory_bandwidth
-    bwd_block = 2 * gemm / hw.gemm_flops + 2 * attention / hw.attention_flops + 2 * elementwise / 3 / hw.memory_bandwidth
-    ops = OPS_PER_BLOCK * hw.op_overhead_s
+    fwd_traffic, bwd_traffic = (n * b / hw.memory_bandwidth
+                                for n in block_traffic(c, tokens, tp=k.tp, sequence_parallel=k.sequence_parallel))
+    fwd_block = gemm / hw.gemm_flops + attention / 3 + fwd_traffic
+    bwd_block = 2 * gemm / hw.gemm_flops + 2 * attention / 3 + bwd_traffic
+    ops = OPS_PER_BLOCK * hw.op_overhead_s + attention_ops
     fwd, bwd = layers * hw.dispatched(fwd_block, ops / 3), layers * hw.dispatched(bwd_block, 2 * ops / 3)
     if k.recompute == Recompute.FULL:
         bwd += layers * hw.dispatched(fwd_block, ops / 3)
-    elif k.recompute == Recompute.SELECTIVE:
-        bwd += layers * elementwise / 3 / hw.memory_bandwidth            # norms and SwiGLU re-made
+    elif k.recompute == Recompute.SELECTIVE:       # the norms and SwiGLU re-made: their forward traffic
+        bwd += layers * selective_traffic(c, tokens, tp=k.tp, sequence_parallel=k.sequence_parallel) * b \
+            / hw.memory_bandwidth
     if last:
         vocab = c.vocab_size / k.tp if k.vocab_parallel else c.vocab_size
         head = 2 * tokens * c.hidden_size * vocab / hw.gemm_flops + 4 * tokens * vocab * 4 / hw.memory_bandwidth
@@ -200,7 +280,9 @@ def context_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[l
         each = [Collective(Op.ALL_TO_ALL, q, k.cp), Collective(Op.ALL_TO_ALL, kv / 2, k.cp),
                 Collective(Op.ALL_TO_ALL, kv / 2, k.cp), Collective(Op.ALL_TO_ALL, q, k.cp)]
         return each, each
-    return [Collective(Op.P2P, kv, 2)] * (k.cp - 1), [Collective(Op.P2P, 2 * kv, 2)] * (k.cp - 1)
+    # ring (context_parallel/ring.py): forward C - 1 K/V passes; backward C - 1 K/V passes and C passes
+    # of the dK/dV accumulators (home after C steps), each the K/V's size
+    return [Collective(Op.P2P, kv, 2)] * (k.cp - 1), [Collective(Op.P2P, kv, 2)] * (2 * k.cp - 1)
 
 
 def expert_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[list, list]:
@@ -219,25 +301,47 @@ def expert_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[li
     return [counts, tokens, tokens, *stats], [tokens, tokens]
 
 
-def data_parallel_seconds(k: Candidate, w: Workload, link: Link, *, stage_params: int, expert_params: int,
-                          backward: float) -> tuple[float, int]:
+def data_parallel_seconds(k: Candidate, w: Workload, hw: Hardware, link: Link, *, stage_params: int,
+                          expert_params: int, forward: float, backward: float, layers: int) -> tuple[float, int]:
     """The exposed seconds of the grads' reduction (and under --zero the parameters' all-gather), and
-    the tensors AdamW steps on this rank under --zero (its buckets' slices; 0: the parameters)."""
+    the tensors AdamW steps on this rank under --zero 1/2 (its buckets' slices; 0: the parameters).
+    `forward` / `backward`: the step's compute they can hide behind (on a GPU)."""
     b = DTYPES[w.dtype].itemsize
     dense = stage_params - expert_params
+    g = k.dp * k.cp
     if k.zero == 0:
-        grads = (Collective(Op.ALL_REDUCE, dense * b, k.dp * k.cp).seconds(link)       # the experts' over EDP
-                 + Collective(Op.ALL_REDUCE, expert_params * b, k.dp * k.cp // k.ep).seconds(link))
-        return (max(0.0, grads - backward) if k.pp == 1 else grads), 0
+        grads = (Collective(Op.ALL_REDUCE, dense * b, g).seconds(link)       # the experts' over EDP
+                 + Collective(Op.ALL_REDUCE, expert_params * b, g // k.ep).seconds(link))
+        return (hw.hidden(grads, backward) if k.pp == 1 else grads), 0
+    if k.zero == 3:
+        return fully_sharded_seconds(k, hw, link, stage_bytes=stage_params * b, forward=forward, backward=backward,
+                                     layers=layers), 0
     # the distributed optimizer: buckets of DEFAULT_BUCKET_MB over dp x cp; --zero 1 reduce-scatters
     # them after backward, --zero 2 while backward runs (hidden behind it as DDP's all-reduce is)
     buckets = max(1, -(-stage_params * b // int(DEFAULT_BUCKET_MB * 2**20)))
     each = stage_params * b / buckets
-    scatter = buckets * Collective(Op.REDUCE_SCATTER, each, k.dp * k.cp).seconds(link)
-    gather = buckets * Collective(Op.ALL_GATHER, each, k.dp * k.cp).seconds(link)
+    scatter = buckets * Collective(Op.REDUCE_SCATTER, each, g).seconds(link)
+    gather = buckets * Collective(Op.ALL_GATHER, each, g).seconds(link)
     if k.zero == 2 and k.pp == 1:
-        scatter = max(0.0, scatter - backward)
+        scatter = hw.hidden(scatter, backward)
     return scatter + gather, buckets
+
+
+def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes: float, forward: float,
+                          backward: float, layers: int) -> float:
+    """--zero 3 (FSDP2, zero/fully_shard.py): every block and the root are their own unit; per
+    microbatch each block's parameters are all-gathered before its forward and again before its
+    backward, and its grads reduce-scattered in backward; the root's gathered once (not resharded
+    after forward) and its grads reduce-scattered. Over dp x cp, the units' bytes taken equal
+    (`stage_bytes` / (layers + 1)). FSDP2 prefetches the next unit's gather on a GPU (hidden behind
+    the forward / backward compute); on a CPU every one is exposed."""
+    g, units = k.dp * k.cp, layers + 1
+    each = stage_bytes / units
+    gather, scatter = (Collective(op, each, g).seconds(link) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
+    m = k.num_microbatches
+    fwd = m * units * gather
+    bwd = m * (layers * gather + units * scatter)
+    return hw.hidden(fwd, forward) + hw.hidden(bwd, backward)
 
 
 def seconds(coll: list, link: Link) -> float:
@@ -271,15 +375,16 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     tf, to, tr = tensor_collectives(c, k, w)
     wgrad = bwd / 2 / max(layers, 1)                          # one block's weight-grad GEMMs
     overlap = seconds(to, tp_link)
-    tp_bwd = max(0.0, overlap - wgrad) if k.async_communication else overlap
-    tp = layers * (seconds(tf, tp_link) + tp_bwd + seconds(tr, tp_link))
+    tp_bwd = hw.hidden(overlap, wgrad) if k.async_communication else overlap
+    refwd = 2 if k.recompute == Recompute.FULL else 1          # full recompute re-runs the forward's collectives
+    tp = layers * (refwd * seconds(tf, tp_link) + tp_bwd + seconds(tr, tp_link))
     # context parallelism, per microbatch
     cf, cb = context_collectives(c, k, w)
     if k.cp > 1 and k.cp_comm_type == CPCommType.RING:
         attn_step = fwd / max(layers, 1) / k.cp / 3           # one K/V block's share of a block's attention
-        cp = layers * sum(max(0.0, x.seconds(cp_link) - attn_step) + 0 for x in cf + cb)
+        cp = layers * sum(hw.hidden(x.seconds(cp_link), attn_step) for x in refwd * cf + cb)
     else:
-        cp = layers * (seconds(cf, cp_link) + seconds(cb, cp_link))
+        cp = layers * (refwd * seconds(cf, cp_link) + seconds(cb, cp_link))
     # mixture of experts: the EP all-to-alls (over the DP link where the EP group leaves the CP one's)
     ef, eb = expert_collectives(c, k, w)
     ep_link = cp_link if k.ep <= k.cp else dp_link
@@ -292,8 +397,9 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     t.compute, t.tp_exposed, t.cp_exposed, t.pp_p2p = m * (fwd + bwd), m * tp, m * cp, m * p2p
     t.ep_exposed = m * ep
     t.bubble = pipeline_bubble(k, per_mb, bwd)
-    t.dp_exposed, buckets = data_parallel_seconds(k, w, dp_link, stage_params=stage_params,
-                                                  expert_params=expert_params, backward=m * bwd)
+    t.dp_exposed, buckets = data_parallel_seconds(k, w, hw, dp_link, stage_params=stage_params,
+                                                  expert_params=expert_params, forward=m * fwd, backward=m * bwd,
+                                                  layers=layers)
     moe_tensors = 1 + 3 * c.num_experts // k.ep - 3 if c.use_moe else 0   # router + experts for the dense MLP
     tensors = buckets or layers * (11 + moe_tensors) + 2
     stepped = stage_params / (k.dp * k.cp) if k.zero else stage_params

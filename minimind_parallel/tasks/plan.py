@@ -112,6 +112,12 @@ def workload_of(args) -> Workload:
                     world_size=args.world_size, nnodes=args.nnodes, dtype=args.dtype)
 
 
+def calibration_shapes(args):
+    """What --calibrate (and each --validate round) measures the rates at: the workload's block and sequence."""
+    from ..planning.calibrate import Shapes
+    return Shapes(model=model_of(args), seq=args.seq_len)
+
+
 def hardware_of(args):
     if args.calibration is not None and not args.calibrate:
         return load_calibration(args.calibration)
@@ -349,10 +355,11 @@ def launch_plan(job: Job) -> int:
     args = job.task
     if args.calibrate:
         from ..planning.calibrate import calibrate
-        hw = calibrate(args.device, args.dtype)
+        hw = calibrate(args.device, args.dtype, calibration_shapes(args))
         save_calibration(hw, args.calibration)
         print(f"plan: {hw.name}: GEMM {hw.gemm_flops / 1e9:.1f} GFLOP/s, attention "
-              f"{hw.attention_flops / 1e9:.1f} GFLOP/s, memory {hw.memory_bandwidth / 1e9:.2f} GB/s, op "
+              f"{hw.attention_flops / 1e9:.1f} GFLOP/s (CP's blockwise {hw.blockwise_rate / 1e9:.1f}), memory "
+              f"{hw.memory_bandwidth / 1e9:.2f} GB/s, op "
               f"{1e6 * hw.op_overhead_s:.1f} us, link {1e6 * hw.intra.latency_s:.0f} us + "
               f"{hw.intra.bandwidth / 1e9:.2f} GB/s; wrote {args.calibration}")
         return 0
@@ -422,7 +429,7 @@ def time_rounds(result, args, chosen: list, out_dir: str, iters: list[str]) -> l
     w, flops = result.workload, model_flops_per_token(result.workload)
     rounds = []
     for r in range(args.validate_rounds):
-        hw = calibrate(args.device, args.dtype) if args.validate_calibrate else result.hardware
+        hw = calibrate(args.device, args.dtype, calibration_shapes(args)) if args.validate_calibrate else result.hardware
         print(f"plan: round {r + 1} of {args.validate_rounds}: GEMM {hw.gemm_flops / 1e9:.1f} GFLOP/s, op "
               f"{1e6 * hw.op_overhead_s:.1f} us (load average {os.getloadavg()[0]:.1f})", flush=True)
         layouts = []
