@@ -63,6 +63,16 @@ def test_a_replayed_op_makes_the_tensor_fake_tensor_mode_made():
     assert replayed.untyped_storage()._cdata != first.untyped_storage()._cdata   # a storage of its own
 
 
+def test_a_constants_item_is_its_value_as_fake_tensor_mode_gives_it():
+    mode = RememberingFakeTensorMode()
+    with mode:
+        step = torch.tensor(0.0)
+        step += 3   # AdamW's step count
+        assert step.constant is not None and step.item() == 3.0
+        value, inputs, outputs = mode.answer(torch.ops.aten._local_scalar_dense.default, (step,), {})
+    assert (value, inputs, outputs) == (3.0, [step], [])
+
+
 def _states(warm_up):
     """AdamW's states after `warm_up(model, optimizer)` on a fake model: each one's metadata."""
     par = ParallelConfig(tp=2)

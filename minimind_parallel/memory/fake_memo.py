@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
+from torch.utils._mode_utils import no_dispatch
 
 _MISSING = object()
 _DEVICE = torch.ops.prim.device.default
+_ITEM = torch.ops.aten._local_scalar_dense.default
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 # Refused by FakeTensorMode's own cache only for unbacked symbolic sizes, which never occur here.
 _REMEMBERED_THOUGH_FAKE_CACHE_REFUSES = frozenset({torch.ops.aten._unsafe_view.default})
@@ -55,6 +57,12 @@ def _meta(t: torch.Tensor) -> tuple:
 
 class RememberingFakeTensorMode(FakeTensorMode):
     """`with RememberingFakeTensorMode(memo): ...` as FakeTensorMode (see the module's doc)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """TorchDispatchMode's switch: nothing under this mode is compiled, so its
+        __torch_dispatch__ is not wrapped in torch._disable_dynamo (a frame-callback swap per op)."""
+        return False
 
     def __init__(self, memo: dict | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -84,7 +92,10 @@ class RememberingFakeTensorMode(FakeTensorMode):
     def answer(self, func, args, kwargs):
         """For a dispatch mode above this one (the memory tracker's `answer`): (the op's outputs,
         its input tensors, its output tensors) from the memo, without dispatching the op down to
-        this mode; None when the memo has no answer (the op is then dispatched, and remembered)."""
+        this mode; None when the memo has no answer (the op is then dispatched, and remembered).
+        Also the value of a constant's item() (AdamW's step count, each parameter each step)."""
+        if func is _ITEM and type(args[0]) is FakeTensor and args[0].constant is not None and not kwargs:
+            return self._constant_item(args[0]), [args[0]], []
         tensors: list = []
         try:
             key = self._key(func, args, kwargs or {}, tensors)
@@ -95,6 +106,12 @@ class RememberingFakeTensorMode(FakeTensorMode):
             return None
         out, made = self._replay(recipe, tensors)
         return out, tensors, made
+
+    def _constant_item(self, t: FakeTensor):
+        """item() of a fake tensor that carries its value (a constant, e.g. made by torch.tensor):
+        what FakeTensorMode's constant propagation computes, the op on the value itself."""
+        with no_dispatch():
+            return _ITEM(t.constant)
 
     # -- the key -------------------------------------------------------------------------------
     def _key(self, func, args, kwargs, tensors: list) -> tuple:

@@ -98,6 +98,12 @@ class StorageTracker(TorchDispatchMode):
     # it; outside a measurement nothing waits for that.
     waits_for_release = True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """TorchDispatchMode's switch: nothing under this mode is compiled, so its
+        __torch_dispatch__ is not wrapped in torch._disable_dynamo (a frame-callback swap per op)."""
+        return False
+
     def __init__(self, *, detail: bool = False):
         """detail=True also keeps, for the peak, every live storage with the op that made it
         (`peak_items`) and the op at the peak (`peak_op`): slow, for finding out what is there."""
