@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
-from minimind_parallel.memory import estimate_step_memory
+from minimind_parallel.memory import StorageTracker, estimate_step_memory
 from minimind_parallel.memory.estimate import _create_optimizer_states, fake_process_group
 from minimind_parallel.memory.fake_memo import RememberingFakeTensorMode
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
@@ -29,6 +29,24 @@ LAYOUTS = [  # (config, layout, estimate_step_memory's keywords)
 ]
 
 
+class _Counting(StorageTracker):
+    """The tracker, also noting which ops the mode below answered (by namespace: aten, c10d)."""
+    answered: set = set()
+
+    @property
+    def answer(self):
+        return self._answer
+
+    @answer.setter
+    def answer(self, answer):
+        def counted(func, args, kwargs):
+            got = answer(func, args, kwargs)
+            if got is not None:
+                _Counting.answered.add(func.namespace)
+            return got
+        self._answer = counted if answer is not None else None
+
+
 def _estimate(config, par, kw, **how):
     return estimate_step_memory(config, par, seq_len=32, micro_batch_size=2, dtype=torch.bfloat16, iters=1,
                                 **kw, **how)
@@ -38,8 +56,9 @@ def test_the_remembered_fake_dispatch_measures_what_fake_tensor_mode_measures():
     shared: dict = {}
     for config, par, kw in LAYOUTS:
         plain = _estimate(config, par, kw, remember=False)
-        got = _estimate(config, par, kw, memo=shared)     # with what every layout before it left
+        got = _estimate(config, par, kw, memo=shared, tracker_type=_Counting)   # what the layouts before left
         assert (got.peak_bytes, got.breakdown) == (plain.peak_bytes, plain.breakdown), (par, kw)
+    assert _Counting.answered == {"aten", "c10d"}   # ops and collectives answered without FakeTensorMode
     remembered = [recipe for recipe in shared.values() if recipe is not None]
     assert len(remembered) > 200 and any(spec[0] == "view" for _, specs in remembered for spec in specs)
 

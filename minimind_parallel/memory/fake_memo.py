@@ -25,6 +25,11 @@ Only what is safe to replay is remembered, the rest always goes to FakeTensorMod
 - outputs that are not plain FakeTensors, carry a constant, require grad, or whose new storage
   is not exactly what `empty_strided` makes (an offset, a larger buffer, two outputs sharing it).
 
+Two more answers skip FakeTensorMode's general handling of ops it does not cache, each doing
+what that handling does for the op: a c10d collective runs its Meta kernel (torch.distributed's
+fake collectives: the inputs back, with a FakeWork), and item() of a constant (AdamW's step
+count) is the item() of its value.
+
 `memo` may be shared by several modes (one per cell of a sweep): it holds only metadata.
 `tests/test_fake_memo.py::test_the_remembered_fake_dispatch_measures_what_fake_tensor_mode_measures`
 checks that every report is byte-identical with and without it.
@@ -32,7 +37,7 @@ checks that every report is byte-identical with and without it.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, in_kernel_invocation_manager
 from torch.utils._mode_utils import no_dispatch
 
 _MISSING = object()
@@ -43,6 +48,13 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
 _REMEMBERED_THOUGH_FAKE_CACHE_REFUSES = frozenset({torch.ops.aten._unsafe_view.default})
 _MUTATING_ALLOWED = frozenset({torch.ops.aten.copy_.default, torch.ops.aten.zero_.default,
                                torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor})
+
+
+def _leaves(tree) -> list:
+    """The leaves of nested tuples / lists (an op's arguments or outputs)."""
+    if isinstance(tree, (tuple, list)):
+        return [leaf for x in tree for leaf in _leaves(x)]
+    return [tree]
 
 
 class _NotRemembered(Exception):
@@ -69,6 +81,7 @@ class RememberingFakeTensorMode(FakeTensorMode):
         self.memo = {} if memo is None else memo   # key -> outputs' recipe, or None: always dispatch
         self.replayed = 0                          # ops answered from the memo (for tests)
         self._template = None                      # a plain FakeTensor's attributes (`_wrap`)
+        self._meta_kernels: dict = {}              # c10d op -> whether it has a Meta kernel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -96,6 +109,8 @@ class RememberingFakeTensorMode(FakeTensorMode):
         Also the value of a constant's item() (AdamW's step count, each parameter each step)."""
         if func is _ITEM and type(args[0]) is FakeTensor and args[0].constant is not None and not kwargs:
             return self._constant_item(args[0]), [args[0]], []
+        if func.namespace == "c10d":
+            return self._collective(func, args, kwargs or {})
         tensors: list = []
         try:
             key = self._key(func, args, kwargs or {}, tensors)
@@ -106,6 +121,26 @@ class RememberingFakeTensorMode(FakeTensorMode):
             return None
         out, made = self._replay(recipe, tensors)
         return out, tensors, made
+
+    def _collective(self, func, args, kwargs):
+        """A c10d collective on this mode's fake tensors: its Meta kernel, the one FakeTensorMode
+        runs for it (torch.distributed's `_meta_registrations`: the output is the input tensors, with
+        a FakeWork; no backend is called), run directly, without FakeTensorMode's general handling
+        of an op it does not cache."""
+        if not self._has_meta_kernel(func):
+            return None
+        tensors = [t for t in _leaves(args) + _leaves(list(kwargs.values())) if isinstance(t, torch.Tensor)]
+        if any(type(t) is not FakeTensor or t.fake_mode is not self or t.constant is not None for t in tensors):
+            return None
+        with in_kernel_invocation_manager(self):
+            out = func(*args, **kwargs)
+        return out, tensors, [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+
+    def _has_meta_kernel(self, func) -> bool:
+        known = self._meta_kernels.get(func)
+        if known is None:
+            known = self._meta_kernels[func] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "Meta")
+        return known
 
     def _constant_item(self, t: FakeTensor):
         """item() of a fake tensor that carries its value (a constant, e.g. made by torch.tensor):
