@@ -121,6 +121,7 @@ def main() -> int:
     ap.add_argument("--moe", action="store_true", help="draw MiniMind's MoE model, with expert parallelism")
     args = ap.parse_args()
     rng, done, bad = random.Random(args.seed), 0, 0
+    memo: dict = {}   # the estimate's fake dispatch, remembered from one layout to the next
     while done < args.cases:
         case = draw(rng, args.min_tokens_per_hidden, args.cp)
         if args.moe:
@@ -132,7 +133,7 @@ def main() -> int:
             par = replace(par, zero=rng.choice(args.zero), dp=par.dp if par.dp * par.cp > 1 else 2)
             sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))
         done += 1
-        estimate = estimate_step_memory(c, par, iters=1, **sizes)
+        estimate = estimate_step_memory(c, par, iters=1, memo=memo, **sizes)
         pred = predict_memory(c, par, **sizes)
         diff = pred.peak_bytes - estimate.peak_bytes
         bad += diff != 0

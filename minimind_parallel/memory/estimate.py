@@ -29,6 +29,7 @@ from ..training import make_optimizer, train_step
 from ..zero.buckets import DEFAULT_BUCKET_MB
 from ..zero.fully_shard import shard_fully, sharding_mesh
 from .analytic import as_dtype
+from .fake_memo import RememberingFakeTensorMode
 from .meter import MemoryMeter
 from .tracker import MemoryReport
 
@@ -88,10 +89,17 @@ def ddp_gradient_buckets(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _create_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """What a warm-up step leaves behind (AdamW's states), without its forward and backward."""
+    """What a warm-up step leaves behind (AdamW's states), without its forward and backward. A
+    plain AdamW makes its states in `_init_group`, the first part of its step, before the update
+    itself: that part alone is run (the update changes no tensor's size, and here moves no value
+    that matters). Any other optimizer (the distributed one under --zero 1/2) takes a whole step."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    optimizer.step()
+    if type(optimizer) is torch.optim.AdamW:
+        for group in optimizer.param_groups:
+            optimizer._init_group(group, [], [], [], [], [], [])   # torch's own state creation
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -99,7 +107,8 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
                          micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: bool = True,
                          num_microbatches: int = 1, schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int = 0,
                          cp_rank: int = 0, tracker_type=None, on_step=None,
-                         bucket_size_mb: float = DEFAULT_BUCKET_MB) -> MemoryReport:
+                         bucket_size_mb: float = DEFAULT_BUCKET_MB, memo: dict | None = None,
+                         remember: bool = True) -> MemoryReport:
     """Peak memory of `iters` training steps, each of `num_microbatches` microbatches of
     `micro_batch_size` sequences, on one rank of pipeline stage `stage`, without kernels.
     warmup: the optimizer states exist before the window, as after the warm-up steps of a real run.
@@ -111,7 +120,10 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
     so a stage runs its schedule alone, in the order of a real run.
     tracker_type / on_step(tracker), called after each step: to watch more than the report
     (memory/allocator.py records the allocation sequence this way). Under --zero (`par.zero`) the
-    distributed optimizer runs as it does on real ranks (buckets of `bucket_size_mb` MiB)."""
+    distributed optimizer runs as it does on real ranks (buckets of `bucket_size_mb` MiB).
+    remember: the fake dispatch remembers what each op made and makes it again without asking
+    FakeTensorMode (memory/fake_memo.py: the same report, to the byte, in about half the time);
+    `memo` may carry what it remembered from one call to the next (the benchmark's sweep)."""
     if not 0 <= stage < par.pp:
         raise ValueError(f"stage must be in [0, pp); got stage={stage}, pp={par.pp}")
     if not 0 <= cp_rank < par.cp:
@@ -125,7 +137,7 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
     with fake_process_group(rank, par.world_size):
         groups = ProcessGroups.build(par)  # real (fake-backend) groups, built outside the fake mode
         mesh = sharding_mesh(groups, "cpu") if par.zero == 3 else None   # so is --zero 3's device mesh
-        with FakeTensorMode():
+        with RememberingFakeTensorMode(memo) if remember else FakeTensorMode() as fake:
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
             if par.zero == 3:   # FSDP2 shards fake tensors as real ones, over the fake backend's mesh
                 model = shard_fully(model, groups, mesh)
@@ -137,7 +149,8 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
                                      groups.cp_rank)                     # [M B, S/C]
             if warmup:
                 _create_optimizer_states(model, optimizer)
-            meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets), tracker_type=tracker_type)
+            meter = MemoryMeter("cpu", model, optimizer, also_alive=tuple(buckets), tracker_type=tracker_type,
+                                answer=fake.answer if remember else None)
             with meter:
                 for _ in range(iters):
                     train_step(model, optimizer, groups, ids, targets, num_microbatches=num_microbatches,

@@ -25,14 +25,15 @@ class MemoryMeter:
     tracker_type = StorageTracker   # a subclass may watch more (scripts/cuda_memory_gap.py)
 
     def __init__(self, device, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 also_alive: tuple[torch.Tensor, ...] = (), detail: bool = False, tracker_type=None):
+                 also_alive: tuple[torch.Tensor, ...] = (), detail: bool = False, tracker_type=None,
+                 answer=None):
         """also_alive: tensors alive through the window that no op touches (counted as
         temporaries); detail: see StorageTracker; tracker_type: a StorageTracker subclass that
-        also watches something (memory/allocator.py records the allocation sequence). Each
-        `with meter:` is a fresh measurement."""
+        also watches something (memory/allocator.py records the allocation sequence); answer:
+        the tracker's `answer` (StorageTracker). Each `with meter:` is a fresh measurement."""
         self.device = torch.device(device)
         self.model, self.optimizer = model, optimizer
-        self.also_alive, self.detail = also_alive, detail
+        self.also_alive, self.detail, self.answer = also_alive, detail, answer
         if tracker_type is not None:
             self.tracker_type = tracker_type
         self.tracker = self.tracker_type(detail=detail)
@@ -64,6 +65,7 @@ class MemoryMeter:
 
     def __enter__(self):
         self.tracker = self.tracker_type(detail=self.detail)
+        self.tracker.answer = self.answer
         self._register_state()
         for t in self.also_alive:
             self.tracker.mark(t, "temporaries")

@@ -28,6 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -79,13 +80,29 @@ def _tensors(tree):
             yield from _tensors(x)
 
 
+def _device_type(t: torch.Tensor) -> str:
+    """t.device.type; a FakeTensor's without dispatching the question (`prim.device`) again."""
+    return t.fake_device.type if type(t) is FakeTensor else t.device.type
+
+
 class StorageTracker(TorchDispatchMode):
     """`with StorageTracker() as t: ...` then `t.report()`. Register known storages with `mark`."""
+
+    # An optional answer(func, args, kwargs) -> (outputs, input tensors, output tensors) or None:
+    # an op's result without dispatching it further, from a mode below that knows it
+    # (memory/fake_memo.py under --estimate); None dispatches the op as usual.
+    answer = None
 
     # While this tracker is active, every collective of `distributed.comm` returns only once the
     # backend has let go of its tensors (`comm._Release`), so a tensor dies where the program drops
     # it; outside a measurement nothing waits for that.
     waits_for_release = True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """TorchDispatchMode's switch: nothing under this mode is compiled, so its
+        __torch_dispatch__ is not wrapped in torch._disable_dynamo (a frame-callback swap per op)."""
+        return False
 
     def __init__(self, *, detail: bool = False):
         """detail=True also keeps, for the peak, every live storage with the op that made it
@@ -181,16 +198,23 @@ class StorageTracker(TorchDispatchMode):
 
     # -- the mode ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         if func in _METADATA_QUERIES:   # a question about a tensor (its device): no storage made or touched
-            return out
+            if type(args[0]) is FakeTensor:   # the fake device, as FakeTensorMode would answer
+                return args[0].fake_device
+            return func(*args, **(kwargs or {}))
+        answered = self.answer(func, args, kwargs) if self.answer is not None else None
+        if answered is None:
+            out = func(*args, **(kwargs or {}))
+            inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        else:
+            out, inputs, outputs = answered
         foreign = set()
         with self._lock:
             if self.detail:
                 self._op = _describe(func, out)
-            for is_input, tree in ((True, (args, kwargs)), (False, out)):
-                for t in _tensors(tree):
-                    if t.device.type != "meta":
+            for is_input, tensors in ((True, inputs), (False, outputs)):
+                for t in tensors:
+                    if _device_type(t) != "meta":
                         self._see(t, is_input=is_input, foreign=foreign)
             self._update_peak()
         return out

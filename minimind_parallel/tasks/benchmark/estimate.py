@@ -18,13 +18,15 @@ def estimate_device(launch, args) -> str:
     return "cpu (estimate)"
 
 
-def estimate_cell(job: Job, run: CellRun, row: dict) -> None:
+def estimate_cell(job: Job, run: CellRun, row: dict, memo: dict | None = None) -> None:
     """Fill `row` with the cell's estimated peak (every stage: the worst CP rank of each, the last ones
-    under the contiguous split; the worst stage is the cell's peak), or record why it failed."""
+    under the contiguous split; the worst stage is the cell's peak), or record why it failed. `memo`:
+    the fake dispatch's memo, shared by the sweep's cells (memory/fake_memo.py)."""
     config, par = model_config(run.args), run.par
+    memo = {} if memo is None else memo
     try:
         cp_ranks = range(1 if par.cp_load_balance else par.cp)
-        reports = [max((memory.estimate_step_memory(config, par, iters=1, stage=p, cp_rank=r, **run.sizes)
+        reports = [max((memory.estimate_step_memory(config, par, iters=1, stage=p, cp_rank=r, memo=memo, **run.sizes)
                         for r in cp_ranks), key=lambda r: r.peak_bytes) for p in range(par.pp)]
         worst = max(reports, key=lambda r: r.peak_bytes)
         outputs.fill_memory(row, worst.peak_bytes, worst.breakdown)

@@ -53,12 +53,13 @@ def run_benchmark(job: Job) -> int:
         bar.write(table.line(row))
 
     interrupted, row = None, None
+    fake_memo: dict = {}   # --estimate: what the fake dispatch of one cell remembers for the next (metadata only)
     try:
         for cell in bar:
             bar.set_postfix_str(cell.name)
             run = cell_run(job, cell)
             row = new_cell_row(job, run)
-            run_one(job, run, row, paths)
+            run_one(job, run, row, paths, fake_memo)
             record(row)
     except Interrupted as e:  # the cell's processes are gone (launcher.run_torchrun); keep what finished
         interrupted = e
@@ -98,10 +99,11 @@ def new_cell_row(job: Job, run: CellRun) -> dict:
     return row
 
 
-def run_one(job: Job, run: CellRun, row: dict, paths) -> None:
-    """Run one cell and fill its row (status ok / oom / failed / timeout, with the reason)."""
+def run_one(job: Job, run: CellRun, row: dict, paths, fake_memo: dict | None = None) -> None:
+    """Run one cell and fill its row (status ok / oom / failed / timeout, with the reason); an
+    estimate shares `fake_memo` with the sweep's other cells (memory/fake_memo.py)."""
     if job.task.estimate:
-        estimate_cell(job, run, row)
+        estimate_cell(job, run, row, fake_memo)
     else:
         launch_cell(job, run, row, paths, timeout=job.task.cell_timeout)
 

@@ -1,0 +1,271 @@
+"""`RememberingFakeTensorMode`: PyTorch's FakeTensorMode that remembers, per aten op and the
+metadata of its inputs, what it made, and makes it again without asking FakeTensorMode.
+
+Why: a fake-tensor training step dispatches every aten op through FakeTensorMode, whose own
+dispatch cache builds a full metadata key of every argument (sparsity, symbolic sizes, memory
+format, ...) and checks it on every hit; that key is most of the cost of `--estimate`. The ops of
+one step repeat the same shapes layer after layer, step after step and cell after cell, and
+none of them has symbolic sizes, so a key of each tensor's dtype, sizes, strides, offset, device
+and flags decides the outputs' metadata just as well, at a fraction of the cost.
+
+What is remembered is FakeTensorMode's own answer, recorded the first time an op is seen with
+those inputs: for each output, either "input j itself" (an in-place op), "a view of input j's
+storage" (shape, strides, offset) or "a new storage" (shape, strides, dtype, device). The
+replay builds the outputs as FakeTensorMode's cache does (an empty meta tensor, set onto the
+input's storage for a view, wrapped in a FakeTensor), so each output owns exactly the storage
+the first answer owned and the memory tracker above it counts the same bytes.
+
+Only what is safe to replay is remembered, the rest always goes to FakeTensorMode:
+- ops FakeTensorMode itself would not cache (data-dependent or dynamic output shapes, in-place
+  views, lifts, non-builtin ops: its `_validate_cache_key`), and ops outside `aten`;
+- inputs that are not this mode's plain FakeTensors (real tensors, constants FakeTensorMode
+  propagates values of, other modes' tensors) or arguments of an unknown kind;
+- mutating ops other than pointwise in-place ones (and copy_ / zero_ / fill_), and any op that
+  changed the metadata or storage size of an input when it was recorded;
+- outputs that are not plain FakeTensors, carry a constant, require grad, or whose new storage
+  is not exactly what `empty_strided` makes (an offset, a larger buffer, two outputs sharing it).
+
+Two more answers skip FakeTensorMode's general handling of ops it does not cache, each doing
+what that handling does for the op: a c10d collective runs its Meta kernel (torch.distributed's
+fake collectives: the inputs back, with a FakeWork), and item() of a constant (AdamW's step
+count) is the item() of its value.
+
+`memo` may be shared by several modes (one per cell of a sweep): it holds only metadata.
+`tests/test_fake_memo.py::test_the_remembered_fake_dispatch_measures_what_fake_tensor_mode_measures`
+checks that every report is byte-identical with and without it.
+"""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, in_kernel_invocation_manager
+from torch.utils._mode_utils import no_dispatch
+
+_MISSING = object()
+_DEVICE = torch.ops.prim.device.default
+_ITEM = torch.ops.aten._local_scalar_dense.default
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+# Refused by FakeTensorMode's own cache only for unbacked symbolic sizes, which never occur here.
+_REMEMBERED_THOUGH_FAKE_CACHE_REFUSES = frozenset({torch.ops.aten._unsafe_view.default})
+_MUTATING_ALLOWED = frozenset({torch.ops.aten.copy_.default, torch.ops.aten.zero_.default,
+                               torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor})
+
+
+def _leaves(tree) -> list:
+    """The leaves of nested tuples / lists (an op's arguments or outputs)."""
+    if isinstance(tree, (tuple, list)):
+        return [leaf for x in tree for leaf in _leaves(x)]
+    return [tree]
+
+
+class _NotRemembered(Exception):
+    """An argument or output this memo does not replay."""
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    """What decides an op's output metadata about one fake input (no symbolic sizes here)."""
+    return (t.dtype, t.shape, t.stride(), t.storage_offset(), t.fake_device, t.layout,
+            t.requires_grad, t.is_conj(), t.is_neg())
+
+
+class RememberingFakeTensorMode(FakeTensorMode):
+    """`with RememberingFakeTensorMode(memo): ...` as FakeTensorMode (see the module's doc)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """TorchDispatchMode's switch: nothing under this mode is compiled, so its
+        __torch_dispatch__ is not wrapped in torch._disable_dynamo (a frame-callback swap per op)."""
+        return False
+
+    def __init__(self, memo: dict | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.memo = {} if memo is None else memo   # key -> outputs' recipe, or None: always dispatch
+        self.replayed = 0                          # ops answered from the memo (for tests)
+        self._template = None                      # a plain FakeTensor's attributes (`_wrap`)
+        self._meta_kernels: dict = {}              # c10d op -> whether it has a Meta kernel
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _DEVICE and not self.in_kernel_invocation:   # the autograd engine's most frequent question
+            return args[0].fake_device
+        tensors: list = []
+        try:
+            key = self._key(func, args, kwargs, tensors)
+        except _NotRemembered:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        recipe = self.memo.get(key, _MISSING)
+        if recipe is _MISSING:
+            before = [t.untyped_storage().nbytes() for t in tensors]
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.memo[key] = self._recipe(func, args, kwargs, tensors, before, key, out)
+            return out
+        if recipe is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        return self._replay(recipe, tensors)[0]
+
+    def answer(self, func, args, kwargs):
+        """For a dispatch mode above this one (the memory tracker's `answer`): (the op's outputs,
+        its input tensors, its output tensors) from the memo, without dispatching the op down to
+        this mode; None when the memo has no answer (the op is then dispatched, and remembered).
+        Also the value of a constant's item() (AdamW's step count, each parameter each step)."""
+        if func is _ITEM and type(args[0]) is FakeTensor and args[0].constant is not None and not kwargs:
+            return self._constant_item(args[0]), [args[0]], []
+        if func.namespace == "c10d":
+            return self._collective(func, args, kwargs or {})
+        tensors: list = []
+        try:
+            key = self._key(func, args, kwargs or {}, tensors)
+        except _NotRemembered:
+            return None
+        recipe = self.memo.get(key)
+        if recipe is None:
+            return None
+        out, made = self._replay(recipe, tensors)
+        return out, tensors, made
+
+    def _collective(self, func, args, kwargs):
+        """A c10d collective on this mode's fake tensors: its Meta kernel, the one FakeTensorMode
+        runs for it (torch.distributed's `_meta_registrations`: the output is the input tensors, with
+        a FakeWork; no backend is called), run directly, without FakeTensorMode's general handling
+        of an op it does not cache."""
+        if not self._has_meta_kernel(func):
+            return None
+        tensors = [t for t in _leaves(args) + _leaves(list(kwargs.values())) if isinstance(t, torch.Tensor)]
+        if any(type(t) is not FakeTensor or t.fake_mode is not self or t.constant is not None for t in tensors):
+            return None
+        with in_kernel_invocation_manager(self):
+            out = func(*args, **kwargs)
+        return out, tensors, [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+
+    def _has_meta_kernel(self, func) -> bool:
+        known = self._meta_kernels.get(func)
+        if known is None:
+            known = self._meta_kernels[func] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "Meta")
+        return known
+
+    def _constant_item(self, t: FakeTensor):
+        """item() of a fake tensor that carries its value (a constant, e.g. made by torch.tensor):
+        what FakeTensorMode's constant propagation computes, the op on the value itself."""
+        with no_dispatch():
+            return _ITEM(t.constant)
+
+    # -- the key -------------------------------------------------------------------------------
+    def _key(self, func, args, kwargs, tensors: list) -> tuple:
+        if func.namespace != "aten":
+            raise _NotRemembered
+        parts = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+        self._flatten(args, parts, tensors)
+        for name, value in kwargs.items():
+            parts.append(name)
+            self._flatten(value, parts, tensors)
+        return tuple(parts)
+
+    def _flatten(self, x, parts: list, tensors: list) -> None:
+        if type(x) is FakeTensor:
+            if x.fake_mode is not self or x.constant is not None:
+                raise _NotRemembered
+            parts.append(_meta(x))
+            tensors.append(x)
+        elif isinstance(x, (tuple, list)):
+            parts.append((type(x), len(x)))
+            for y in x:
+                self._flatten(y, parts, tensors)
+        elif isinstance(x, _SCALARS):
+            parts.append((type(x), x))
+        else:
+            raise _NotRemembered
+
+    # -- recording -----------------------------------------------------------------------------
+    def _recipe(self, func, args, kwargs, tensors, before, key, out):
+        try:
+            if func not in _REMEMBERED_THOUGH_FAKE_CACHE_REFUSES:
+                self._validate_cache_key(func, args, kwargs)   # FakeTensorMode's own refusals
+        except Exception:   # its _BypassDispatchCache (private), or anything it cannot judge
+            return None
+        if func._schema.is_mutable and torch.Tag.pointwise not in func.tags and func not in _MUTATING_ALLOWED:
+            return None
+        after: list = []
+        try:
+            if self._key(func, args, kwargs, after) != key or \
+                    [t.untyped_storage().nbytes() for t in after] != before:
+                return None   # the op changed an input's metadata or storage: replay would not
+            many = isinstance(out, (tuple, list))
+            outs = list(out) if many else [out]
+            specs, fresh = [], set()
+            for o in outs:
+                specs.append(self._output_spec(o, tensors, fresh))
+        except _NotRemembered:
+            return None
+        return (type(out) if many else None, tuple(specs))
+
+    @staticmethod
+    def _output_spec(o, tensors, fresh: set) -> tuple:
+        if o is None:
+            return ("none",)
+        for j, t in enumerate(tensors):
+            if o is t:
+                return ("same", j)
+        if type(o) is not FakeTensor or o.constant is not None or o.requires_grad or o.layout is not torch.strided:
+            raise _NotRemembered
+        st = o.untyped_storage()
+        shape, stride, offset = tuple(o.shape), o.stride(), o.storage_offset()
+        flags = (o.dtype, o.fake_device, o.is_conj(), o.is_neg())
+        for j, t in enumerate(tensors):
+            if t.untyped_storage()._cdata == st._cdata:
+                return ("view", j, shape, stride, offset, *flags)
+        span = 0 if o.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        if offset != 0 or st.nbytes() != span * o.element_size() or st._cdata in fresh:
+            raise _NotRemembered
+        fresh.add(st._cdata)
+        return ("new", shape, stride, offset, *flags)
+
+    # -- replay --------------------------------------------------------------------------------
+    def _replay(self, recipe, tensors) -> tuple:
+        """(the outputs as the op returns them, the output tensors in order)."""
+        self.replayed += 1
+        container, specs = recipe
+        outs = []
+        for spec in specs:
+            kind = spec[0]
+            if kind == "none":
+                outs.append(None)
+            elif kind == "same":
+                outs.append(tensors[spec[1]])
+            else:
+                outs.append(self._make(spec, tensors))
+        made = [o for o in outs if o is not None]
+        if container is None:
+            return outs[0], made
+        return (container(*outs) if hasattr(container, "_fields") else container(outs)), made
+
+    def _make(self, spec, tensors) -> FakeTensor:
+        kind, shape, stride, offset, dtype, device, conj, neg = (spec[0], *spec[-7:])
+        with torch._C._DisableTorchDispatch():   # plain meta tensors: no mode, no FakeTensor, sees these
+            empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            if kind == "view":
+                empty.set_(tensors[spec[1]].untyped_storage(), offset, shape, stride)
+        if conj:
+            torch._C._set_conj(empty, True)
+        if neg:
+            torch._C._set_neg(empty, True)
+        return self._wrap(empty, device)
+
+    def _wrap(self, empty: torch.Tensor, device: torch.device) -> FakeTensor:
+        """FakeTensor(self, empty, device), made faster: what its constructor sets on a plain fake
+        tensor (no constant, real tensor or subclass type) is the same for every one of this mode's,
+        so it is taken from one made by the constructor (`_template`, checked equal by
+        tests/test_fake_memo.py) and only the device is set."""
+        if self._template is None:
+            made = FakeTensor(self, empty, device)
+            if FakeTensorConfig.debug:   # each keeps its own trace: no template
+                return made
+            self._template = {k: v for k, v in vars(made).items() if k != "fake_device"}
+            return made
+        t = torch.Tensor._make_subclass(FakeTensor, empty, False, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(t)
+        t.__dict__.update(self._template)
+        t.fake_device = device
+        return t

@@ -1,0 +1,119 @@
+"""The estimate's remembered fake dispatch (memory/fake_memo.py) and its warm-up shortcut measure
+exactly what FakeTensorMode and a whole warm-up step measure: every report byte-identical, over
+layouts that reach every path of a step (DDP, TP + SP + async, PP stages, ZeRO 1 and 3, CP,
+selective recompute, MoE with experts over DP), also with one memo shared by all of them."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
+from minimind_parallel.memory import StorageTracker, estimate_step_memory
+from minimind_parallel.memory.estimate import _create_optimizer_states, fake_process_group
+from minimind_parallel.memory.fake_memo import RememberingFakeTensorMode
+from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
+from minimind_parallel.training import make_optimizer
+
+TINY = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                      vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256)
+MOE = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=512, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+LAYOUTS = [  # (config, layout, estimate_step_memory's keywords)
+    (TINY, ParallelConfig(dp=2), {}),
+    (TINY, ParallelConfig(tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True), {}),
+    (TINY, ParallelConfig(tp=2, sequence_parallel=True, recompute="selective", loss_chunks=2), {}),
+    (TINY, ParallelConfig(pp=2, dp=2, zero=1), dict(stage=1, num_microbatches=2)),
+    (TINY, ParallelConfig(pp=2), dict(stage=0, num_microbatches=3, schedule="gpipe")),
+    (TINY, ParallelConfig(dp=2, zero=3), {}),
+    (TINY, ParallelConfig(cp=2, cp_load_balance=False), dict(cp_rank=1)),
+    (MOE, ParallelConfig(dp=2, ep=2), {}),
+]
+
+
+class _Counting(StorageTracker):
+    """The tracker, also noting which ops the mode below answered (by namespace: aten, c10d)."""
+    answered: set = set()
+
+    @property
+    def answer(self):
+        return self._answer
+
+    @answer.setter
+    def answer(self, answer):
+        def counted(func, args, kwargs):
+            got = answer(func, args, kwargs)
+            if got is not None:
+                _Counting.answered.add(func.namespace)
+            return got
+        self._answer = counted if answer is not None else None
+
+
+def _estimate(config, par, kw, **how):
+    return estimate_step_memory(config, par, seq_len=32, micro_batch_size=2, dtype=torch.bfloat16, iters=1,
+                                **kw, **how)
+
+
+def test_the_remembered_fake_dispatch_measures_what_fake_tensor_mode_measures():
+    shared: dict = {}
+    for config, par, kw in LAYOUTS:
+        plain = _estimate(config, par, kw, remember=False)
+        got = _estimate(config, par, kw, memo=shared, tracker_type=_Counting)   # what the layouts before left
+        assert (got.peak_bytes, got.breakdown) == (plain.peak_bytes, plain.breakdown), (par, kw)
+    assert _Counting.answered == {"aten", "c10d"}   # ops and collectives answered without FakeTensorMode
+    remembered = [recipe for recipe in shared.values() if recipe is not None]
+    assert len(remembered) > 200 and any(spec[0] == "view" for _, specs in remembered for spec in specs)
+
+
+def test_a_replayed_op_makes_the_tensor_fake_tensor_mode_made():
+    mode = RememberingFakeTensorMode()
+    with mode:
+        x = torch.empty(4, 6)
+        first, first_view = x * 2, x.t()
+        replayed, replayed_view = x * 2, x.t()
+        reference = FakeTensor(mode, torch.empty(4, 6, device="meta"), torch.device("cpu"))
+    assert mode.replayed >= 2
+    for made, shown in ((replayed, first), (replayed_view, first_view)):
+        assert type(made) is FakeTensor and vars(made).keys() == vars(reference).keys()
+        assert {k: v for k, v in vars(made).items() if k != "fake_device"} == \
+            {k: v for k, v in vars(reference).items() if k != "fake_device"}
+        assert torch._C._dispatch_keys(made) == torch._C._dispatch_keys(shown)
+        assert (made.shape, made.stride(), made.dtype, made.device, made.storage_offset()) == \
+            (shown.shape, shown.stride(), shown.dtype, shown.device, shown.storage_offset())
+    assert replayed_view.untyped_storage()._cdata == x.untyped_storage()._cdata   # a view of x's storage
+    assert replayed.untyped_storage()._cdata != first.untyped_storage()._cdata   # a storage of its own
+
+
+def test_a_constants_item_is_its_value_as_fake_tensor_mode_gives_it():
+    mode = RememberingFakeTensorMode()
+    with mode:
+        step = torch.tensor(0.0)
+        step += 3   # AdamW's step count
+        assert step.constant is not None and step.item() == 3.0
+        value, inputs, outputs = mode.answer(torch.ops.aten._local_scalar_dense.default, (step,), {})
+    assert (value, inputs, outputs) == (3.0, [step], [])
+
+
+def _states(warm_up):
+    """AdamW's states after `warm_up(model, optimizer)` on a fake model: each one's metadata."""
+    par = ParallelConfig(tp=2)
+    with fake_process_group(0, 2):
+        groups = ProcessGroups.build(par)
+        with FakeTensorMode():
+            model = ParallelMiniMindForCausalLM(TINY, par, groups)
+            optimizer = make_optimizer(model, 1e-3, groups)
+            warm_up(model, optimizer)
+            grads = [p.grad for p in model.parameters()]
+            return grads, [{k: (v.shape, v.stride(), v.dtype, v.device) for k, v in optimizer.state[p].items()}
+                           for p in model.parameters()]
+
+
+def _whole_step(model, optimizer):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_the_warm_up_makes_the_optimizer_states_a_whole_step_makes():
+    grads, states = _states(_create_optimizer_states)
+    assert all(g is None for g in grads) and all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in states)
+    assert (grads, states) == _states(_whole_step)
