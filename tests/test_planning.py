@@ -159,30 +159,32 @@ def test_the_remembered_stage_sizes_and_predictions_equal_the_uncached_ones(monk
             assert predictions() == remembered
 
 
-def test_a_posted_orders_peak_alone_is_the_full_replays_to_the_byte():
-    """The planner's predictions of interleaved and zb layouts (worst_only: posted_peak.py, the moments
-    remembered as rows over the terms, each action's list cut to its largest, one kind of middle
-    chunk sized once) equal the full replay's, every moment of every chunk: the peak, breakdown,
-    moment, units in flight and every stage's peak, under DDP and --zero 1, on CPU and CUDA; the
-    moments it keeps are the full replay's."""
+def test_the_planners_moments_alone_give_the_full_replays_prediction_to_the_byte():
+    """The planner's predictions (worst_only: of each backward its largest moment; of interleaved
+    and zb layouts the peak alone, posted_peak.py, the moments remembered as rows over the terms,
+    one kind of middle chunk sized once) equal the full replay's of every moment of every stage:
+    the peak, breakdown, moment, units in flight, under every schedule and zero level, on CPU and
+    CUDA; the moments it keeps are the full replay's."""
     from dataclasses import asdict
     from minimind_parallel.pipeline_parallel.order import Schedule
     work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
-    posted = [k for k in enumerate_layouts(work)[0]
-              if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
     groups: dict = {}
-    for k in posted:
-        groups.setdefault((k.pp, k.pp_schedule, k.virtual_stages, k.zero), []).append(k)
+    for k in enumerate_layouts(work)[0]:
+        groups.setdefault((k.pp, k.pp_schedule if k.pp > 1 else None, k.virtual_stages, k.zero), []).append(k)
     sample = [k for g in groups.values() for k in g[::max(1, len(g) // 6)]]    # six of each, spread
-    assert {k.pp for k in sample} == {2, 4, 8} and {k.virtual_stages for k in sample} == {1, 2, 4}
-    assert {k.zero for k in sample} == {0, 1} and {k.pp_schedule for k in sample} == {Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE}
+    posted = [k for k in sample if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
+    assert {k.pp for k in posted} == {2, 4, 8} and {k.virtual_stages for k in posted} == {1, 2, 4}
+    assert {k.zero for k in posted} == {0, 1} and {k.zero for k in sample} == {0, 1, 2}
+    assert {k.pp_schedule for k in sample if k.pp > 1} == set(Schedule)
     peaks = set()
     for k in sample:
         for device in ("cpu", "cuda"):
             kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
                       schedule=k.pp_schedule, device=device)
             every, alone = predict_memory(work.model, k.parallel, **kw), predict_memory(work.model, k.parallel, worst_only=True, **kw)
-            assert {**asdict(alone), "candidates": None} == {**asdict(every), "candidates": None}, k.describe()
+            assert {**asdict(alone), "candidates": None, "per_stage": None} == \
+                {**asdict(every), "candidates": None, "per_stage": None}, k.describe()
+            assert max(alone.per_stage) == max(every.per_stage)
             assert all(every.candidates[name] == total for name, total in alone.candidates.items())
             peaks.add(every.peak_at.split("[")[0])
     assert len(peaks) > 2
@@ -213,7 +215,8 @@ def _assert_rows_are_the_replays(work, k, grads_count):
 def test_the_worst_stages_alone_give_the_same_prediction_as_every_stage():
     """The planner predicts the first, second and last stage only (`candidate_stages`): on every
     pipelined layout of an 8-stage space the peak, breakdown, moment and microbatches in flight are
-    those of all the stages. (A schedule of model chunks is predicted on every stage.)"""
+    those of all the stages, and the moments it keeps (each backward's largest) are theirs. (A
+    schedule of model chunks is predicted on every stage.)"""
     from dataclasses import asdict
     work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
     piped = [k for k in enumerate_layouts(work)[0] if k.pp > 2 and k.pp_schedule in ("gpipe", "1f1b")]
@@ -223,7 +226,9 @@ def test_the_worst_stages_alone_give_the_same_prediction_as_every_stage():
                   schedule=k.pp_schedule, device="cuda")
         every, worst = predict_memory(work.model, k.parallel, **kw), predict_memory(work.model, k.parallel, worst_only=True, **kw)
         assert len(worst.per_stage) == 3 and max(worst.per_stage) == max(every.per_stage) == every.peak_bytes
-        assert {**asdict(worst), "per_stage": None} == {**asdict(every), "per_stage": None}, k.describe()
+        assert {**asdict(worst), "per_stage": None, "candidates": None} == \
+            {**asdict(every), "per_stage": None, "candidates": None}, k.describe()
+        assert all(every.candidates[name] == total for name, total in worst.candidates.items())
 
 
 def test_the_space_plans_every_schedule_and_zero_level_the_memory_model_declares(monkeypatch):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import functools
 import json
 import os
 import random
@@ -223,7 +224,7 @@ def train_command(k: Candidate, args) -> str:
             "--max_seq_len", str(args.seq_len), "--batch_size", str(k.micro_batch_size),
             "--accumulation_steps", str(k.num_microbatches), "--dtype", args.dtype, "--precision", "pure",
             *flag_argv(k)]
-    return shlex.join([*PROGRAM, *argv])
+    return shell_join([*PROGRAM, *argv])
 
 
 def cell_argv(k: Candidate, args, *, kind: Kind, device: str) -> list[str]:
@@ -237,7 +238,17 @@ def cell_argv(k: Candidate, args, *, kind: Kind, device: str) -> list[str]:
 def estimate_command(k: Candidate, args, hw) -> str:
     cap = hw.cuda_capability or (9, 0)
     argv = [*cell_argv(k, args, kind=Kind.MEMORY, device="cuda"), "--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"]
-    return shlex.join([*PROGRAM, *argv])
+    return shell_join([*PROGRAM, *argv])
+
+
+def shell_join(argv: list[str]) -> str:
+    """shlex.join, each word's quoting remembered: thousands of commands repeat the same words."""
+    return " ".join(map(_quoted, argv))
+
+
+@functools.lru_cache(maxsize=4096)
+def _quoted(word: str) -> str:
+    return shlex.quote(word)
 
 
 # ---------------------------------------------------------------- outputs

@@ -28,6 +28,7 @@ import numpy as np
 
 from ...config import MiniMindConfig, ParallelConfig
 from ...pipeline_parallel.order import Step
+from ...memo import Frozen
 from ...plan import stage_layers
 from .orders import stage_order, stage_releases
 from .posted_replay import StageTerms, UnitTerms, is_zero_bubble, stage_terms, unit_terms, walk
@@ -38,19 +39,44 @@ UNIT_LEAVES = 23                            # the numbers of one UnitTerms with 
 STAGE_LEAVES = 6
 
 
+class ChunkKind:
+    """One kind of model chunk: its sizes, and its terms (by whether B defers the weight grads)
+    made once."""
+
+    __slots__ = ("sizes", "_terms")
+
+    def __init__(self, sizes: StageSizes):
+        self.sizes, self._terms = sizes, {}
+
+    def terms(self, zb: bool) -> UnitTerms:
+        if zb not in self._terms:
+            self._terms[zb] = unit_terms(self.sizes, zb)
+        return self._terms[zb]
+
+
 def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *, cp_rank: int = 0,
-                **kw) -> list[StageSizes]:
-    """stage_sizes.chunk_sizes, each kind of virtual stage (first, last, its layers) sized once per
-    `memo` (one layout's: kept across its stages); equal kinds are one object."""
-    chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1)
+                **kw) -> list[ChunkKind]:
+    """stage_sizes.chunk_sizes, each kind of virtual stage (first, last, its layers) sized once and
+    remembered across layouts on what it depends on: the model, the layout but its zero level and
+    dp (a chunk's sizes read them only for DDP's buckets, none under a pipeline), `kw`. `memo`:
+    one layout's, kept across its stages; equal kinds are one object."""
+    if "chunked" not in memo:
+        chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1)
+        memo["chunked"] = (chunked, Frozen(c), Frozen(replace(chunked, zero=0, dp=1)), tuple(sorted(kw.items())))
+    chunked, model, shape, rest = memo["chunked"]
     out = []
     for v in range(par.virtual_stages):
         vs = v * par.pp + stage
         kind = (vs == 0, vs == chunked.pp - 1, len(stage_layers(c.num_hidden_layers, chunked.pp, vs)), cp_rank)
         if kind not in memo:
-            memo[kind] = stage_sizes(c, chunked, vs, cp_rank=cp_rank, **kw)
+            memo[kind] = _chunk_kind(model, shape, vs, cp_rank, rest)
         out.append(memo[kind])
     return out
+
+
+@functools.lru_cache(maxsize=1 << 16)   # a plan's every kind: its zero levels' layouts are far apart
+def _chunk_kind(model: Frozen, chunked: Frozen, virtual_stage: int, cp_rank: int, kw: tuple) -> ChunkKind:
+    return ChunkKind(stage_sizes(model.config, chunked.config, virtual_stage, cp_rank=cp_rank, **dict(kw)))
 
 
 def _b_score(entry: tuple, grads_count: bool) -> int:
@@ -142,24 +168,29 @@ def _moments(order_key: tuple, pattern: tuple, lasts: tuple, stage_last: bool, w
     return _Moments(grads=g, acts=a, temps=t, with_grads=g + a + t, without_grads=a + t, rows=tuple(rows))
 
 
-def _rows(s: StageSizes, chunks: list[StageSizes], order_key: tuple, grads_count: bool, memo: dict) -> tuple:
+def _rows(s: StageSizes, chunks: list[ChunkKind], order_key: tuple, grads_count: bool, memo: dict) -> tuple:
     """The stage's rows of moments, its terms (int64) and its chunks' cut terms, by kind."""
-    zb = is_zero_bubble(stage_order(*order_key))
+    zb = _zero_bubble(order_key)
     distinct: dict = {}
-    for cs in chunks:
-        distinct.setdefault(id(cs), cs)
+    for kind in chunks:
+        distinct.setdefault(id(kind), kind)
     ids = list(distinct)
-    pattern = tuple(ids.index(id(cs)) for cs in chunks)
+    pattern = tuple(ids.index(id(kind)) for kind in chunks)
     units = []
-    for cs in distinct.values():
-        key = (id(cs), zb, grads_count)
+    for kind in distinct.values():
+        key = (id(kind), zb, grads_count)
         if key not in memo:
-            memo[key] = (cs, _cut(unit_terms(cs, zb), grads_count))
+            memo[key] = (kind, _cut(kind.terms(zb), grads_count))
         units.append(memo[key][1])
     st = stage_terms(s)
     m = _moments(order_key, pattern, tuple(u.last for u in units), st.last, st.weightless)
     f = np.array([x for u in units for x in _unit_leaves(u)] + _stage_leaves(st), dtype=np.int64)
     return m, f, [units[k] for k in pattern]
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero_bubble(order_key: tuple) -> bool:
+    return is_zero_bubble(stage_order(*order_key))
 
 
 def _name(row: tuple, units: list[UnitTerms]) -> str:
@@ -173,7 +204,7 @@ def _name(row: tuple, units: list[UnitTerms]) -> str:
     return f"{(u.backward_first if label == 'first' else u.backward_later)[0][0]}[{i}.{c}]"
 
 
-def posted_moments(s: StageSizes, chunks: list[StageSizes], order_key: tuple, grads_count: bool,
+def posted_moments(s: StageSizes, chunks: list[ChunkKind], order_key: tuple, grads_count: bool,
                    memo: dict) -> dict:
     """Every row's moment: each action's first largest, {name: (grads, activations, temporaries)}."""
     m, f, units = _rows(s, chunks, order_key, grads_count, memo)
@@ -181,7 +212,7 @@ def posted_moments(s: StageSizes, chunks: list[StageSizes], order_key: tuple, gr
     return {_name(row, units): (g[r], a[r], t[r]) for r, row in enumerate(m.rows)}
 
 
-def posted_peak(s: StageSizes, chunks: list[StageSizes], order_key: tuple, grads_count: bool,
+def posted_peak(s: StageSizes, chunks: list[ChunkKind], order_key: tuple, grads_count: bool,
                 memo: dict) -> tuple[dict, dict]:
     """replay_posted's first largest moment of the stage `order_key` = (P, stage, M, schedule, V),
     by the total with the grads (`grads_count`) or without (under --zero they are a constant

@@ -18,12 +18,12 @@ posted_peak.py remembers across layouts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
-from .schedule_replay import batch_saved, forward_moment
+from .schedule_replay import batch_saved, forward_moment, targets_saved
 from .stage_sizes import StageSizes
 from .zero_bubble_moments import deferred_grads, pending, weight_moments, zb_backward_moments
 
@@ -93,7 +93,7 @@ def unit_terms(cs: StageSizes, zb: bool) -> UnitTerms:
 
 def stage_terms(s: StageSizes) -> StageTerms:
     return StageTerms(last=s.last, weightless=s.weight == 0, saved=batch_saved(s),
-                      targets=batch_saved(replace(s, first=False)),   # the last stage's share of batch_saved
+                      targets=targets_saved(s),
                       loss_weights=4 * s.mb, batch=s.batch, ddp_buckets=s.ddp_buckets, loss_scalar=s.loss_scalar)
 
 

@@ -62,9 +62,9 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     contiguous one the later ranks' attention sees more blocks). Under --zero 1 and 2 (`par.zero`)
     the distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py).
     `worst_only` (with stage None): only the stages that can hold the worst peak
-    (`candidate_stages`), which `per_stage` then lists, and of a posted order (interleaved, zb)
-    only its peak moment (posted_peak.py: `candidates` has it and the step's own moments); the
-    prediction is the same. MoE under
+    (`candidate_stages`), which `per_stage` then lists, and only the moments that can be the
+    first largest (of each backward its largest; of a posted order, interleaved or zb, its peak
+    alone, posted_peak.py), which `candidates` then lists; the prediction is the same. MoE under
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
     tokens per expert, then the worst EP rank's), said in `routing`."""
     c = model_config
@@ -134,7 +134,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                    expert_rows: tuple[tuple[int, ...], ...] = (), memo: dict | None = None) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then. With
-    a `memo` (one layout's), of a posted order its peak moment alone (posted_peak.py)."""
+    a `memo` (one layout's: predict_memory's worst_only) only the moments that can be the first largest."""
     s = stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
                     num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed,
                     expert_rows=expert_rows)
@@ -159,7 +159,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
             moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
     else:
-        moments, in_flight = replay_schedule(s, order)
+        moments, in_flight = replay_schedule(s, order, grads_count=None if memo is None else not layouts)
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:
