@@ -196,7 +196,8 @@ def test_the_planners_moments_alone_give_the_full_replays_prediction_to_the_byte
 
 def _assert_rows_are_the_replays(work, k, grads_count):
     from minimind_parallel.memory.analytic.orders import stage_order, stage_releases
-    from minimind_parallel.memory.analytic.posted_peak import chunk_kinds, posted_moments
+    from minimind_parallel.memory.analytic.posted_peak import posted_moments
+    from minimind_parallel.memory.analytic.remembered_sizes import chunk_kinds
     from minimind_parallel.memory.analytic.posted_replay import replay_posted
     from minimind_parallel.memory.analytic.stage_sizes import chunk_sizes, stage_sizes
     kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
@@ -207,7 +208,7 @@ def _assert_rows_are_the_replays(work, k, grads_count):
         s = stage_sizes(work.model, par, stage, **kw)
         full, _ = replay_posted(s, chunk_sizes(work.model, par, stage, **kw), stage_order(*key),
                                 stage_releases(k.pp, k.num_microbatches, k.pp_schedule, k.virtual_stages)[stage])
-        rows = posted_moments(s, chunk_kinds(work.model, par, stage, memo, **kw), key, grads_count, memo)
+        rows = posted_moments(s, chunk_kinds(work.model, par, stage, memo, **kw), key, grads_count)
         assert len(rows) == len(stage_order(*key)) and all(full[name] == moment for name, moment in rows.items())
         assert {name.split("[")[0] for name in rows} >= {"forward_end"} | ({"weight"} if k.pp_schedule == "zb" else set())
 

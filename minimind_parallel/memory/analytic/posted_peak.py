@@ -26,57 +26,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ...config import MiniMindConfig, ParallelConfig
 from ...pipeline_parallel.order import Step
-from ...memo import Frozen
-from ...plan import stage_layers
 from .orders import stage_order, stage_releases
-from .posted_replay import StageTerms, UnitTerms, is_zero_bubble, stage_terms, unit_terms, walk
-from .stage_sizes import StageSizes, stage_sizes
+from .posted_replay import StageTerms, UnitTerms, is_zero_bubble, stage_terms, walk
+from .remembered_sizes import SizesKind
+from .stage_sizes import StageSizes
 
 DIGIT = 32                                  # bits per term's coefficient
 UNIT_LEAVES = 23                            # the numbers of one UnitTerms with one moment per list
 STAGE_LEAVES = 6
-
-
-class ChunkKind:
-    """One kind of model chunk: its sizes, and its terms (by whether B defers the weight grads)
-    made once."""
-
-    __slots__ = ("sizes", "_terms")
-
-    def __init__(self, sizes: StageSizes):
-        self.sizes, self._terms = sizes, {}
-
-    def terms(self, zb: bool) -> UnitTerms:
-        if zb not in self._terms:
-            self._terms[zb] = unit_terms(self.sizes, zb)
-        return self._terms[zb]
-
-
-def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *, cp_rank: int = 0,
-                **kw) -> list[ChunkKind]:
-    """stage_sizes.chunk_sizes, each kind of virtual stage (first, last, its layers) sized once and
-    remembered across layouts on what it depends on: the model, the layout but its zero level and
-    dp (a chunk's sizes read them only for DDP's buckets, none under a pipeline), `kw`. `memo`:
-    one layout's, kept across its stages; equal kinds are one object."""
-    if "chunked" not in memo:
-        chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1)
-        memo["chunked"] = (chunked, Frozen(c), Frozen(replace(chunked, zero=0, dp=1)), tuple(sorted(kw.items())))
-    chunked, model, shape, rest = memo["chunked"]
-    out = []
-    for v in range(par.virtual_stages):
-        vs = v * par.pp + stage
-        kind = (vs == 0, vs == chunked.pp - 1, len(stage_layers(c.num_hidden_layers, chunked.pp, vs)), cp_rank)
-        if kind not in memo:
-            memo[kind] = _chunk_kind(model, shape, vs, cp_rank, rest)
-        out.append(memo[kind])
-    return out
-
-
-@functools.lru_cache(maxsize=1 << 16)   # a plan's every kind: its zero levels' layouts are far apart
-def _chunk_kind(model: Frozen, chunked: Frozen, virtual_stage: int, cp_rank: int, kw: tuple) -> ChunkKind:
-    return ChunkKind(stage_sizes(model.config, chunked.config, virtual_stage, cp_rank=cp_rank, **dict(kw)))
 
 
 def _b_score(entry: tuple, grads_count: bool) -> int:
@@ -168,7 +126,7 @@ def _moments(order_key: tuple, pattern: tuple, lasts: tuple, stage_last: bool, w
     return _Moments(grads=g, acts=a, temps=t, with_grads=g + a + t, without_grads=a + t, rows=tuple(rows))
 
 
-def _rows(s: StageSizes, chunks: list[ChunkKind], order_key: tuple, grads_count: bool, memo: dict) -> tuple:
+def _rows(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_count: bool) -> tuple:
     """The stage's rows of moments, its terms (int64) and its chunks' cut terms, by kind."""
     zb = _zero_bubble(order_key)
     distinct: dict = {}
@@ -178,10 +136,10 @@ def _rows(s: StageSizes, chunks: list[ChunkKind], order_key: tuple, grads_count:
     pattern = tuple(ids.index(id(kind)) for kind in chunks)
     units = []
     for kind in distinct.values():
-        key = (id(kind), zb, grads_count)
-        if key not in memo:
-            memo[key] = (kind, _cut(kind.terms(zb), grads_count))
-        units.append(memo[key][1])
+        key = ("cut", zb, grads_count)
+        if key not in kind.derived:
+            kind.derived[key] = _cut(kind.terms(zb), grads_count)
+        units.append(kind.derived[key])
     st = stage_terms(s)
     m = _moments(order_key, pattern, tuple(u.last for u in units), st.last, st.weightless)
     f = np.array([x for u in units for x in _unit_leaves(u)] + _stage_leaves(st), dtype=np.int64)
@@ -204,21 +162,19 @@ def _name(row: tuple, units: list[UnitTerms]) -> str:
     return f"{(u.backward_first if label == 'first' else u.backward_later)[0][0]}[{i}.{c}]"
 
 
-def posted_moments(s: StageSizes, chunks: list[ChunkKind], order_key: tuple, grads_count: bool,
-                   memo: dict) -> dict:
+def posted_moments(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_count: bool) -> dict:
     """Every row's moment: each action's first largest, {name: (grads, activations, temporaries)}."""
-    m, f, units = _rows(s, chunks, order_key, grads_count, memo)
+    m, f, units = _rows(s, chunks, order_key, grads_count)
     g, a, t = (m.grads @ f).tolist(), (m.acts @ f).tolist(), (m.temps @ f).tolist()
     return {_name(row, units): (g[r], a[r], t[r]) for r, row in enumerate(m.rows)}
 
 
-def posted_peak(s: StageSizes, chunks: list[ChunkKind], order_key: tuple, grads_count: bool,
-                memo: dict) -> tuple[dict, dict]:
+def posted_peak(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_count: bool) -> tuple[dict, dict]:
     """replay_posted's first largest moment of the stage `order_key` = (P, stage, M, schedule, V),
     by the total with the grads (`grads_count`) or without (under --zero they are a constant
     buffer): ({name: (grads, activations, temporaries)}, {name: units in flight}). `chunks` as
-    `chunk_kinds` gives them (equal kinds one object); `memo` keeps their terms."""
-    m, f, units = _rows(s, chunks, order_key, grads_count, memo)
+    remembered_sizes.chunk_kinds gives them (equal kinds one object)."""
+    m, f, units = _rows(s, chunks, order_key, grads_count)
     r = int(((m.with_grads if grads_count else m.without_grads) @ f).argmax())
     name = _name(m.rows[r], units)
     return {name: (int(m.grads[r] @ f), int(m.acts[r] @ f), int(m.temps[r] @ f))}, {name: m.rows[r][3]}

@@ -15,8 +15,9 @@ from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .orders import stage_order, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, expert_rows, received_row_bytes,
                         routing_text)
-from .posted_peak import chunk_kinds, posted_peak
+from .posted_peak import posted_peak
 from .posted_replay import replay_posted
+from .remembered_sizes import chunk_kinds, stage_kind
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
@@ -135,9 +136,10 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then. With
     a `memo` (one layout's: predict_memory's worst_only) only the moments that can be the first largest."""
-    s = stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed,
-                    expert_rows=expert_rows)
+    sized = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                 dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed, expert_rows=expert_rows)
+    kind = stage_kind(c, par, stage, memo, **sized) if memo is not None and par.zero != 3 else None
+    s = kind.sizes if kind else stage_sizes(c, par, stage, **sized)
     layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb)
     # the flat buffers: padding too
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
@@ -154,12 +156,13 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         if memo is not None:   # the first largest moment alone, by the total the peak is taken by
             moments, in_flight = posted_peak(s, chunk_kinds(c, par, stage, memo, **kw),
                                              (par.pp, stage, num_microbatches, schedule, par.virtual_stages),
-                                             grads_count=not layouts, memo=memo)
+                                             grads_count=not layouts)
         else:
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
             moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
     else:
-        moments, in_flight = replay_schedule(s, order, grads_count=None if memo is None else not layouts)
+        moments, in_flight = (replay_schedule(s, order, grads_count=not layouts, backward=kind.backward) if kind
+                              else replay_schedule(s, order))
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:
