@@ -1,4 +1,4 @@
-"""`Frozen`: a configuration dataclass as an argument of a memoised function.
+"""`Frozen`: a configuration dataclass as an argument of a memoised function; `cached_property`.
 
 The planner asks the memory model about thousands of layouts of one model; what depends only on
 the model and the layout's shape (a stage's parameters, its ZeRO buffer) is the same for most of
@@ -6,6 +6,9 @@ them. `functools.lru_cache` remembers such pure functions, but needs hashable ar
 configurations (`MiniMindConfig`, whose `rope_scaling` is a dict) are mutable dataclasses. A
 `Frozen` carries the object and a key of its fields' values taken when it is made: two configs
 with equal fields are one key, and a config changed afterwards makes a new one.
+
+`cached_property`: functools.cached_property without its lock, for the sizes the memory model
+derives thousands of times a plan.
 """
 from __future__ import annotations
 

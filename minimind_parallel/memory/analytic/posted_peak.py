@@ -15,8 +15,8 @@ Two reductions keep the rows few, each exact:
   by the score the peak is taken by: grads counted under DDP, not under --zero, where the grads
   are a constant buffer) before the walk;
 - the virtual stages that are neither the first nor the last and have as many layers have the
-  same sizes (their parameters' names aside): sized once per kind (`chunk_kinds`), their terms
-  are one set of digits.
+  same sizes (their parameters' names aside): one kind (remembered_sizes.chunk_kinds), whose
+  terms are one set of digits.
 The first largest row is the peak, as `max` over the full replay's moments in their order.
 """
 from __future__ import annotations
