@@ -55,7 +55,7 @@ def stage_kind(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *
     return _stage_kind(model, shape, stage, tuple(sorted(kw.items())))
 
 
-@functools.lru_cache(maxsize=1 << 16)   # a plan's every kind: its zero levels' layouts are far apart
+@functools.lru_cache(maxsize=1 << 15)   # a few grids of kinds: a grid's zero levels are thousands apart
 def _stage_kind(model: Frozen, par: Frozen, stage: int, kw: tuple) -> SizesKind:
     return SizesKind(stage_sizes(model.config, par.config, stage, **dict(kw)))
 
