@@ -134,15 +134,17 @@ def _rows(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_count:
         distinct.setdefault(id(kind), kind)
     ids = list(distinct)
     pattern = tuple(ids.index(id(kind)) for kind in chunks)
-    units = []
+    units, leaves = [], []
     for kind in distinct.values():
         key = ("cut", zb, grads_count)
         if key not in kind.derived:
-            kind.derived[key] = _cut(kind.terms(zb), grads_count)
-        units.append(kind.derived[key])
+            cut = _cut(kind.terms(zb), grads_count)
+            kind.derived[key] = cut, _unit_leaves(cut)
+        units.append(kind.derived[key][0])
+        leaves += kind.derived[key][1]
     st = stage_terms(s)
     m = _moments(order_key, pattern, tuple(u.last for u in units), st.last, st.weightless)
-    f = np.array([x for u in units for x in _unit_leaves(u)] + _stage_leaves(st), dtype=np.int64)
+    f = np.array(leaves + _stage_leaves(st), dtype=np.int64)
     return m, f, [units[k] for k in pattern]
 
 

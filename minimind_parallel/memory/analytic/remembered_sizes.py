@@ -69,10 +69,16 @@ def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, 
         memo["chunked"] = (chunked, Frozen(c), Frozen(replace(chunked, zero=0, dp=1)), tuple(sorted(kw.items())))
     chunked, model, shape, rest = memo["chunked"]
     out = []
-    for v in range(par.virtual_stages):
-        vs = v * par.pp + stage
-        kind = (vs == 0, vs == chunked.pp - 1, len(stage_layers(c.num_hidden_layers, chunked.pp, vs)), cp_rank)
-        if kind not in memo:
-            memo[kind] = _stage_kind(model, shape, vs, (("cp_rank", cp_rank), *rest))
-        out.append(memo[kind])
+    for vs, kind in _virtual_stages(c.num_hidden_layers, par.pp, par.virtual_stages, stage):
+        if (kind, cp_rank) not in memo:
+            memo[kind, cp_rank] = _stage_kind(model, shape, vs, (("cp_rank", cp_rank), *rest))
+        out.append(memo[kind, cp_rank])
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _virtual_stages(layers: int, pp: int, virtual_stages: int, stage: int) -> tuple:
+    """Each chunk's virtual stage of `stage` and its kind: (first, last, its layers)."""
+    total = pp * virtual_stages
+    return tuple((vs, (vs == 0, vs == total - 1, len(stage_layers(layers, total, vs))))
+                 for vs in (v * pp + stage for v in range(virtual_stages)))
