@@ -6,6 +6,7 @@ bad input with one clear line before any process starts.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class Choice(str, enum.Enum):
             return text
 
     @classmethod
+    @functools.cache   # check_layout asks it for every layout the planner weighs
     def values(cls) -> tuple[str, ...]:
         """Every member's text, in order (argparse's `choices`, error messages)."""
         return tuple(m.value for m in cls)

@@ -174,7 +174,11 @@ def tp_split_dim(key: str, par: ParallelConfig) -> int | None:
 
 def grad_is_partial(key: str, par: ParallelConfig) -> bool:
     """Whether one TP rank's gradient of `key` is a part of the full one (summed over TP)."""
-    partial = plan_of(key).partial
+    return is_partial(plan_of(key).partial, par)
+
+
+def is_partial(partial: Partial, par: ParallelConfig) -> bool:
+    """Whether a gradient of the plan's `partial` rule is partial under `par`."""
     if partial is Partial.UNDER_SP:
         return par.sequence_parallel
     return partial is Partial.WHEN_TP and par.tp > 1

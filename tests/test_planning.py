@@ -160,10 +160,65 @@ def test_the_remembered_stage_sizes_and_predictions_equal_the_uncached_ones(monk
             assert predictions() == remembered
 
 
+def test_the_planners_moments_alone_give_the_full_replays_prediction_to_the_byte():
+    """The planner's predictions (worst_only: of each backward its largest moment; of interleaved
+    and zb layouts the peak alone, posted_peak.py, the moments remembered as rows over the terms,
+    one kind of middle chunk sized once) equal the full replay's of every moment of every stage:
+    the peak, breakdown, moment, units in flight, under every schedule and zero level, on CPU and
+    CUDA; the moments it keeps are the full replay's."""
+    from dataclasses import asdict
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
+    groups: dict = {}
+    for k in enumerate_layouts(work)[0]:
+        groups.setdefault((k.pp, k.pp_schedule if k.pp > 1 else None, k.virtual_stages, k.zero), []).append(k)
+    sample = [k for g in groups.values() for k in g[::max(1, len(g) // 6)]]    # six of each, spread
+    posted = [k for k in sample if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
+    assert {k.pp for k in posted} == {2, 4, 8} and {k.virtual_stages for k in posted} == {1, 2, 4}
+    assert {k.zero for k in posted} == {0, 1} and {k.zero for k in sample} == {0, 1, 2}
+    assert {k.pp_schedule for k in sample if k.pp > 1} == set(Schedule)
+    peaks = set()
+    for k in sample:
+        for device in ("cpu", "cuda"):
+            kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
+                      schedule=k.pp_schedule, device=device)
+            every, alone = predict_memory(work.model, k.parallel, **kw), predict_memory(work.model, k.parallel, worst_only=True, **kw)
+            assert {**asdict(alone), "candidates": None, "per_stage": None} == \
+                {**asdict(every), "candidates": None, "per_stage": None}, k.describe()
+            assert max(alone.per_stage) == max(every.per_stage)
+            assert all(every.candidates[name] == total for name, total in alone.candidates.items())
+            peaks.add(every.peak_at.split("[")[0])
+    assert len(peaks) > 2
+    # and every action's remembered moment, forwards and W steps too, is the full replay's of its name
+    for k in sample[::3]:
+        for grads_count in (True, False):
+            _assert_rows_are_the_replays(work, k, grads_count)
+
+
+def _assert_rows_are_the_replays(work, k, grads_count):
+    from minimind_parallel.memory.analytic.orders import stage_order, stage_releases
+    from minimind_parallel.memory.analytic.posted_peak import posted_moments
+    from minimind_parallel.memory.analytic.remembered_sizes import chunk_kinds
+    from minimind_parallel.memory.analytic.posted_replay import replay_posted
+    from minimind_parallel.memory.analytic.stage_sizes import chunk_sizes, stage_sizes
+    kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
+              dtype=torch.bfloat16)
+    par, memo = k.parallel, {}
+    for stage in range(k.pp):
+        key = (k.pp, stage, k.num_microbatches, k.pp_schedule, k.virtual_stages)
+        s = stage_sizes(work.model, par, stage, **kw)
+        full, _ = replay_posted(s, chunk_sizes(work.model, par, stage, **kw), stage_order(*key),
+                                stage_releases(k.pp, k.num_microbatches, k.pp_schedule, k.virtual_stages)[stage])
+        rows = posted_moments(s, chunk_kinds(work.model, par, stage, memo, **kw), key, grads_count)
+        assert len(rows) == len(stage_order(*key)) and all(full[name] == moment for name, moment in rows.items())
+        assert {name.split("[")[0] for name in rows} >= {"forward_end"} | ({"weight"} if k.pp_schedule == "zb" else set())
+
+
 def test_the_worst_stages_alone_give_the_same_prediction_as_every_stage():
     """The planner predicts the first, second and last stage only (`candidate_stages`): on every
     pipelined layout of an 8-stage space the peak, breakdown, moment and microbatches in flight are
-    those of all the stages. (A schedule of model chunks is predicted on every stage.)"""
+    those of all the stages, and the moments it keeps (each backward's largest) are theirs. (A
+    schedule of model chunks is predicted on every stage.)"""
     from dataclasses import asdict
     work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
     piped = [k for k in enumerate_layouts(work)[0] if k.pp > 2 and k.pp_schedule in ("gpipe", "1f1b")]
@@ -173,7 +228,9 @@ def test_the_worst_stages_alone_give_the_same_prediction_as_every_stage():
                   schedule=k.pp_schedule, device="cuda")
         every, worst = predict_memory(work.model, k.parallel, **kw), predict_memory(work.model, k.parallel, worst_only=True, **kw)
         assert len(worst.per_stage) == 3 and max(worst.per_stage) == max(every.per_stage) == every.peak_bytes
-        assert {**asdict(worst), "per_stage": None} == {**asdict(every), "per_stage": None}, k.describe()
+        assert {**asdict(worst), "per_stage": None, "candidates": None} == \
+            {**asdict(every), "per_stage": None, "candidates": None}, k.describe()
+        assert all(every.candidates[name] == total for name, total in worst.candidates.items())
 
 
 def test_the_space_plans_every_schedule_and_zero_level_the_memory_model_declares(monkeypatch):

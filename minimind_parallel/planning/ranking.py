@@ -62,13 +62,14 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
              workspaces: int = 0) -> PlanEntry:
     """Layout `k`'s predicted peak and step; on CUDA at the allocator level (`workspaces` bytes of cuBLAS
     workspaces, the estimated block rounding)."""
-    pred = predict_memory(w.model, k.parallel, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
+    par = k.parallel
+    pred = predict_memory(w.model, par, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
                           dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
                           schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True)
     breakdown = dict(pred.breakdown)
     peak = pred.peak_bytes
     if device == "cuda":
-        breakdown["workspaces"], breakdown["rounding"] = workspaces, rounding_bytes(pred, k.parallel)
+        breakdown["workspaces"], breakdown["rounding"] = workspaces, rounding_bytes(pred, par)
         peak += workspaces + breakdown["rounding"]
     # this rank's parameter elements: the memory model's params hold RoPE's cos/sin tables too
     params = pred.breakdown["params"] // DTYPES[w.dtype].itemsize - 2 * w.model.max_position_embeddings * w.model.head_dim

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
+from ..memo import cached_property
 from ..config import ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
 from ..memory.analytic.predict import MODELLED_SCHEDULES, MODELLED_ZERO_LEVELS
 from ..memory.analytic.zero_bubble_moments import unmodelled as zero_bubble_unmodelled
@@ -61,8 +62,9 @@ class Candidate:
 
     GRID = ("tp", "pp", "cp", "dp", "ep", "zero")
 
-    @property
+    @cached_property
     def parallel(self) -> ParallelConfig:
+        """Its ParallelConfig (made once: read it, do not change it)."""
         return ParallelConfig(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, ep=self.ep, zero=self.zero,
                               sequence_parallel=self.sequence_parallel,
                               async_communication=self.async_communication, shared_sp_gather=self.shared_sp_gather,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import functools
 import json
 import os
 import random
@@ -224,38 +225,49 @@ def benchmark_mode(k: Candidate) -> str:
     return next(p.name for p in PRESETS if not p.flags and not p.replicas and (p.tp, p.pp, p.cp) == dims)
 
 
-def train_command(k: Candidate, args) -> str:
-    argv = ["train", *launcher_argv(k, args.device, args.nnodes), "--", *TRAIN_DATA, *model_argv(args),
+def train_command(k: Candidate, args, model: list[str] | None = None) -> str:
+    """`model`: model_argv(args), if made already (the plan's thousands of commands share it)."""
+    argv = ["train", *launcher_argv(k, args.device, args.nnodes), "--", *TRAIN_DATA, *(model or model_argv(args)),
             "--max_seq_len", str(args.seq_len), "--batch_size", str(k.micro_batch_size),
             "--accumulation_steps", str(k.num_microbatches), "--dtype", args.dtype, "--precision", "pure",
             *flag_argv(k)]
-    return shlex.join([*PROGRAM, *argv])
+    return shell_join([*PROGRAM, *argv])
 
 
-def cell_argv(k: Candidate, args, *, kind: Kind, device: str) -> list[str]:
+def cell_argv(k: Candidate, args, *, kind: Kind, device: str, model: list[str] | None = None) -> list[str]:
     """The benchmark cell of layout `k` (its preset, sizes and flags; one row per DP replica's microbatch)."""
     return ["benchmark", "--kind", str(kind), *launcher_argv(k, device, 1), "--", "--modes", benchmark_mode(k),
-            *model_argv(args), "--seq_len", str(args.seq_len), "--micro_batch_size", str(k.micro_batch_size),
+            *(model or model_argv(args)), "--seq_len", str(args.seq_len), "--micro_batch_size", str(k.micro_batch_size),
             "--num_microbatches", str(k.num_microbatches),
             *(["--batch_policy", str(BatchPolicy.FIXED_PER_RANK)] if kind == Kind.MEMORY else []), "--dtype", args.dtype, *flag_argv(k)]
 
 
-def estimate_command(k: Candidate, args, hw) -> str:
+def estimate_command(k: Candidate, args, hw, model: list[str] | None = None) -> str:
     cap = hw.cuda_capability or (9, 0)
-    argv = [*cell_argv(k, args, kind=Kind.MEMORY, device="cuda"), "--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"]
-    return shlex.join([*PROGRAM, *argv])
+    argv = [*cell_argv(k, args, kind=Kind.MEMORY, device="cuda", model=model), "--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"]
+    return shell_join([*PROGRAM, *argv])
+
+
+def shell_join(argv: list[str]) -> str:
+    """shlex.join, each word's quoting remembered: thousands of commands repeat the same words."""
+    return " ".join(map(_quoted, argv))
+
+
+@functools.lru_cache(maxsize=4096)
+def _quoted(word: str) -> str:
+    return shlex.quote(word)
 
 
 # ---------------------------------------------------------------- outputs
 
-def layout_row(e, args, hw) -> dict:
+def layout_row(e, args, hw, model: list[str] | None = None) -> dict:
     k = e.candidate
     return {"tp": k.tp, "pp": k.pp, "cp": k.cp, "dp": k.dp, "ep": k.ep, "zero": k.zero,
             "flags": {n: (str(v) if not isinstance(v, (bool, int)) else v) for n, v in k.flags.items()},
             "predicted_peak_mib": e.peak_bytes / MIB, "predicted_step_ms": e.step_ms,
             "predicted_tokens_per_s": e.tokens_per_s, "predicted_mfu": e.mfu,
             "breakdown_mib": {c: v / MIB for c, v in e.breakdown.items()}, "time_ms": e.time.as_ms(),
-            "train_command": train_command(k, args), "estimate_command": estimate_command(k, args, hw)}
+            "train_command": train_command(k, args, model), "estimate_command": estimate_command(k, args, hw, model)}
 
 
 def cut_summary(result) -> list[dict]:
@@ -275,13 +287,14 @@ def cut_summary(result) -> list[dict]:
 
 
 def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...], validation: dict | None) -> None:
+    words = model_argv(args)
     out = {"command": [*program_name().split(), *argv],
            "workload": {"world_size": args.world_size, "nnodes": args.nnodes, "device": args.device,
                         "device_memory_gib": result.budget_bytes / GIB, "seq_len": args.seq_len,
                         "global_batch_size": args.global_batch_size, "dtype": args.dtype,
                         "model": model_argv(args)},
            "hardware": hw.to_json(), "candidates": result.candidates, "seconds": seconds,
-           "layouts": [layout_row(e, args, hw) for e in result.fitting], "cut": cut_summary(result),
+           "layouts": [layout_row(e, args, hw, words) for e in result.fitting], "cut": cut_summary(result),
            "notes": notes(args)}
     if validation is not None:
         out["validation"] = validation

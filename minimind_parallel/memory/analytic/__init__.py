@@ -12,6 +12,10 @@ of what is alive then. One file per facet; a new parallelism adds its own:
                              forward ends and the optimizer step
     posted_replay.py         the posted orders (interleaved's chunks) replayed unit by unit, with
                              each send alive until its release point
+    posted_peak.py           the planner's: a posted order's peak alone, its moments remembered
+                             as integer rows over the replay's terms
+    remembered_sizes.py      the planner's: the sizes its layouts share, made once
+    orders.py                the schedule orders and release points, remembered
     predict.py               `predict_memory`: the worst moment of every stage (and CP rank)
 
 The moments are those the tracker found on every configuration tried; tests/test_memory.py

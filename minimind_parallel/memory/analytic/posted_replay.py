@@ -10,14 +10,20 @@ its first backward on. And what a posted send sent is alive until its release po
 stand-in, an input grad of that shape. Under zb (zero_bubble_moments.py) B leaves out the
 deferred weight grads, a unit keeps its linears' output grads and inputs from its B to its W,
 and the deferred grads exist from the stage's first W on.
+
+The replay (`walk`) reads the sizes only through `UnitTerms` (each chunk's) and `StageTerms`
+(the stage's), and only adds and subtracts them and multiplies them by counts: every moment is
+a sum of those terms with integer coefficients that depend on the order alone. That is what
+posted_peak.py remembers across layouts.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass
+from typing import Callable
 
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
-from .schedule_replay import batch_saved, forward_moment
+from .schedule_replay import batch_saved, forward_moment, targets_saved
 from .stage_sizes import StageSizes
 from .zero_bubble_moments import deferred_grads, pending, weight_moments, zb_backward_moments
 
@@ -29,17 +35,147 @@ def _sent(s: StageSizes, action: Action) -> int:
     return boundary - s.b if action.step is Step.FORWARD else boundary
 
 
+@dataclass(frozen=True)
+class UnitTerms:
+    """What a unit of one chunk adds to the moments it is alive in (bytes). The backward and W
+    moments are (label, (grads, activations, temporaries)) in their order: `backward_first` at
+    the chunk's first backward (its grads made: the grads term counts), `backward_later` at the
+    later ones (it does not); `weight_first` at the stage's first W, `weight_later` after."""
+
+    last: bool                  # the chunk holds the model's head (the last virtual stage)
+    held_acts: int              # forwarded and not backwarded: its activations, temporaries
+    held_temps: int
+    param_bytes: int            # its chunk's grads, once they exist
+    deferred: int               # zb: the weight grads W makes (none before the stage's first W)
+    pending_x: int              # zb: (X, dY) kept from its B to its W
+    pending_dy: int
+    sent_forward: int           # what its forward's / backward's posted send keeps alive
+    sent_backward: int
+    forward_end: tuple          # the end of its forward, held units and the stage's terms aside
+    backward_first: tuple
+    backward_later: tuple
+    weight_first: tuple
+    weight_later: tuple
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """The stage's own terms: the last stage's flags, the batch batch_saved files under activations
+    (and the last stage's share of it, the targets, until its first forward of the head), the
+    fp32 loss weights (filed once a loss scaling saves them), the batch, DDP's buckets, one loss."""
+
+    last: bool
+    weightless: bool            # the loss weight is not cast (fp32): the weights are filed as saved
+    saved: int
+    targets: int
+    loss_weights: int
+    batch: int
+    ddp_buckets: int
+    loss_scalar: int
+
+
+def unit_terms(cs: StageSizes, zb: bool) -> UnitTerms:
+    """A chunk's terms, from its sizes (zb: B's moments and the W steps')."""
+    inner = backward_moments(cs)
+    if zb:
+        inner = zb_backward_moments(cs, inner)
+    moments = tuple(inner.items())
+    x, dy = pending(cs) if zb else (0, 0)
+    weights = (tuple(weight_moments(cs, first=True)), tuple(weight_moments(cs, first=False))) if zb else ((), ())
+    return UnitTerms(last=cs.last, held_acts=cs.held - cs.held_temps, held_temps=cs.held_temps,
+                     param_bytes=cs.param_bytes, deferred=deferred_grads(cs) if zb else 0,
+                     pending_x=x, pending_dy=dy, sent_forward=_sent(cs, Action(Step.FORWARD, 0)),
+                     sent_backward=_sent(cs, Action(Step.BACKWARD, 0)),
+                     # forward_moment is its arguments plus the chunk's own terms
+                     forward_end=forward_moment(cs, 0, 0, 0, 0), backward_first=moments, backward_later=moments,
+                     weight_first=tuple(enumerate(weights[0])), weight_later=tuple(enumerate(weights[1])))
+
+
+def stage_terms(s: StageSizes) -> StageTerms:
+    return StageTerms(last=s.last, weightless=s.weight == 0, saved=batch_saved(s),
+                      targets=targets_saved(s),
+                      loss_weights=4 * s.mb, batch=s.batch, ddp_buckets=s.ddp_buckets, loss_scalar=s.loss_scalar)
+
+
 class _Sums:
-    """Two running sums of integers (bytes), added to and taken from as units come and go."""
+    """Two running sums (bytes), added to and taken from as units come and go."""
 
     def __init__(self):
         self.first = self.second = 0
 
-    def add(self, first: int, second: int) -> None:
+    def add(self, first, second) -> None:
         self.first, self.second = self.first + first, self.second + second
 
-    def drop(self, first: int, second: int) -> None:
+    def drop(self, first, second) -> None:
         self.first, self.second = self.first - first, self.second - second
+
+
+# emit(step, label, unit, (grads, activations, temporaries), units in flight)
+Emit = Callable[[Step, object, tuple, tuple, int], None]
+
+
+def walk(st: StageTerms, units: list[UnitTerms], order: list[Action], releases: dict[int, int], emit: Emit) -> None:
+    """Every moment of the stage's posted `order`, in order, to `emit`; `units[c]`: chunk c's terms,
+    `releases` the send release points. Only sums of the terms (times counts): see the module."""
+    held: dict = {}                 # unit -> its terms, forwarded and not backwarded
+    backwarded: set = set()         # chunks whose grads exist
+    made = deferred = 0             # their grads, and the share W makes
+    releasing: dict = {}            # action index -> [bytes a posted send keeps alive until then]
+    sent = 0                        # what the sends not released yet keep alive
+    n_fwd_last = 0
+    waiting: dict = {}              # unit -> (X, dY) from its B to its W
+    weighted = False                # a W has run: the deferred grads exist
+    held_sums = _Sums()             # the held units' (activations, temporaries)
+    waiting_sums = _Sums()          # the waiting units' (X, dY)
+    zb = is_zero_bubble(order)
+    for k, action in enumerate(order):
+        unit = action.unit
+        u = units[unit[1]]
+        for v in releasing.pop(k, ()):   # released after this receive
+            sent -= v
+        grads = made - (0 if weighted else deferred)      # zb: the deferred weight grads from the stage's first W on
+        # the last chunk's targets are saved from its first forward on (the ids from the first's)
+        loss_seen = n_fwd_last > 0 or (action.step is Step.FORWARD and u.last)
+        saved = st.saved - (0 if loss_seen else st.targets)
+        saved += st.loss_weights if st.last and st.weightless and n_fwd_last else 0
+        extra = st.batch - saved + st.ddp_buckets + (n_fwd_last * st.loss_scalar if st.last else 0) + sent
+        if unit in held:           # a backward's own unit: in its moments' own terms
+            del held[unit]
+            held_sums.drop(u.held_acts, u.held_temps)
+        x_u, dy_u = waiting.pop(unit, (0, 0)) if action.step is Step.WEIGHT else (0, 0)
+        waiting_sums.drop(x_u, dy_u)
+        others_acts = held_sums.first + waiting_sums.first
+        others_temps = held_sums.second + waiting_sums.second
+        if action.step is Step.WEIGHT:
+            for j, (w_made, x_freed, temp) in (u.weight_later if weighted else u.weight_first):
+                emit(Step.WEIGHT, j, unit, (grads + w_made, saved + others_acts + x_u - x_freed,
+                                            extra + others_temps + dy_u + temp), len(held))
+            weighted = True
+            continue
+        if action.step is Step.FORWARD:
+            g, a, t = u.forward_end
+            emit(Step.FORWARD, None, unit, (grads + g, saved + a + others_acts, extra + t + others_temps), len(held) + 1)
+            held[unit] = u
+            held_sums.add(u.held_acts, u.held_temps)
+            n_fwd_last += u.last
+            sending = u.sent_forward
+        else:
+            extra += st.loss_scalar if u.last and st.last else 0
+            new = unit[1] not in backwarded
+            for name, (new_grads, a, temp) in (u.backward_first if new else u.backward_later):
+                emit(Step.BACKWARD, name, unit, (grads + new_grads if new else grads, saved + others_acts + a - u.held_temps,
+                                                 extra + temp + others_temps + u.held_temps), len(held) + 1)
+            if new:
+                backwarded.add(unit[1])
+                made, deferred = made + u.param_bytes, deferred + u.deferred
+            sending = u.sent_backward
+            if zb:
+                waiting[unit] = (u.pending_x, u.pending_dy)
+                waiting_sums.add(u.pending_x, u.pending_dy)
+        if releases.get(k) is not None:
+            at = max(releases[k], k + 1)
+            releasing.setdefault(at, []).append(sending)
+            sent += sending
 
 
 def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
@@ -48,66 +184,18 @@ def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
     temporaries), and how many units each finds held. `s`: the stage's sizes (batch, loss
     scalars), `chunks[c]` those of its chunk c, `releases` the send release points."""
     moments, in_flight = {}, {}
-    held: dict = {}                 # unit -> chunk sizes, forwarded and not backwarded
-    backwarded: set = set()         # chunks whose grads exist
-    sending: dict = {}              # index of a sending action -> bytes alive until its release
-    n_fwd_last = 0
-    targets = batch_saved(replace(s, first=False))   # the last stage's share of batch_saved
-    zb = any(a.step is Step.WEIGHT for a in order)
-    inner = [backward_moments(cs) for cs in chunks]
-    if zb:
-        inner = [zb_backward_moments(cs, moments_c) for cs, moments_c in zip(chunks, inner)]
-    waiting: dict = {}              # unit -> (X, dY) from its B to its W
-    weighted = False                # a W has run: the deferred grads exist
-    deferred = [deferred_grads(cs) if zb else 0 for cs in chunks]
-    held_sums = _Sums()             # the held units' (activations, temporaries), kept as they come and go
-    waiting_sums = _Sums()          # the waiting units' (X, dY)
-    for k, action in enumerate(order):
-        i, c = action.unit
-        cs = chunks[c]
-        sending = {j: v for j, v in sending.items() if releases[j] > k}   # released after this receive
-        # zb: the deferred weight grads from the stage's first W on
-        grads = sum(chunks[x].param_bytes - (0 if weighted else deferred[x]) for x in backwarded)
-        # the last chunk's targets are saved from its first forward on (the ids from the first's)
-        loss_seen = n_fwd_last > 0 or (action.step is Step.FORWARD and cs.last)
-        saved = batch_saved(s) - (0 if loss_seen else targets)
-        saved += 4 * s.mb if s.last and s.weight == 0 and n_fwd_last else 0
-        extra = s.batch - saved + s.ddp_buckets + (n_fwd_last * s.loss_scalar if s.last else 0)
-        extra += sum(sending.values())
-        if action.unit in held:           # a backward's own unit: in its moments' own terms
-            u = held.pop(action.unit)
-            held_sums.drop(u.held - u.held_temps, u.held_temps)
-        x_u, dy_u = waiting.pop(action.unit, (0, 0)) if action.step is Step.WEIGHT else (0, 0)
-        waiting_sums.drop(x_u, dy_u)
-        others_acts = held_sums.first + waiting_sums.first
-        others_temps = held_sums.second + waiting_sums.second
-        if action.step is Step.WEIGHT:
-            for j, (made, x_freed, temp) in enumerate(weight_moments(cs, first=not weighted)):
-                moments[f"weight[{i}.{c}]#{j}"] = (grads + made, saved + others_acts + x_u - x_freed,
-                                                   extra + others_temps + dy_u + temp)
-                in_flight[f"weight[{i}.{c}]#{j}"] = len(held)
-            weighted = True
-            continue
-        if action.step is Step.FORWARD:
-            g, a, t = forward_moment(cs, 0, grads, saved, extra)
-            moments[f"forward_end[{i}.{c}]"] = (g, a + others_acts, t + others_temps)
-            in_flight[f"forward_end[{i}.{c}]"] = len(held) + 1
-            held[action.unit] = cs
-            held_sums.add(cs.held - cs.held_temps, cs.held_temps)
-            n_fwd_last += cs.last
-            if releases.get(k) is not None:
-                sending[k] = _sent(cs, action)
-            continue
-        extra += s.loss_scalar if cs.last and s.last else 0
-        for name, (new_grads, a, temp) in inner[c].items():
-            g = grads if c in backwarded else grads + new_grads
-            moments[f"{name}[{i}.{c}]"] = (g, saved + others_acts + a - cs.held_temps,
-                                           extra + temp + others_temps + cs.held_temps)
-            in_flight[f"{name}[{i}.{c}]"] = len(held) + 1
-        backwarded.add(c)
-        if zb:
-            waiting[action.unit] = pending(cs)
-            waiting_sums.add(*waiting[action.unit])
-        if releases.get(k) is not None:
-            sending[k] = _sent(cs, action)
+
+    def emit(step: Step, label, unit: tuple, moment: tuple, n: int) -> None:
+        i, c = unit
+        name = (f"forward_end[{i}.{c}]" if step is Step.FORWARD else f"weight[{i}.{c}]#{label}"
+                if step is Step.WEIGHT else f"{label}[{i}.{c}]")
+        moments[name], in_flight[name] = moment, n
+
+    zb = is_zero_bubble(order)
+    walk(stage_terms(s), [unit_terms(cs, zb) for cs in chunks], order, releases, emit)
     return moments, in_flight
+
+
+def is_zero_bubble(order) -> bool:
+    """An order with W steps: its B steps defer the weight grads."""
+    return any(a.step is Step.WEIGHT for a in order)

@@ -2,21 +2,22 @@
 breakdown by category: the largest of the moments of the stage's replayed schedule."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
-from ...pipeline_parallel.order import Schedule, check_schedule, posted, schedule_order
-from ...pipeline_parallel.releases import release_points
+from ...pipeline_parallel.order import Schedule, check_schedule, posted
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
+from .orders import stage_order, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, expert_rows, received_row_bytes,
                         routing_text)
+from .posted_peak import posted_peak
 from .posted_replay import replay_posted
+from .remembered_sizes import chunk_kinds, stage_kind
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
@@ -62,7 +63,9 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     contiguous one the later ranks' attention sees more blocks). Under --zero 1 and 2 (`par.zero`)
     the distributed optimizer's buffers, of buckets of `bucket_size_mb` MiB (zero_sizes.py).
     `worst_only` (with stage None): only the stages that can hold the worst peak
-    (`candidate_stages`), which `per_stage` then lists; the prediction is the same. MoE under
+    (`candidate_stages`), which `per_stage` then lists, and only the moments that can be the
+    first largest (of each backward its largest; of a posted order, interleaved or zb, its peak
+    alone, posted_peak.py), which `candidates` then lists; the prediction is the same. MoE under
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
     tokens per expert, then the worst EP rank's), said in `routing`."""
     c = model_config
@@ -86,9 +89,10 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
     # a measured routing differs between EP ranks: each one's (the policies are symmetric)
     ep_ranks = range(par.ep) if c.use_moe and routing not in tuple(RoutingPolicy) else range(1)
+    memo: dict = {}   # worst_only: the sizes of each kind of model chunk, across the stages
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
-                                  cp_rank=r, bucket_size_mb=bucket_size_mb,
+                                  cp_rank=r, bucket_size_mb=bucket_size_mb, memo=memo if worst_only else None,
                                   **_routed(c, par, routing, p, e, dtype=dtype, seq_len=seq_len,
                                             micro_batch_size=micro_batch_size))
                    for r in cp_ranks for e in ep_ranks), key=lambda s: s.peak_bytes)
@@ -110,21 +114,6 @@ def candidate_stages(par: ParallelConfig, schedule: Schedule) -> list[int]:
     return list(range(par.pp))
 
 
-@functools.lru_cache(maxsize=1024)
-def stage_order(pp: int, stage: int, num_microbatches: int, schedule: Schedule, virtual_stages: int) -> tuple:
-    """The stage's schedule order (order.schedule_order), remembered: the planner replays the same few
-    orders for thousands of layouts."""
-    return tuple(schedule_order(pp, stage, num_microbatches, schedule, virtual_stages))
-
-
-@functools.lru_cache(maxsize=256)
-def stage_releases(pp: int, num_microbatches: int, schedule: Schedule, virtual_stages: int) -> tuple:
-    """Every stage's release points of its posted sends (pipeline_parallel.releases), remembered: they
-    depend on the orders alone, which the planner's layouts share."""
-    orders = [stage_order(pp, p, num_microbatches, schedule, virtual_stages) for p in range(pp)]
-    return tuple(release_points(orders, pp, virtual_stages))
-
-
 def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int, ep_rank: int, *, dtype,
             seq_len: int, micro_batch_size: int) -> dict:
     """The stage's MoE layers on EP rank `ep_rank` under `routing` (StageSizes.routed and
@@ -143,12 +132,14 @@ def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                    num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0,
                    bucket_size_mb: float = DEFAULT_BUCKET_MB, routed: tuple[int, ...] = (),
-                   expert_rows: tuple[tuple[int, ...], ...] = ()) -> MemoryPrediction:
+                   expert_rows: tuple[tuple[int, ...], ...] = (), memo: dict | None = None) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
-    every moment of the schedule that can hold the peak, each a sum of what is alive then."""
-    s = stage_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed,
-                    expert_rows=expert_rows)
+    every moment of the schedule that can hold the peak, each a sum of what is alive then. With
+    a `memo` (one layout's: predict_memory's worst_only) only the moments that can be the first largest."""
+    sized = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                 dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed, expert_rows=expert_rows)
+    kind = stage_kind(c, par, stage, memo, **sized) if memo is not None and par.zero != 3 else None
+    s = kind.sizes if kind else stage_sizes(c, par, stage, **sized)
     layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb)
     # the flat buffers: padding too
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
@@ -160,12 +151,18 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         if c.use_moe:
             raise NotImplementedError(f"predict_memory: the MoE model under the {schedule} schedule is not modelled "
                                       f"(its chunks' aux losses); gpipe and 1f1b are")
-        chunks = chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                             num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank)
-        releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
-        moments, in_flight = replay_posted(s, chunks, order, releases)
+        kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                  dtype=as_dtype(dtype), cp_rank=cp_rank)
+        if memo is not None:   # the first largest moment alone, by the total the peak is taken by
+            moments, in_flight = posted_peak(s, chunk_kinds(c, par, stage, memo, **kw),
+                                             (par.pp, stage, num_microbatches, schedule, par.virtual_stages),
+                                             grads_count=not layouts)
+        else:
+            releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
+            moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
     else:
-        moments, in_flight = replay_schedule(s, order)
+        moments, in_flight = (replay_schedule(s, order, grads_count=not layouts, backward=kind.backward) if kind
+                              else replay_schedule(s, order))
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
     moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:

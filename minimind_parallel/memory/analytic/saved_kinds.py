@@ -67,7 +67,7 @@ def activations_by_kind(c: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
                         dtype) -> dict[str, int]:
     """Bytes saved for backward: per block ("block.<kind>") and once per model ("model.<kind>")."""
     dtype = as_dtype(dtype)
-    b = torch.empty((), dtype=dtype).element_size()
+    b = dtype.itemsize
     f = max(b, 4)
     t, sp, vp = par.tp, par.sequence_parallel, par.vocab_parallel
     n, hid = seq_len // par.cp * micro_batch_size, c.hidden_size     # under CP: this rank's S/C tokens

@@ -17,6 +17,8 @@ So 1F1B's first stage holds min(P, M) microbatches at its peak and GPipe's holds
 """
 from __future__ import annotations
 
+import functools
+
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .saved_kinds import target_copy
@@ -75,8 +77,12 @@ def batch_saved(s: StageSizes) -> int:
     """The tracker files a storage under activations from the first time autograd saves it: the
     ids once the embedding saves them (and the targets, when the replicated head's loss saves a
     view of them: one sequence)."""
-    vp = s.par.vocab_parallel
-    return (8 * s.n * s.mb if s.first and not vp else 0) + (8 * s.n * s.mb if s.last and not vp and s.bsz == 1 else 0)
+    return (8 * s.n * s.mb if s.first and not s.par.vocab_parallel else 0) + targets_saved(s)
+
+
+def targets_saved(s: StageSizes) -> int:
+    """The last stage's share of batch_saved: the targets."""
+    return 8 * s.n * s.mb if s.last and not s.par.vocab_parallel and s.bsz == 1 else 0
 
 
 def forward_moment(s: StageSizes, n_held: int, grads: int, saved: int, extra: int) -> tuple[int, int, int]:
@@ -112,11 +118,24 @@ def _moe_per_microbatch(s: StageSizes, finished: int, held: int) -> int:
     return max(finished - 1, 0) * s.f + max(held - 1, 0) * per_held
 
 
-def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
+def _first_largest(inner: dict, grads_count: bool) -> dict:
+    """The first of the largest of a backward's moments, by the total with its own grads or without."""
+    name = max(inner, key=lambda k: (inner[k][0] if grads_count else 0) + inner[k][1] + inner[k][2])
+    return {name: inner[name]}
+
+
+def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None = None,
+                    backward: dict | None = None) -> tuple[dict, dict]:
     """Every moment of the stage's `order` (its schedule's actions) -> (grads, activations,
-    temporaries), and how many microbatches each finds in flight."""
+    temporaries), and how many microbatches each finds in flight. With `grads_count` (the
+    planner's: whether the peak's total counts these grads, not under --zero's constant buffer),
+    of each backward only its first largest moment: its moments share everything else, so the
+    step's first largest is among those. `backward`: backward_moments(s), if made already."""
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
-    inner, batch = backward_moments(s), batch_saved(s)
+    inner, batch = backward if backward is not None else backward_moments(s), batch_saved(s)
+    # (the first backward's grads are its own; later ones find every grad made)
+    first, later = (inner, inner) if grads_count is None else (_first_largest(inner, grads_count),
+                                                                 _first_largest(inner, False))
     for action in order:
         i = action.microbatch
         grads = s.param_bytes if n_bwd else 0      # after the first backward every grad exists
@@ -134,7 +153,7 @@ def replay_schedule(s: StageSizes, order: list[Action]) -> tuple[dict, dict]:
             continue
         extra += _moe_per_microbatch(s, n_fwd, n_held)
         moved = n_held * s.held_temps
-        for name, (new_grads, a, temp) in inner.items():
+        for name, (new_grads, a, temp) in (later if grads else first).items():
             moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * s.held + a - moved,
                                        extra + temp + moved)
             in_flight[f"{name}[{i}]"] = n_held
@@ -147,11 +166,18 @@ def optimizer_step(s: StageSizes, stepped: list[int] | None = None, grads: int |
     previous parameter's denom is still bound; the schedule's loss weights are gone, its reported
     loss not. `stepped`: the bytes of the tensors AdamW steps, in order (default: the parameters;
     --zero: the slices, zero_sizes.py), `grads` the grads alive (default: the parameters')."""
-    sizes = [0] + (stepped if stepped is not None else [s.b * n for n in s.counts.each])
-    scratch = max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
+    scratch = _step_scratch(tuple(stepped) if stepped is not None else s.counts.each, 1 if stepped is not None else s.b)
     saved = batch_saved(s)
     return (s.param_bytes if grads is None else grads, saved, scratch + s.batch - 4 * s.mb - saved + s.ddp_buckets
             + (s.loss_scalar if s.last else 0))
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_scratch(counts: tuple[int, ...], b: int) -> int:
+    """AdamW's largest scratch over tensors of `counts` x `b` bytes, in order: 2 of one and the
+    previous one's denom (remembered: the planner's layouts step the same few lists)."""
+    sizes = [0] + [b * n for n in counts]
+    return max(2 * sizes[i] + sizes[i - 1] for i in range(1, len(sizes)))
 
 
 def partial_grad_sum(s: StageSizes) -> tuple[int, int, int]:

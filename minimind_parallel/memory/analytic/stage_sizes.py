@@ -13,15 +13,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from functools import cached_property
-
-import torch
 
 from ...config import MiniMindConfig, ParallelConfig, Recompute
 from ...moe.experts import balanced_counts
 from ...moe.placement import expert_of, local_experts
-from ...memo import Frozen
-from ...plan import SHAPE_FIELDS, build_stage_parameters, grad_is_partial, is_first_stage, is_last_stage, stage_layers
+from ...memo import Frozen, cached_property
+from ...plan import (SHAPE_FIELDS, Partial, build_stage_parameters, is_first_stage, is_last_stage, is_partial, plan_of,
+                     stage_layers)
 from .saved_kinds import activations_by_kind
 
 
@@ -175,8 +173,9 @@ class StageSizes:
     def partial_grads_flat(self) -> int:
         """The flat copy of the TP-partial grads `training.finalize_grads` sums (plan.grad_is_partial;
         none for a single tensor)."""
-        partial = [numel(shape) for key, shape in self.shapes.items() if grad_is_partial(key, self.par)]
-        return self.b * sum(partial) if len(partial) > 1 else 0
+        partial = [(n, elements) for rule, n, elements in self.counts.partial if is_partial(rule, self.par)]
+        tensors = sum(n for n, _ in partial)
+        return self.b * sum(elements for _, elements in partial) if tensors > 1 else 0
 
     @cached_property
     def aux_backward(self) -> tuple[int, int]:
@@ -237,13 +236,19 @@ class ParameterCounts:
     dense: int
     top_block: int
     each: tuple[int, ...]    # every parameter's, in the model's order
+    partial: tuple = ()      # (plan.Partial rule, tensors, elements) of each rule (plan.grad_is_partial)
 
     @classmethod
     def of(cls, shapes: dict, top: str) -> "ParameterCounts":
         sizes = {k: numel(s) for k, s in shapes.items()}
+        rules = {rule: [0, 0] for rule in Partial}
+        for k, n in sizes.items():
+            rule = rules[plan_of(k).partial]
+            rule[0], rule[1] = rule[0] + 1, rule[1] + n
         return cls(total=sum(sizes.values()), ffn=sum(n for k, n in sizes.items() if ".mlp." in k),
                    dense=sum(n for k, n in sizes.items() if expert_of(k) is None),
-                   top_block=sum(n for k, n in sizes.items() if k.startswith(top)), each=tuple(sizes.values()))
+                   top_block=sum(n for k, n in sizes.items() if k.startswith(top)), each=tuple(sizes.values()),
+                   partial=tuple((rule, n, elements) for rule, (n, elements) in rules.items()))
 
 
 def stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: int, experts: range
@@ -274,7 +279,7 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
     """The sizes of pipeline stage `stage` (the whole model when pp = 1) on CP rank `cp_rank`;
     `routed`, `expert_rows`: each layer's MoE bytes beyond the balanced routing's and its local
     experts' rows (StageSizes; default: the balanced routing's)."""
-    b = torch.empty((), dtype=dtype).element_size()
+    b = dtype.itemsize
     t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     # this rank's experts under expert parallelism (every EP rank holds as many)

@@ -1,0 +1,84 @@
+"""The sizes the planner's layouts share, made once: a stage's (`stage_kind`) across the zero
+levels that leave it unchanged, and each kind of model chunk's (`chunk_kinds`), with what the
+replays derive from them (a backward's moments, a chunk's terms).
+
+A stage's sizes read the zero level and dp only for DDP's flat buckets (`StageSizes.ddp_buckets`:
+none under a pipeline or under --zero), so the layouts that differ only there -- a pipeline's
+zero levels, one stage's --zero 1 and 2 -- are one kind. Under a pipeline of model chunks, the
+virtual stages that are neither the first nor the last and have as many layers have the same
+sizes (their parameters' names aside): one kind for every such chunk of a layout. Remembered on
+the model (memo.Frozen) and the layout with the zero level (and dp, for a chunk) set to the one
+of its kind, so each `StageSizes.par` is that layout's.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+from ...config import MiniMindConfig, ParallelConfig
+from ...memo import Frozen
+from ...plan import stage_layers
+from .backward_moments import backward_moments
+from .posted_replay import UnitTerms, unit_terms
+from .stage_sizes import StageSizes, stage_sizes
+
+
+class SizesKind:
+    """One kind of stage or model chunk: its sizes, and made once from them its backward's moments
+    and its terms (by whether B defers the weight grads)."""
+
+    __slots__ = ("sizes", "_backward", "_terms", "derived")
+
+    def __init__(self, sizes: StageSizes):
+        self.sizes, self._backward, self._terms = sizes, None, {}
+        self.derived: dict = {}     # what a replay makes of them, by its own key
+
+    @property
+    def backward(self) -> dict:
+        if self._backward is None:
+            self._backward = backward_moments(self.sizes)
+        return self._backward
+
+    def terms(self, zb: bool) -> UnitTerms:
+        if zb not in self._terms:
+            self._terms[zb] = unit_terms(self.sizes, zb)
+        return self._terms[zb]
+
+
+def stage_kind(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, **kw) -> SizesKind:
+    """stage_sizes(c, par, stage, **kw), one object for the layouts whose zero level leaves it the
+    same (not --zero 3: its replay reads other sizes). `memo`: one layout's."""
+    if "stage" not in memo:
+        zero = 0 if par.pp > 1 else min(par.zero, 1)     # DDP's buckets: only one stage, without --zero
+        memo["stage"] = (Frozen(c), Frozen(replace(par, zero=zero)))
+    model, shape = memo["stage"]
+    return _stage_kind(model, shape, stage, tuple(sorted(kw.items())))
+
+
+@functools.lru_cache(maxsize=1 << 15)   # a few grids of kinds: a grid's zero levels are thousands apart
+def _stage_kind(model: Frozen, par: Frozen, stage: int, kw: tuple) -> SizesKind:
+    return SizesKind(stage_sizes(model.config, par.config, stage, **dict(kw)))
+
+
+def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *, cp_rank: int = 0,
+                **kw) -> list[SizesKind]:
+    """stage_sizes.chunk_sizes of stage `stage`, one object per kind of virtual stage (first, last,
+    its layers). `memo`: one layout's, kept across its stages."""
+    if "chunked" not in memo:
+        chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1)
+        memo["chunked"] = (chunked, Frozen(c), Frozen(replace(chunked, zero=0, dp=1)), tuple(sorted(kw.items())))
+    chunked, model, shape, rest = memo["chunked"]
+    out = []
+    for vs, kind in _virtual_stages(c.num_hidden_layers, par.pp, par.virtual_stages, stage):
+        if (kind, cp_rank) not in memo:
+            memo[kind, cp_rank] = _stage_kind(model, shape, vs, (("cp_rank", cp_rank), *rest))
+        out.append(memo[kind, cp_rank])
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _virtual_stages(layers: int, pp: int, virtual_stages: int, stage: int) -> tuple:
+    """Each chunk's virtual stage of `stage` and its kind: (first, last, its layers)."""
+    total = pp * virtual_stages
+    return tuple((vs, (vs == 0, vs == total - 1, len(stage_layers(layers, total, vs))))
+                 for vs in (v * pp + stage for v in range(virtual_stages)))
