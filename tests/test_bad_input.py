@@ -141,6 +141,8 @@ BENCHMARK = [
      "mode ep is expert-parallel and needs --ep_size > 1; got --ep_size 1"),
     (["--dp_size", "2", "--ep_size", "2", "--", "--modes", "ep", "--num_experts", "3"],
      "num_experts must be divisible by ep_size"),
+    (["--dp_size", "2", "--ep_size", "2", "--", "--modes", "ep", "--routing", "no_such_histogram.json"],
+     "argument --routing: not balanced or worst, nor a readable JSON file"),
 ]
 
 
