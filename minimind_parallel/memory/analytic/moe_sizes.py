@@ -102,6 +102,14 @@ def stage_expert_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, 
     return dict(zip(layers, expert_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)))
 
 
+def check_histogram(c: MiniMindConfig, par: ParallelConfig, histogram: Histogram, *, seq_len: int,
+                    micro_batch_size: int) -> None:
+    """A histogram fits the layout: every MoE layer's E counts, summing to one EP group's routed
+    rows of one microbatch (ValueError in one line otherwise)."""
+    for stage in range(par.pp):
+        stage_expert_rows(c, par, histogram, stage, seq_len=seq_len, micro_batch_size=micro_batch_size, ep_rank=0)
+
+
 def _histogram_by_layer(c: MiniMindConfig, histogram: Histogram, total: int) -> dict[int, Sequence[int]]:
     """{global layer index: counts [E]}, each layer's counts checked: E of them, summing to the
     EP group's routed rows."""
