@@ -829,3 +829,15 @@ def test_the_estimate_follows_the_worst_case_and_a_given_histogram_as_the_model_
                    for r in ep_ranks), key=lambda rep: rep.peak_bytes)
         _check_model(pred, est, pred.routing)
         assert est.peak_bytes != balanced, pred.routing
+
+
+def test_the_weighting_backward_of_an_moe_layer_is_predicted_to_the_byte():
+    """Few tokens and narrow experts: the peak is the MoE layer's first backward moment, the
+    weighting's (the grads of the weighted output, the experts' output and their product, [R, H]
+    each), on an earlier pipeline stage with every grad made (a later microbatch)."""
+    c = replace(MOE, hidden_size=32, vocab_size=128, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16,
+                tie_word_embeddings=False)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.float32, num_microbatches=3, stage=0)
+    pred = predict_memory(c, ParallelConfig(pp=2), **kw)
+    assert pred.peak_at.startswith("weighting_backward"), pred.peak_at
+    _check_model(pred, estimate_step_memory(c, ParallelConfig(pp=2), iters=1, **kw), "pp2 stage 0")
