@@ -831,13 +831,23 @@ def test_the_estimate_follows_the_worst_case_and_a_given_histogram_as_the_model_
         assert est.peak_bytes != balanced, pred.routing
 
 
+WEIGHTING_CASES = {  # (model fields, layout, sizes): the peak in the weighting's backward, every grad made
+    # few tokens and narrow experts, an earlier pipeline stage at a later microbatch
+    "pp2 stage 0": (dict(hidden_size=32, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16),
+                    ParallelConfig(pp=2), dict(num_microbatches=3, stage=0)),
+    # --recompute full: the re-run block's tensors beside it
+    "full": (dict(num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, num_experts=8,
+                  moe_intermediate_size=256), ParallelConfig(recompute="full"),
+             dict(num_microbatches=2, seq_len=128, micro_batch_size=1)),
+}
+
+
 def test_the_weighting_backward_of_an_moe_layer_is_predicted_to_the_byte():
-    """Few tokens and narrow experts: the peak is the MoE layer's first backward moment, the
-    weighting's (the grads of the weighted output, the experts' output and their product, [R, H]
-    each), on an earlier pipeline stage with every grad made (a later microbatch)."""
-    c = replace(MOE, hidden_size=32, vocab_size=128, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16,
-                tie_word_embeddings=False)
-    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.float32, num_microbatches=3, stage=0)
-    pred = predict_memory(c, ParallelConfig(pp=2), **kw)
-    assert pred.peak_at.startswith("weighting_backward"), pred.peak_at
-    _check_model(pred, estimate_step_memory(c, ParallelConfig(pp=2), iters=1, **kw), "pp2 stage 0")
+    """The MoE layer's first backward moment, the weighting's (the grads of the weighted output,
+    the experts' output and their product, [R, H] each), against --estimate."""
+    for name, (fields, par, sizes) in WEIGHTING_CASES.items():
+        c = replace(MOE, vocab_size=128, tie_word_embeddings=False, **fields)
+        kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.float32), **sizes}
+        pred = predict_memory(c, par, **kw)
+        assert pred.peak_at.startswith("weighting_backward"), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **{"stage": 0, **kw}), name)

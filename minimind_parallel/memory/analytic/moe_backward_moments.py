@@ -28,6 +28,7 @@ measured histogram's (StageSizes.expert_rows, per layer).
 """
 from __future__ import annotations
 
+from ...config import Recompute
 from .stage_sizes import StageSizes, top_block_saved
 
 
@@ -41,7 +42,10 @@ def weighting_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int]:
     b, hid, r = s.b, s.hid, s.routed_rows
     aux_saved, aux_grad = s.aux_backward
     acts, redone = top_block_saved(s, aux_saved + b * r * hid)
-    temps = (b * s.nn * hid + 3 * b * r * hid + b * r + s.waiting + aux_grad
+    # --recompute full: without the weights' grad [R] (measured against --estimate at one rank and
+    # tp2, float32 and bfloat16, 2 and 5 microbatches; not derived)
+    weights_grad = 0 if s.par.recompute == Recompute.FULL else b * r
+    temps = (b * s.nn * hid + 3 * b * r * hid + weights_grad + s.waiting + aux_grad
              - (s.f if first and aux_grad else 0))
     return s.head_grads, acts, temps + redone
 
