@@ -706,6 +706,9 @@ MOE_BACKWARD_MODES = {  # the peak inside the MoE layer's backward: its experts'
     "ep4": (ParallelConfig(dp=4, ep=4), torch.bfloat16, {}),
     "ep2 selective": (ParallelConfig(dp=2, ep=2, recompute="selective"), torch.bfloat16, {}),
     "pp2 ep2 stage 0": (ParallelConfig(pp=2, dp=2, ep=2), torch.bfloat16, dict(stage=0)),
+    # a middle stage, narrow experts: the post-attention norm's backward (the aux loss's N and load freed once)
+    "pp4 stage 1": (ParallelConfig(pp=4), torch.bfloat16, dict(num_hidden_layers=4, num_experts=2, num_experts_per_tok=1,
+                                                            moe_intermediate_size=16, stage=1)),
     "full (first block)": (ParallelConfig(recompute="full"), torch.bfloat16, {}),
     # under SP the router and experts' grads are TP-partial: finalize_grads sums them in one flat copy
     "tp2 sp": (ParallelConfig(tp=T, sequence_parallel=True), torch.bfloat16, {}),

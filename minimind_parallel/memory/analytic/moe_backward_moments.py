@@ -85,7 +85,8 @@ def moe_post_norm_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int
     this rank's experts'), its saved tensors and the router's input freed, the norm's fp32
     temporaries and the residual grad live."""
     b, f, nn_, hid = s.b, s.f, s.nn, s.hid
-    acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_) + s.aux_backward[0])
+    # (ffn_saved, the layer's "block.moe", holds the aux loss's N and load already)
+    acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_))
     return (s.head_grads + s.ffn_w_grads + b * hid, acts,
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting - (f if first and s.aux_loss_experts else 0) + redone)
 
