@@ -141,6 +141,10 @@ BENCHMARK = [
      "mode ep is expert-parallel and needs --ep_size > 1; got --ep_size 1"),
     (["--dp_size", "2", "--ep_size", "2", "--", "--modes", "ep", "--num_experts", "3"],
      "num_experts must be divisible by ep_size"),
+    (["--dp_size", "2", "--ep_size", "2", "--", "--modes", "ep", "--routing", "no_such_histogram.json"],
+     "argument --routing: not balanced or worst, nor a readable JSON file"),
+    (["--dp_size", "2", "--", "--modes", "ddp", "--routing", "worst"],
+     "--routing is the routing of MoE cells; no mode of this sweep is MoE (got --routing worst)"),
 ]
 
 
@@ -153,6 +157,18 @@ def test_bad_benchmark_input_is_one_line_and_launches_nothing(argv, message, mon
     assert code == 2 and not launched
     assert len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "b.csv").exists()
+
+
+def test_a_routing_histogram_that_does_not_fit_a_cell_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    (tmp_path / "routing.json").write_text('{"model.layers.0.mlp": [64, 64, 0, 0]}')
+    launched = []
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: launched.append(a) or 0)
+    code = cli.main(["benchmark", "--dp_size", "2", "--ep_size", "2", "--", "--modes", "ep", "--num_hidden_layers", "2",
+                     "--seq_len", "32", "--micro_batch_size", "2", "--routing", str(tmp_path / "routing.json"),
+                     *outputs(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not launched and len(err.splitlines()) == 1, err
+    assert "--routing, cell ep:2: routing histogram: no counts for MoE layer(s) [1]; got layers [0]" in err, err
 
 
 def refused(argv, monkeypatch, capsys) -> str:

@@ -341,6 +341,27 @@ def test_an_estimated_pipeline_cell_has_every_stage_measured_and_predicted(monke
     assert "(predicted " in capsys.readouterr().out
 
 
+def test_an_estimated_moe_cell_follows_the_given_routing_and_equals_the_prediction(monkeypatch, tmp_path):
+    """--routing FILE: the estimate's fake dispatch routes by the histogram (every EP rank's, the
+    worst), equal to the prediction for it to the byte, above the balanced one, and says so."""
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
+    histogram = {"model.layers.0.mlp": [100, 60, 50, 46], "model.layers.1.mlp": [10, 20, 200, 26]}
+    (tmp_path / "routing.json").write_text(json.dumps(histogram))
+    model = ["--num_hidden_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads",
+             "2", "--vocab_size", "128", "--num_experts", "4", "--num_experts_per_tok", "2",
+             "--moe_intermediate_size", "256", "--seq_len", "32", "--micro_batch_size", "2", "--dtype", "float32"]
+    assert cli.main(["benchmark", "--dp_size", "2", "--ep_size", "2", "--", "--modes", "ep", *model, "--routing",
+                     str(tmp_path / "routing.json"), "--estimate", *outputs(tmp_path)]) == 0
+    row = json.loads((tmp_path / "b.json").read_text())["rows"][0]
+    assert row["status"] == "ok" and row["peak_mib"] == row["predicted_mib"], row
+    assert row["tokens_per_expert"].startswith("the given histogram"), row["tokens_per_expert"]
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            vocab_size=128, use_moe=True, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=256)
+    balanced = predict_memory(config, ParallelConfig(dp=2, ep=2), seq_len=32, micro_batch_size=2, dtype=torch.float32)
+    assert row["peak_mib"] > balanced.mib(), (row["peak_mib"], balanced.mib())
+
+
 def test_every_row_carries_the_analytic_prediction_and_the_deviation(monkeypatch, tmp_path):
     """Each row's prediction is predict_memory of that row's own cell (its mode, its depth; the
     four cells' predictions all differ), written out here from the command line's values."""

@@ -117,22 +117,26 @@ def test_each_ep_rank_holds_a_contiguous_slice_of_the_experts_by_their_global_na
     assert holds("model.layers.0.mlp.gate.weight", 4, 2, 0) and holds("model.norm.weight", 4, 2, 1)
 
 
-def test_on_fake_tensors_the_dispatch_follows_the_balanced_policy():
-    """--estimate: the routing has no values; each rank sends and receives N*k/P rows per peer."""
+def test_on_fake_tensors_the_dispatch_follows_the_balanced_policy_or_the_given_routing():
+    """--estimate: the routing has no values; each rank sends and receives N*k/P rows per peer, or
+    receives the rows a given routing sends its experts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from minimind_parallel.memory.estimate import fake_process_group
-    from minimind_parallel.moe.dispatch import balanced_sizes
-    assert balanced_sizes(10, 2, 2).tolist() == [[3, 3], [2, 2]]
+    from minimind_parallel.moe.fake_routing import FakeRouting
+    assert FakeRouting.balanced(10, 2, 2).rows == ((3, 3), (2, 2))
+    given = FakeRouting.of_expert_rows([17, 3], 2)
+    assert given.rows == ((9, 2), (8, 1)) and given.per_expert == [17, 3] and given.from_sources == [11, 9]
     with fake_process_group(0, 2), FakeTensorMode():
         group = dist.new_group([0, 1])
-        dispatcher = AllToAllDispatcher(group, 4)
-        tokens = torch.randn(12, H, requires_grad=True)
-        rows, counts = dispatcher.dispatch(tokens, torch.zeros(4, dtype=torch.long))
-        out = dispatcher.combine(rows * 2)
-        out.sum().backward()
-        assert rows.shape == (12, H) and counts.shape == (2,) and out.shape == (12, H)   # N k rows: 6 per peer
-        assert tokens.grad.shape == (12, H)
+        for fake, received in ((None, 12), (given, 20)):
+            dispatcher = AllToAllDispatcher(group, 4)
+            tokens = torch.randn(12, H, requires_grad=True)
+            rows, counts = dispatcher.dispatch(tokens, torch.zeros(4, dtype=torch.long), fake=fake)
+            out = dispatcher.combine(rows * 2)
+            out.sum().backward()
+            assert rows.shape == (received, H) and counts.shape == (2,) and out.shape == (12, H)
+            assert tokens.grad.shape == (12, H)
 
 
 def test_sharding_a_moe_state_dict_over_ep_ranks_and_back_is_exact():

@@ -163,8 +163,8 @@ def _block_collectives():
     received = []
     dispatch = block.mlp.dispatcher.dispatch
 
-    def counted(tokens, counts):
-        out = dispatch(tokens, counts)
+    def counted(tokens, counts, **kw):
+        out = dispatch(tokens, counts, **kw)
         received.append(out[0].shape[0])
         return out
     block.mlp.dispatcher.dispatch = counted

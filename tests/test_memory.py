@@ -706,6 +706,9 @@ MOE_BACKWARD_MODES = {  # the peak inside the MoE layer's backward: its experts'
     "ep4": (ParallelConfig(dp=4, ep=4), torch.bfloat16, {}),
     "ep2 selective": (ParallelConfig(dp=2, ep=2, recompute="selective"), torch.bfloat16, {}),
     "pp2 ep2 stage 0": (ParallelConfig(pp=2, dp=2, ep=2), torch.bfloat16, dict(stage=0)),
+    # a middle stage, narrow experts: the post-attention norm's backward (the aux loss's N and load freed once)
+    "pp4 stage 1": (ParallelConfig(pp=4), torch.bfloat16, dict(num_hidden_layers=4, num_experts=2, num_experts_per_tok=1,
+                                                            moe_intermediate_size=16, stage=1)),
     "full (first block)": (ParallelConfig(recompute="full"), torch.bfloat16, {}),
     # under SP the router and experts' grads are TP-partial: finalize_grads sums them in one flat copy
     "tp2 sp": (ParallelConfig(tp=T, sequence_parallel=True), torch.bfloat16, {}),
@@ -782,3 +785,72 @@ def test_each_microbatch_of_the_moe_model_adds_its_aux_share_and_its_objective_o
         later = not pred.peak_at.endswith("[0]") or pred.held_at_peak > 1
         assert pred.peak_at.startswith(("head_backward", "forward_end")) and later, (name, pred.peak_at)
         _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+
+
+MOE_SMALL_TERM_CASES = {  # (model fields, layout, sizes): the MoE step's small terms, to the byte
+    # each layer's token count N is a fill, not torch.tensor (which on fake tensors keeps a real copy)
+    "gpipe M3, the count N": (dict(vocab_size=128, moe_intermediate_size=64, num_experts=8), ParallelConfig(),
+                              dict(num_microbatches=3, schedule="gpipe", seq_len=128, micro_batch_size=1)),
+    # VP: the forward's moment is inside the loss, before the aux share and the objective exist
+    "vp, inside the loss": (dict(hidden_size=32, vocab_size=2048, num_experts=2, num_experts_per_tok=1,
+                                 moe_intermediate_size=64), ParallelConfig(tp=T, vocab_parallel=True),
+                            dict(dtype=torch.float32)),
+    # ep2: the dispatch's fake regroup index holds no real copy of its values either
+    "ep2 M3, the regroup index": (dict(hidden_size=128, num_hidden_layers=1, vocab_size=8192, num_experts=4,
+                                       num_experts_per_tok=1, moe_intermediate_size=256), ParallelConfig(dp=2, ep=2),
+                                  dict(num_microbatches=3, dtype=torch.float32, seq_len=128)),
+    # basic SP + selective: the router's input is the post-attention norm's output shard, re-made in backward
+    "sp selective, the router's input": (dict(hidden_size=32, num_hidden_layers=1, vocab_size=512, num_experts=2,
+                                              moe_intermediate_size=64, num_attention_heads=8, num_key_value_heads=8),
+                                         ParallelConfig(tp=T, sequence_parallel=True, recompute="selective"),
+                                         dict(dtype=torch.float32)),
+}
+
+
+def test_the_moe_steps_small_terms_are_predicted_to_the_byte():
+    """The aux loss's token count, the dispatch's index, the last stage's aux share and objective
+    (not made yet inside the loss) and the router's re-made input against --estimate."""
+    for name, (fields, par, sizes) in MOE_SMALL_TERM_CASES.items():
+        c = replace(MOE, **fields)
+        kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16), **sizes}
+        pred = predict_memory(c, par, **kw)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+
+
+def test_the_estimate_follows_the_worst_case_and_a_given_histogram_as_the_model_does():
+    """--estimate on fake tensors cannot route: each MoE layer's dispatch and experts take the rows
+    from the routing given (moe/fake_routing.py), so the estimate of the worst case and of a skewed
+    histogram (each EP rank's; the worst one) equals the model to the byte, inside the experts'
+    backward where each expert's rows count, and differs from the balanced one."""
+    par, kw = ParallelConfig(dp=2, ep=2), dict(seq_len=S, micro_batch_size=B, dtype=torch.float32)
+    histogram = {"model.layers.0.mlp": [100, 60, 50, 46], "model.layers.1.mlp": [10, 20, 200, 26]}
+    balanced = estimate_step_memory(MOE_SMALL_VOCAB, par, iters=1, **kw).peak_bytes
+    for routing, ep_ranks in ((RoutingPolicy.WORST, [0]), (histogram, [0, 1])):
+        pred = predict_memory(MOE_SMALL_VOCAB, par, routing=routing, **kw)
+        assert pred.peak_at.startswith("expert_"), pred.peak_at
+        est = max((estimate_step_memory(MOE_SMALL_VOCAB, par, iters=1, routing=routing, ep_rank=r, **kw)
+                   for r in ep_ranks), key=lambda rep: rep.peak_bytes)
+        _check_model(pred, est, pred.routing)
+        assert est.peak_bytes != balanced, pred.routing
+
+
+WEIGHTING_CASES = {  # (model fields, layout, sizes): the peak in the weighting's backward, every grad made
+    # few tokens and narrow experts, an earlier pipeline stage at a later microbatch
+    "pp2 stage 0": (dict(hidden_size=32, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16),
+                    ParallelConfig(pp=2), dict(num_microbatches=3, stage=0)),
+    # --recompute full: the re-run block's tensors beside it
+    "full": (dict(num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, num_experts=8,
+                  moe_intermediate_size=256), ParallelConfig(recompute="full"),
+             dict(num_microbatches=2, seq_len=128, micro_batch_size=1)),
+}
+
+
+def test_the_weighting_backward_of_an_moe_layer_is_predicted_to_the_byte():
+    """The MoE layer's first backward moment, the weighting's (the grads of the weighted output,
+    the experts' output and their product, [R, H] each), against --estimate."""
+    for name, (fields, par, sizes) in WEIGHTING_CASES.items():
+        c = replace(MOE, vocab_size=128, tie_word_embeddings=False, **fields)
+        kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.float32), **sizes}
+        pred = predict_memory(c, par, **kw)
+        assert pred.peak_at.startswith("weighting_backward"), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **{"stage": 0, **kw}), name)

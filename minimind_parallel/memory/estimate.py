@@ -22,6 +22,7 @@ from ..config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 from ..context_parallel import ContextLayout
 from ..data.batches import Batch, cp_tokens, shift_labels
 from ..groups import ProcessGroups
+from ..moe.feed_forward import set_fake_routing
 from ..moe.placement import expert_of
 from ..parallel_model import ParallelMiniMindForCausalLM
 from ..pipeline_parallel import Schedule
@@ -30,6 +31,7 @@ from ..zero.buckets import DEFAULT_BUCKET_MB
 from ..zero.fully_shard import shard_fully, sharding_mesh
 from .analytic import as_dtype
 from .fake_memo import RememberingFakeTensorMode
+from .analytic.moe_sizes import Routing, RoutingPolicy, stage_expert_rows
 from .meter import MemoryMeter
 from .tracker import MemoryReport
 
@@ -108,7 +110,8 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
                          num_microbatches: int = 1, schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int = 0,
                          cp_rank: int = 0, tracker_type=None, on_step=None,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB, memo: dict | None = None,
-                         remember: bool = True) -> MemoryReport:
+                         remember: bool = True, routing: Routing = RoutingPolicy.BALANCED,
+                         ep_rank: int = 0) -> MemoryReport:
     """Peak memory of `iters` training steps, each of `num_microbatches` microbatches of
     `micro_batch_size` sequences, on one rank of pipeline stage `stage`, without kernels.
     warmup: the optimizer states exist before the window, as after the warm-up steps of a real run.
@@ -123,11 +126,17 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
     distributed optimizer runs as it does on real ranks (buckets of `bucket_size_mb` MiB).
     remember: the fake dispatch remembers what each op made and makes it again without asking
     FakeTensorMode (memory/fake_memo.py: the same report, to the byte, in about half the time);
-    `memo` may carry what it remembered from one call to the next (the benchmark's sweep)."""
+    `memo` may carry what it remembered from one call to the next (the benchmark's sweep).
+
+    MoE: fake tensors have no routing to read, so each MoE layer's dispatch and experts split their
+    rows by `routing` (predict_memory's: balanced, the worst case, or a histogram of tokens per
+    expert per layer) as EP rank `ep_rank` receives them (moe/fake_routing.py)."""
     if not 0 <= stage < par.pp:
         raise ValueError(f"stage must be in [0, pp); got stage={stage}, pp={par.pp}")
     if not 0 <= cp_rank < par.cp:
         raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
+    if not 0 <= ep_rank < par.ep:
+        raise ValueError(f"ep_rank must be in [0, ep); got ep_rank={ep_rank}, ep={par.ep}")
     check_layout(model_config, par, seq_len=seq_len)
     dtype = as_dtype(dtype)
     if dist.is_initialized():
@@ -139,6 +148,9 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
         mesh = sharding_mesh(groups, "cpu") if par.zero == 3 else None   # so is --zero 3's device mesh
         with RememberingFakeTensorMode(memo) if remember else FakeTensorMode() as fake:
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
+            if model_config.use_moe and routing != RoutingPolicy.BALANCED:
+                set_fake_routing(model, stage_expert_rows(model_config, par, routing, stage, seq_len=seq_len,
+                                                          micro_batch_size=micro_batch_size, ep_rank=ep_rank), par.ep)
             if par.zero == 3:   # FSDP2 shards fake tensors as real ones, over the fake backend's mesh
                 model = shard_fully(model, groups, mesh)
             optimizer = make_optimizer(model, 1e-3, groups, bucket_size_mb)

@@ -36,7 +36,9 @@ class RouterStats:
     def of(cls, scores: torch.Tensor, counts: torch.Tensor) -> RouterStats:
         """scores [N, E], counts [E] (int) -> the layer's statistics over these N tokens."""
         dtype = torch.promote_types(scores.dtype, torch.float32)
-        n = torch.tensor(scores.shape[0], dtype=dtype, device=scores.device)
+        # a fill, not torch.tensor: under fake tensors (--estimate) torch.tensor also keeps a real
+        # copy of the value, which a real run does not
+        n = scores.new_full((), scores.shape[0], dtype=dtype)
         return cls(counts=counts.to(dtype), score_sums=scores.sum(0).to(dtype), tokens=n)
 
     def stacked(self) -> torch.Tensor:

@@ -22,17 +22,21 @@ backward reuses them: the backward of an all-to-all is the reverse all-to-all (`
 With a one-rank group (ep = 1) dispatch and combine hand the tokens back unchanged.
 
 On fake tensors (`--estimate`: shapes, no values) the routing has no counts to read; the
-dispatch then follows the balanced policy (`balanced_sizes`): every rank routes as many rows to
-each expert, so each rank sends and receives N*k/P rows per peer, N*k/E per (peer, expert).
+dispatch then follows the layer's given routing (`fake_routing.FakeRouting`: the rows each source
+sends to each local expert), or the balanced policy (`FakeRouting.balanced`): every rank routes
+as many rows to each expert, so each rank sends and receives N*k/P rows per peer, N*k/E per
+(peer, expert).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake
 
 from ..distributed import comm
+from .experts import balanced_counts
+from .fake_routing import FakeRouting
 
 
 class _AllToAll(torch.autograd.Function):
@@ -74,14 +78,6 @@ def chunk_permutation(sizes: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
-def balanced_sizes(rows: int, ranks: int, local_experts: int) -> torch.Tensor:
-    """[P, L] rows each source sends for each local expert when `rows` (N*k, as on every rank) are
-    spread evenly over the P x L experts (the first ones one more when it does not divide)."""
-    n = ranks * local_experts
-    flat = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
-    return torch.tensor(flat, dtype=torch.long, device="cpu").view(ranks, local_experts)
-
-
 class AllToAllDispatcher:
     """Dispatch to and combine from the experts of the EP group `group` (None: one rank, no
     communication), `num_experts` experts over its ranks. A dispatch is followed by its combine
@@ -95,30 +91,36 @@ class AllToAllDispatcher:
         self.num_experts, self.local_experts = num_experts, num_experts // self.ranks
         self._route: Route | None = None
 
-    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor, fake: FakeRouting | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [N*k, H] sorted by global expert, counts [E] (int64) -> (this rank's experts'
-        tokens [M, H] sorted by local expert, counts per local expert [L])."""
+        tokens [M, H] sorted by local expert, counts per local expert [L]). `fake`: on fake
+        tensors, the rows each source sends to each local expert (None: the balanced policy)."""
         if self.ranks == 1:
             return tokens, counts
         p, l = self.ranks, self.local_experts
         with torch.no_grad():
             received = comm.all_to_all_dim0(counts.reshape(p, l).contiguous(), self.group)   # [P (source), L]
-            if is_fake(received):                        # no values (--estimate): the balanced policy
-                with unset_fake_temporarily():
-                    host = balanced_sizes(tokens.shape[0], p, l)
-                    order, sent, sizes = chunk_permutation(host).tolist(), host.sum(1).tolist(), host.tolist()
-                received = torch.tensor(sizes, dtype=counts.dtype, device=tokens.device)
-                to_experts = torch.tensor(order, dtype=torch.long, device=tokens.device)
+            if is_fake(received):                        # no values (--estimate): the given or balanced sizes
+                sent, from_sources, to_experts = self._fake_sizes(tokens, fake)
             else:
                 host = received.cpu()
                 to_experts = chunk_permutation(host).to(tokens.device)
-                sent = counts.reshape(p, l).sum(1).tolist()
+                sent, from_sources = counts.reshape(p, l).sum(1).tolist(), host.sum(1).tolist()
             to_sources = torch.argsort(to_experts)
-        with unset_fake_temporarily():
-            from_sources = host.sum(1).tolist()
         self._route = Route(sent=sent, received=from_sources, to_experts=to_experts, to_sources=to_sources)
         rows = all_to_all_rows(tokens, self.group, self._route.received, sent)   # [M, H] source-major
         return rows.index_select(0, to_experts), received.sum(0)                 # [M, H] expert-major, [L]
+
+    def _fake_sizes(self, tokens: torch.Tensor, fake: FakeRouting | None) -> tuple[list[int], list[int], torch.Tensor]:
+        """On fake tensors: (rows sent to each rank, rows received from each, the regroup's index [M]
+        as a fake tensor -- no values needed, and torch.tensor would keep a real copy beside it).
+        Sent: this rank's N*k rows spread evenly (only their sum shapes a tensor)."""
+        p, l = self.ranks, self.local_experts
+        routing = fake or FakeRouting.balanced(tokens.shape[0], p, l)
+        from_sources = routing.from_sources
+        sent = balanced_counts(tokens.shape[0], p) if fake else from_sources   # balanced: as many each way
+        return sent, from_sources, torch.empty(sum(from_sources), dtype=torch.long, device=tokens.device)
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """out [M, H] expert-major (the experts' outputs of dispatch's tokens) -> [N*k, H] in the

@@ -16,10 +16,11 @@ one GEMM per expert over its contiguous rows:
                            (scripts/moe_step_time.py) and it holds the stacked copy, so the CPU
                            takes the loop.
 
-Under fake tensors (`--estimate`) the counts have no values: the loop splits the tokens as if
-routed evenly (`balanced_counts`: N*k/E per expert, the remainder on the first ones), the
-estimate's stated policy. Only the loop's per-expert temporaries depend on the split; every
-tensor that lives through backward has the shape of all N*k routed rows.
+Under fake tensors (`--estimate`) the counts have no values: the loop splits the tokens by the
+layer's given routing (fake_routing.py), or without one as if routed evenly (`balanced_counts`:
+N*k/E per expert, the remainder on the first ones), the estimate's stated policy. Only the
+loop's per-expert temporaries depend on the split; every tensor that lives through backward has
+the shape of all the rows this rank's experts receive.
 
 Unlike MiniMind's loop (a gather and an `index_add_` per expert, over the unsorted tokens), the
 gather happens once (the sort) and the scatter once (the combine).
@@ -64,12 +65,13 @@ class GroupedExperts(nn.ModuleDict):
         super().__init__({str(e): Expert(hidden, intermediate, linear) for e in expert_ids})
         self.expert_ids = expert_ids
 
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """tokens [T, H] sorted by local expert, counts [E_local] (sum T) -> [T, H] in the same order."""
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, fake_rows: list[int] | None = None) -> torch.Tensor:
+        """tokens [T, H] sorted by local expert, counts [E_local] (sum T) -> [T, H] in the same order.
+        fake_rows: on fake tensors, the rows of each local expert (None: the balanced split)."""
         experts = list(self.values())
         if grouped_mm_fits(tokens, experts[0]):
             return _grouped(tokens, counts, experts)
-        return _looped(tokens, counts, experts)
+        return _looped(tokens, counts, experts, fake_rows)
 
 
 def grouped_mm_fits(tokens: torch.Tensor, expert: Expert) -> bool:
@@ -99,11 +101,13 @@ def balanced_counts(rows: int, experts: int) -> list[int]:
     return [rows // experts + (e < rows % experts) for e in range(experts)]
 
 
-def host_counts(tokens: torch.Tensor, counts: torch.Tensor) -> list[int]:
-    """The counts on the host; under fake tensors (no values) the balanced split."""
-    return balanced_counts(tokens.shape[0], counts.shape[0]) if is_fake(tokens) else counts.tolist()
+def host_counts(tokens: torch.Tensor, counts: torch.Tensor, fake_rows: list[int] | None = None) -> list[int]:
+    """The counts on the host; under fake tensors (no values) `fake_rows`, or the balanced split."""
+    if not is_fake(tokens):
+        return counts.tolist()
+    return list(fake_rows) if fake_rows is not None else balanced_counts(tokens.shape[0], counts.shape[0])
 
 
-def _looped(tokens, counts, experts):
-    parts = tokens.split(host_counts(tokens, counts))                    # one [T_e, H] slice per expert
+def _looped(tokens, counts, experts, fake_rows=None):
+    parts = tokens.split(host_counts(tokens, counts, fake_rows))         # one [T_e, H] slice per expert
     return torch.cat([e(part) for e, part in zip(experts, parts)]) if parts else tokens[:0]

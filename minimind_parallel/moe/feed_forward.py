@@ -13,16 +13,24 @@ The aux loss (training mode with router_aux_loss_coef > 0, as MiniMind's; 0 othe
 load-balancing loss of the statistics of these N tokens after `reduce_stats` (the identity, or
 a sum over the groups that split the batch's tokens): `aux_loss.py`. Like MiniMind's module it
 is left in `self.aux_loss` after each forward, and the model sums the layers' after its forward.
+
+On fake tensors (`--estimate`) the routing has no values: dispatch and experts split the rows by
+`fake_routing` (fake_routing.py; None: the balanced policy).
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
+
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..config import MiniMindConfig
 from .aux_loss import RouterStats, StatsReduction, load_balancing_loss, local_stats
 from .dispatcher import LocalDispatcher
 from .experts import GroupedExperts, LinearBuilder, plain_linear
+from .fake_routing import FakeRouting
 from .router import route, tokens_per_expert
 
 
@@ -43,6 +51,7 @@ class MOEFeedForward(nn.Module):
         self.reduce_stats = reduce_stats
         self.aux_loss = None
         self.tokens_per_expert = None     # [E] int64, this module's tokens of its last forward (no grad)
+        self.fake_routing: FakeRouting | None = None   # on fake tensors: the rows its experts receive (None: balanced)
 
     def forward(self, x):
         shape = x.shape
@@ -52,8 +61,10 @@ class MOEFeedForward(nn.Module):
         order = torch.argsort(pairs, stable=True)                         # [N*k] pairs sorted by expert
         token_of = order // self.top_k                                    # [N*k] the token of each sorted pair
         counts = tokens_per_expert(r.indices, self.num_experts)           # [E]
-        local, local_counts = self.dispatcher.dispatch(flat[token_of], counts)   # [T, H], [E_local]
-        out = self.dispatcher.combine(self.experts(local, local_counts))  # [N*k, H] sorted order
+        fake = self.fake_routing if is_fake(flat) else None               # no values to route by (--estimate)
+        local, local_counts = self.dispatcher.dispatch(flat[token_of], counts, fake=fake)   # [T, H], [E_local]
+        out = self.dispatcher.combine(self.experts(local, local_counts,   # [N*k, H] sorted order
+                                                   fake_rows=fake.per_expert if fake else None))
         weighted = (out * r.weights.reshape(-1)[order, None]).to(flat.dtype)
         y = torch.zeros_like(flat).index_add_(0, token_of, weighted)      # [N, H]
         self.aux_loss = self._aux_loss(r.scores, counts)
@@ -70,3 +81,18 @@ def routing_histogram(model: nn.Module) -> dict[str, list[int]]:
     """{MoE layer's module name: tokens routed to each expert in its last forward (N x k in all)}."""
     return {name: m.tokens_per_expert.tolist() for name, m in model.named_modules()
             if isinstance(m, MOEFeedForward) and m.tokens_per_expert is not None}
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def set_fake_routing(model: nn.Module, per_layer: Mapping[int, Sequence[int]], sources: int) -> None:
+    """On fake tensors (--estimate): give each MoE layer of `model` the rows each of its local
+    experts receives in one microbatch, `per_layer` {global layer index: [L]}, spread over the
+    `sources` EP ranks (fake_routing.py); a layer of `model` missing from `per_layer` is refused."""
+    for name, m in model.named_modules():
+        if isinstance(m, MOEFeedForward):
+            layer = int(_LAYER.search(name).group(1))
+            if layer not in per_layer:
+                raise ValueError(f"fake routing: no rows for MoE layer {layer} ({name}); got layers {sorted(per_layer)}")
+            m.fake_routing = FakeRouting.of_expert_rows(per_layer[layer], sources)

@@ -3,6 +3,9 @@ them to the stage's first block), each (grads it adds, activations, temporaries)
 
 Autograd runs the layer backward from its output (moe/feed_forward.py, moe/experts.py):
 
+    weighting_backward    the aux loss's backward done (below), the weighted output freed; the
+                          weighting's backward at its sum: the grads of the weighted output, of
+                          the experts' output and their product [R, H] each, the weights' grad [R]
     start                 the layer's aux loss's backward done (its saved N and load freed, the
                           grad of its score sums [E] waiting for the router's backward);
                           index_add_'s and the weighting's backward done: the weighted and the
@@ -25,7 +28,26 @@ measured histogram's (StageSizes.expert_rows, per layer).
 """
 from __future__ import annotations
 
+from ...config import Recompute
 from .stage_sizes import StageSizes, top_block_saved
+
+
+def weighting_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int]:
+    """The first moment of the layer's backward after its aux loss's: the weighting's backward
+    (`out * weights`), at the sum that reduces the weights' grad to [R, 1] -- the grad of the
+    weighted output [R, H] (index_add_'s backward), of the experts' output and the product with
+    it (two more [R, H]) and the sum [R] live beside the incoming grad [Nn, H]; the aux loss's N
+    and load and the weighted output (index_add_'s backward done) freed. Holds the peak where the
+    experts' tensors are small (few tokens, a narrow I_e)."""
+    b, hid, r = s.b, s.hid, s.routed_rows
+    aux_saved, aux_grad = s.aux_backward
+    acts, redone = top_block_saved(s, aux_saved + b * r * hid)
+    # --recompute full: without the weights' grad [R] (measured against --estimate at one rank and
+    # tp2, float32 and bfloat16, 2 and 5 microbatches; not derived)
+    weights_grad = 0 if s.par.recompute == Recompute.FULL else b * r
+    temps = (b * s.nn * hid + 3 * b * r * hid + weights_grad + s.waiting + aux_grad
+             - (s.f if first and aux_grad else 0))
+    return s.head_grads, acts, temps + redone
 
 
 def expert_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict[str, tuple[int, int, int]]:
@@ -63,11 +85,13 @@ def moe_post_norm_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int
     this rank's experts'), its saved tensors and the router's input freed, the norm's fp32
     temporaries and the residual grad live."""
     b, f, nn_, hid = s.b, s.f, s.nn, s.hid
-    acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_) + s.aux_backward[0])
+    # (ffn_saved, the layer's "block.moe", holds the aux loss's N and load already)
+    acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_))
     return (s.head_grads + s.ffn_w_grads + b * hid, acts,
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting - (f if first and s.aux_loss_experts else 0) + redone)
 
 
 def moe_block_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict[str, tuple[int, int, int]]:
     """Every moment of the top block's MoE backward listed above (`first`: see expert_moments)."""
-    return {**expert_moments(s, rows, first=first), "post_norm_backward": moe_post_norm_backward(s, first=first)}
+    return {"weighting_backward": weighting_backward(s, first=first), **expert_moments(s, rows, first=first),
+            "post_norm_backward": moe_post_norm_backward(s, first=first)}

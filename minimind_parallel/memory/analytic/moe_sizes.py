@@ -38,9 +38,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ...config import Choice, MiniMindConfig, ParallelConfig
+from ...config import Choice, MiniMindConfig, ParallelConfig, Recompute
 from ...moe.experts import balanced_counts
 from ...moe.placement import local_experts
+from ...plan import stage_layers
 
 
 class RoutingPolicy(Choice):
@@ -91,6 +92,24 @@ def expert_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, layers
     return [[counts[i][e] for e in mine] for i in layers]
 
 
+def stage_expert_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int, *, seq_len: int,
+                      micro_batch_size: int, ep_rank: int) -> dict[int, list[int]]:
+    """{global layer index: the rows each local expert of EP rank `ep_rank` receives in one
+    microbatch} for the MoE layers of pipeline stage `stage` (`expert_rows` of its tokens: N k per
+    source, N = its CP rank's, under SP its sequence shard's)."""
+    tokens = seq_len // par.cp * micro_batch_size // par.sequence_shards
+    layers = stage_layers(c.num_hidden_layers, par.pp, stage)
+    return dict(zip(layers, expert_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)))
+
+
+def check_histogram(c: MiniMindConfig, par: ParallelConfig, histogram: Histogram, *, seq_len: int,
+                    micro_batch_size: int) -> None:
+    """A histogram fits the layout: every MoE layer's E counts, summing to one EP group's routed
+    rows of one microbatch (ValueError in one line otherwise)."""
+    for stage in range(par.pp):
+        stage_expert_rows(c, par, histogram, stage, seq_len=seq_len, micro_batch_size=micro_batch_size, ep_rank=0)
+
+
 def _histogram_by_layer(c: MiniMindConfig, histogram: Histogram, total: int) -> dict[int, Sequence[int]]:
     """{global layer index: counts [E]}, each layer's counts checked: E of them, summing to the
     EP group's routed rows."""
@@ -130,8 +149,15 @@ def moe_column_input(par: ParallelConfig, column: int, *, b: int, n: int, nn_: i
     the plain-TP and SP + async layouts already count (it is the one tensor gate/up saved)."""
     if par.sequence_parallel and not par.async_communication:
         # basic SP: three gathers for q/k/v (one shared with --shared_sp_gather), the router's shard
-        return (b * n * hid if par.shared_sp_gather else 3 * b * n * hid) + b * nn_ * hid
+        return (b * n * hid if par.shared_sp_gather else 3 * b * n * hid) + basic_sp_router_input(par, b * nn_ * hid)
     return column
+
+
+def basic_sp_router_input(par: ParallelConfig, shard: int) -> int:
+    """What the router saves of its input under basic SP, the post-attention norm's output shard
+    (`shard` bytes): the shard itself, or under --recompute selective nothing (the norm's output,
+    re-made from the norm's saved input in backward: recompute/norm_recompute.py)."""
+    return 0 if par.recompute == Recompute.SELECTIVE else shard
 
 
 def moe_temporaries(c: MiniMindConfig, par: ParallelConfig, layers: int, *, f: int,

@@ -13,8 +13,8 @@ from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .orders import stage_order, stage_releases
-from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, expert_rows, received_row_bytes,
-                        routing_text)
+from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, received_row_bytes, routing_text,
+                        stage_expert_rows)
 from .posted_peak import posted_peak
 from .posted_replay import replay_posted
 from .remembered_sizes import chunk_kinds, stage_kind
@@ -123,8 +123,8 @@ def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int
         return {}
     tokens = seq_len // par.cp * micro_batch_size // par.sequence_shards
     per_row = received_row_bytes(c, par, torch.empty((), dtype=as_dtype(dtype)).element_size())
-    layers = stage_layers(c.num_hidden_layers, par.pp, stage)
-    experts = expert_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)
+    experts = list(stage_expert_rows(c, par, routing, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                     ep_rank=ep_rank).values())
     return {"routed": tuple((sum(m) - tokens * c.num_experts_per_tok) * per_row for m in experts),
             "expert_rows": tuple(tuple(m) for m in experts)}
 

@@ -118,6 +118,17 @@ def _moe_per_microbatch(s: StageSizes, finished: int, held: int) -> int:
     return max(finished - 1, 0) * s.f + max(held - 1, 0) * per_held
 
 
+def _not_made_inside_the_loss(s: StageSizes, finished: int) -> int:
+    """MoE on the last stage, when the forward's moment is inside the loss (VP's softmax, the
+    chunked loss's chunks): the layers' summed aux loss exists, this microbatch's reported aux
+    share and its objective (LM loss + aux) not yet -- what `moe_temporaries` and
+    `_moe_per_microbatch` count beyond it: the objective (none under CP, where its scaled copy
+    is counted as held) and, before the first forward has finished, the one aux share."""
+    if not (s.top_k and s.last and (s.par.vocab_parallel or s.par.loss_chunks > 1)):
+        return 0
+    return (0 if s.par.cp > 1 else s.f) + (s.f if finished == 0 else 0)
+
+
 def _first_largest(inner: dict, grads_count: bool) -> dict:
     """The first of the largest of a backward's moments, by the total with its own grads or without."""
     name = max(inner, key=lambda k: (inner[k][0] if grads_count else 0) + inner[k][1] + inner[k][2])
@@ -147,6 +158,7 @@ def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None
         if action.step is Step.FORWARD:
             # an earlier stage: this microbatch's aux share and backward root are made after its forward
             extra += _moe_per_microbatch(s, n_fwd, n_held + 1) - (2 * s.f if s.top_k and not s.last else 0)
+            extra -= _not_made_inside_the_loss(s, n_fwd)
             moments[f"forward_end[{i}]"] = forward_moment(s, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1

@@ -20,6 +20,7 @@ from ...moe.placement import expert_of, local_experts
 from ...memo import Frozen, cached_property
 from ...plan import (SHAPE_FIELDS, Partial, build_stage_parameters, is_first_stage, is_last_stage, is_partial, plan_of,
                      stage_layers)
+from .moe_sizes import basic_sp_router_input
 from .saved_kinds import activations_by_kind
 
 
@@ -191,10 +192,11 @@ class StageSizes:
     @cached_property
     def router_input(self) -> int:
         """What the router's input adds to the block's column inputs: the post-attention norm's
-        output (moe_sizes.moe_column_input); under basic SP the shard, else gate/up's share."""
+        output (moe_sizes.moe_column_input); under basic SP the shard (none under --recompute selective),
+        else gate/up's share."""
         par = self.par
         if par.sequence_parallel and not par.async_communication:
-            return self.b * self.nn * self.hid
+            return basic_sp_router_input(par, self.b * self.nn * self.hid)
         return self.gate_up_input
 
     @cached_property

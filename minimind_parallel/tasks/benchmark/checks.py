@@ -6,7 +6,8 @@ import re
 
 from ...config import ConfigError
 from ...job import Job
-from ...options import check_at_least, check_common, check_modes, check_number, check_resources
+from ...memory.analytic.moe_sizes import RoutingPolicy, check_histogram
+from ...options import check_at_least, check_common, check_modes, check_number, check_resources, model_config
 from . import outputs
 from .cells import CellRun, cell_run, sweep_cells
 from .command import BatchPolicy, Kind, batch_policy
@@ -33,7 +34,26 @@ def check_benchmark(job: Job) -> list[CellRun]:
                  steps=None if args.estimate else ": use bfloat16, or --estimate", kernels=not args.estimate)
     for run in runs:
         check_batch_split(launch, args, kind, run)
+    check_routing(args.routing, runs)
     return runs
+
+
+def check_routing(routing, runs: list[CellRun]) -> None:
+    """--routing is for MoE cells; a histogram fits each one (its layers, experts, rows)."""
+    moe = [r for r in runs if model_config(r.args).use_moe]
+    if routing == RoutingPolicy.BALANCED:
+        return
+    if not moe:
+        raise ConfigError(f"--routing is the routing of MoE cells; no mode of this sweep is MoE (got --routing "
+                          f"{routing if routing in tuple(RoutingPolicy) else 'a histogram'})")
+    if routing in tuple(RoutingPolicy):
+        return
+    for r in moe:
+        try:
+            check_histogram(model_config(r.args), r.par, routing, seq_len=r.sizes["seq_len"],
+                            micro_batch_size=r.sizes["micro_batch_size"])
+        except ValueError as e:
+            raise ConfigError(f"--routing, cell {r.cell.name}: {e}") from None
 
 
 def check_batch_split(launch, args, kind: Kind, run: CellRun) -> None:

@@ -4,9 +4,11 @@ the job, and the batch policy the kind implies)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from ...config import Choice, ConfigError
 from ...job import Job, LaunchOptions, TaskOptions
+from ...memory.analytic.moe_sizes import Routing, RoutingPolicy
 from ...options import MODES, Parser, add_model_args, parallel_config
 
 
@@ -46,12 +48,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda_capability", default="9.0", metavar="MAJOR.MINOR",
                    help="with --estimate --device cuda: the GPU generation whose allocator peak is predicted "
                         "(cuBLAS workspace size; default 9.0, H100/H200)")
+    p.add_argument("--routing", type=routing_arg, default=RoutingPolicy.BALANCED, metavar="balanced|worst|FILE.json",
+                   help="MoE: the routing the prediction (and --estimate, whose fake tensors cannot route) is for: "
+                        "balanced (default), worst (every token of the EP group on one EP rank's experts), or a "
+                        "JSON file of tokens per expert per layer ({\"model.layers.0.mlp\": [counts], ...}: one "
+                        "EP group, one microbatch)")
     p.add_argument("--cell_timeout", type=float, default=None, metavar="SECONDS",
                    help="kill a cell's ranks after this long and record it as timed out (default: no limit)")
     p.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run of the same name")
     # A test hook; not for users.
     p.add_argument("--inject_oom", default=None, metavar="MODE:VALUE", help=argparse.SUPPRESS)
     return p
+
+
+def routing_arg(text: str) -> Routing:
+    """--routing: a policy's name, or a JSON file {MoE layer's module name: tokens per expert}."""
+    if text in RoutingPolicy.values():
+        return RoutingPolicy(text)
+    try:
+        with open(text) as f:
+            histogram = json.load(f)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"not {' or '.join(RoutingPolicy.values())}, nor a readable JSON file: {e}")
+    if not (isinstance(histogram, dict) and all(isinstance(v, list) and all(isinstance(n, int) for n in v)
+                                                for v in histogram.values())):
+        raise argparse.ArgumentTypeError(f"{text} must hold {{MoE layer name: [tokens per expert, ...]}}")
+    return histogram
 
 
 def resolve(launch: LaunchOptions, args: argparse.Namespace, argv: tuple[str, ...]) -> Job:

@@ -91,7 +91,7 @@ def new_cell_row(job: Job, run: CellRun) -> dict:
     row = outputs.new_row(args.kind, run.cell, par, run.args, run.rows * par.dp, estimate=args.estimate)
     try:  # a missing prediction must not lose the measurement
         device = "cpu" if args.estimate else resolve_device(job.launch)
-        pred = memory.predict_memory(model_config(run.args), par, device=device, **run.sizes)
+        pred = memory.predict_memory(model_config(run.args), par, device=device, routing=args.routing, **run.sizes)
         row["predicted_mib"] = pred.peak_bytes / outputs.MIB
         row["predicted_mib_per_stage"] = " ".join(f"{b / outputs.MIB:.2f}" for b in pred.per_stage)
     except Exception as e:
