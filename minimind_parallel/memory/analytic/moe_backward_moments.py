@@ -3,6 +3,10 @@ them to the stage's first block), each (grads it adds, activations, temporaries)
 
 Autograd runs the layer backward from its output (moe/feed_forward.py, moe/experts.py):
 
+    weighting_backward    the weighting's backward (y += w out): the grad of the weighted output
+                          [R, H] (index_add_'s backward), of the experts' output and the
+                          product with it [R, H] each, and the weights' grad [R]; every saved
+                          tensor but the aux loss's still alive
     start                 the layer's aux loss's backward done (its saved N and load freed, the
                           grad of its score sums [E] waiting for the router's backward);
                           index_add_'s and the weighting's backward done: the weighted and the
@@ -25,6 +29,7 @@ measured histogram's (StageSizes.expert_rows, per layer).
 """
 from __future__ import annotations
 
+from ...config import Recompute
 from .stage_sizes import StageSizes, top_block_saved
 
 
@@ -68,6 +73,22 @@ def moe_post_norm_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting - (f if first and s.aux_loss_experts else 0) + redone)
 
 
+def weighting_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int]:
+    """The weighting's backward (`weighted = out * w`, then index_add_): the grad of the weighted
+    output, of the experts' output and grad * out [R, H] each, their row sums [R] (the weights'
+    grad); the layer's aux loss's backward done (its saved N and load freed, the grad of its
+    score sums waiting: see expert_moments)."""
+    b, r, hid = s.b, s.routed_rows, s.hid
+    aux_saved, aux_grad = s.aux_backward
+    acts, redone = top_block_saved(s, aux_saved + b * r * hid)     # the weighted output's saved copy too
+    # --recompute full: the largest moment is the second product, before the row sums (measured
+    # with StorageTracker(detail=True): the re-run frees a [R] by the sums)
+    sums = b * r if s.par.recompute != Recompute.FULL else 0
+    temps = b * s.nn * hid + 3 * b * r * hid + sums + s.waiting + aux_grad - (s.f if first and aux_grad else 0)
+    return s.head_grads, acts, temps + redone
+
+
 def moe_block_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict[str, tuple[int, int, int]]:
     """Every moment of the top block's MoE backward listed above (`first`: see expert_moments)."""
-    return {**expert_moments(s, rows, first=first), "post_norm_backward": moe_post_norm_backward(s, first=first)}
+    return {"expert_weighting_backward": weighting_backward(s, first=first), **expert_moments(s, rows, first=first),
+            "post_norm_backward": moe_post_norm_backward(s, first=first)}
