@@ -3,7 +3,8 @@
 
     root        the root group (embedding, final norm, head) is gathered at the first forward
                 and kept to the end of the backward (the root does not reshard after forward)
-    a block     gathered at its forward and freed after it; gathered again at its backward,
+    a block     gathered at its forward and freed after it (the all-gather output stays until the
+                next all-gather: the top block's at the forward's end); gathered again at its backward,
                 while FSDP2 prefetches the block below (its all-gather output waits, a
                 temporary, for that block's own pre-backward); freed at its post-backward
     its grads   unsharded (temporaries, not a registered parameter's .grad) until the block's
@@ -93,7 +94,9 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tu
         extra += s.loss_scalar if action.step is Step.BACKWARD and s.last else 0
         if action.step is Step.FORWARD:
             _, a, t = forward_moment(s, n_held, 0, saved, extra + _moe_per_microbatch(s, n_fwd, n_held + 1))
-            moments[f"forward_end[{i}]"] = (every if n_bwd else 0, a + z.root - z.root_unsaved, t + z.root_unsaved)
+            # the top block's all-gather output, kept by FSDP2 until its next all-gather
+            moments[f"forward_end[{i}]"] = (every if n_bwd else 0, a + z.root - z.root_unsaved,
+                                            t + z.root_unsaved + z.block)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             continue

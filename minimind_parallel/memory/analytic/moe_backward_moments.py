@@ -60,6 +60,11 @@ def expert_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict
         out[f"expert_up_backward(e{j})"] = moment(grads + 2 * w, freed + 3 * mi, 2 * mi + mh - out_grad)
         out[f"expert_gate_backward(e{j})"] = moment(grads + 2 * w, freed + 4 * mi, mi + 2 * mh + w - out_grad)
         grads, freed, temps = grads + 3 * w, freed + 4 * mi, temps + mh
+    # the gather's backward (flat[token_of]): every expert's weight grads in and its saved tensors
+    # freed (their input [M, H] too), the experts' output grad gone; the input grads concatenated
+    # [M, H], then scattered into a zeroed [N, H]: zeros and index_put's output
+    acts, redone = top_block_saved(s, start + freed + b * m_all * hid)
+    out["expert_gather_backward"] = (grads, acts, temps + b * s.nn * hid + redone)
     return out
 
 
@@ -68,7 +73,8 @@ def moe_post_norm_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int
     this rank's experts'), its saved tensors and the router's input freed, the norm's fp32
     temporaries and the residual grad live."""
     b, f, nn_, hid = s.b, s.f, s.nn, s.hid
-    acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_) + s.aux_backward[0])
+    # (the aux loss's saved N and load are in ffn_saved: moe_sizes.moe_saved)
+    acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_))
     return (s.head_grads + s.ffn_w_grads + b * hid, acts,
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting - (f if first and s.aux_loss_experts else 0) + redone)
 
