@@ -156,6 +156,9 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
+        if par.zero == 2:
+            raise NotImplementedError(f"predict_memory: --zero 2 under the {schedule} schedule is not modelled (its "
+                                      f"buckets fill across chunks and microbatches); gpipe and 1f1b are")
         if c.use_moe:
             raise NotImplementedError(f"predict_memory: the MoE model under the {schedule} schedule is not modelled "
                                       f"(its chunks' aux losses); gpipe and 1f1b are")
