@@ -124,11 +124,12 @@ def fully_sharded_moments(s: StageSizes, order: list[Action], device: str) -> tu
 
 
 def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> None:
-    """The --zero 3 layouts the model follows exactly; the others refused in one line: MoE (its
-    experts' moments), and fewer `tokens` per microbatch on a rank than hidden_size, where a
-    block's weight grads outweigh its activations and the peak moves to moments not modelled
-    (inside the attention's backward, a block's gather copied out in its pre-backward). (PP and
-    EP do not compose with --zero 3: check_layout refuses them.)"""
+    """The --zero 3 layouts the model follows exactly; the others refused in one line: MoE (exact
+    where the copy-out, the weighting's, the gather's or the norm's backward holds the peak, not
+    yet under SP, --recompute, nor where a block's forward end does), and fewer `tokens` per
+    microbatch on a rank than hidden_size, where a block's weight grads outweigh its activations
+    and the peak can move to moments not modelled (the attention's q/k/v backward, every weight
+    grad of the block in). (PP and EP do not compose with --zero 3: check_layout refuses them.)"""
     if c.use_moe:
         raise NotImplementedError("predict_memory: --zero 3 (FSDP2) with --use_moe is not modelled")
     if tokens < c.hidden_size:
