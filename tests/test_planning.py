@@ -294,23 +294,6 @@ def test_the_bubble_is_p_minus_1_microbatch_times_and_overlaps_hide_communicatio
     assert r_free.cp_exposed > r.cp_exposed
 
 
-def test_zero3_gathers_every_group_twice_and_reduce_scatters_it_per_microbatch():
-    """--zero 3 (FSDP2): per microbatch each group (the 4 blocks, the root) is all-gathered for its
-    forward and again for its backward and its grads reduce-scattered, none of it hidden; zero 1's
-    reduce-scatter and all-gather run once a step. AdamW steps the rank's shards as they are."""
-    one = Candidate(dp=4, zero=3, micro_batch_size=2)
-    shards = 1000    # the rank's parameter elements (its shards under --zero 3)
-    gathered = shards * 4 * 4 / 5   # one group's gathered bytes: 4 ranks' shards of float32, 5 groups
-    per_microbatch = 5 * (2 * Collective(Op.ALL_GATHER, gathered, 4).seconds(LINK)
-                          + Collective(Op.REDUCE_SCATTER, gathered, 4).seconds(LINK))
-    work = replace(WORK, dtype="float32")
-    a, b = (step_time(replace(one, num_microbatches=m), work, SLOW, stage_params=shards) for m in (1, 2))
-    assert a.dp_exposed == pytest.approx(per_microbatch) and b.dp_exposed == pytest.approx(2 * per_microbatch)
-    z1 = [step_time(replace(one, zero=1, num_microbatches=m), work, SLOW, stage_params=shards) for m in (1, 2)]
-    assert z1[0].dp_exposed == z1[1].dp_exposed
-    assert a.optimizer == step_time(replace(one, zero=0, dp=1), work, SLOW, stage_params=shards).optimizer
-
-
 def test_interleaved_divides_the_bubble_by_its_chunks_and_zb_fills_it_with_weight_grads():
     """1F1B idles (P - 1) microbatches; interleaved over V chunks (P - 1) / V of them (Narayanan et
     al. 2021); ZB-H1 (P - 1) forwards, the weight-grad half of each backward filling the rest (Qi et al.

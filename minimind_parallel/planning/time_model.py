@@ -28,9 +28,7 @@
                  dp x cp / ep): under DDP (pp = 1) overlapped with the backward, under a pipeline
                  after it; --zero 1 (the distributed optimizer) instead reduce-scatters each bucket
                  after the last microbatch and all-gathers it after the step, both exposed;
-                 --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1);
-                 --zero 3 (FSDP2) all-gathers each block's parameters forward and again backward and
-                 reduce-scatters its grads, per microbatch, exposed
+                 --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1)
     optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
                  one tensor per bucket)
 
@@ -227,8 +225,6 @@ def data_parallel_seconds(k: Candidate, w: Workload, link: Link, *, stage_params
     the tensors AdamW steps on this rank under --zero (its buckets' slices; 0: the parameters)."""
     b = DTYPES[w.dtype].itemsize
     dense = stage_params - expert_params
-    if k.zero == 3:
-        return fully_sharded_seconds(k, w, link, stage_params=stage_params), 0
     if k.zero == 0:
         grads = (Collective(Op.ALL_REDUCE, dense * b, k.dp * k.cp).seconds(link)       # the experts' over EDP
                  + Collective(Op.ALL_REDUCE, expert_params * b, k.dp * k.cp // k.ep).seconds(link))
@@ -242,17 +238,6 @@ def data_parallel_seconds(k: Candidate, w: Workload, link: Link, *, stage_params
     if k.zero == 2 and k.pp == 1:
         scatter = max(0.0, scatter - backward)
     return scatter + gather, buckets
-
-
-def fully_sharded_seconds(k: Candidate, w: Workload, link: Link, *, stage_params: int) -> float:
-    """--zero 3 (FSDP2, pp = 1): per microbatch each parameter group (a block, the root) all-gathered
-    for its forward and again for its backward, its grads reduce-scattered, over dp x cp; all exposed
-    (on a CPU the collectives block; FSDP2's overlap through CUDA streams is not modelled)."""
-    groups = w.model.num_hidden_layers + 1
-    each = stage_params * k.dp * k.cp * DTYPES[w.dtype].itemsize / groups    # one group's gathered bytes (of the shards)
-    g = k.dp * k.cp
-    per_group = 2 * Collective(Op.ALL_GATHER, each, g).seconds(link) + Collective(Op.REDUCE_SCATTER, each, g).seconds(link)
-    return k.num_microbatches * groups * per_group
 
 
 def seconds(coll: list, link: Link) -> float:
@@ -311,8 +296,7 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
                                                   expert_params=expert_params, backward=m * bwd)
     moe_tensors = 1 + 3 * c.num_experts // k.ep - 3 if c.use_moe else 0   # router + experts for the dense MLP
     tensors = buckets or layers * (11 + moe_tensors) + 2
-    # (--zero 3: `stage_params`, the rank's parameters, are its shards already)
-    stepped = stage_params / (k.dp * k.cp) if k.zero in (1, 2) else stage_params
+    stepped = stage_params / (k.dp * k.cp) if k.zero else stage_params
     t.optimizer = hw.dispatched(stepped * ADAMW_ACCESSES * b / hw.memory_bandwidth,
                                 OPS_PER_PARAM_STEP * tensors * hw.op_overhead_s)
     t.parts = dict(per_microbatch_ms=1e3 * per_mb, forward_ms=1e3 * fwd, backward_ms=1e3 * bwd)
