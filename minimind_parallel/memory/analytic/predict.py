@@ -26,9 +26,11 @@ from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2
 
 # the schedules whose orders the model replays (zb: of the layouts zero_bubble_moments.unmodelled passes)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
-# the --zero levels it predicts (3, FSDP2's gathers: but for the layouts fsdp_replay.check_fully_sharded
-# refuses in one line, which the planner cuts); the planner enumerates these two tuples' members
-MODELLED_ZERO_LEVELS = (0, 1, 2, 3)
+# the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers, is
+# modelled but for the layouts fsdp_replay.check_fully_sharded refuses, and at the CUDA allocator
+# level -- planning/allocator_rounding.py -- FSDP2's resized storages are not: the planner does not
+# plan it yet); the planner enumerates these two tuples' members
+MODELLED_ZERO_LEVELS = (0, 1, 2)
 
 
 @dataclass
@@ -65,11 +67,11 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
     tokens per expert, then the worst EP rank's), said in `routing`."""
     c = model_config
-    if par.zero not in MODELLED_ZERO_LEVELS:
-        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled; "
-                                  f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))}")
     if par.zero == 3:
         check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
+    elif par.zero not in MODELLED_ZERO_LEVELS:
+        raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled; "
+                                  f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))} and 3")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
