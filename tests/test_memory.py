@@ -699,6 +699,8 @@ def test_analytic_model_predicts_a_measured_routing_and_the_worst_case():
 
 MOE_BACKWARD_MODES = {  # the peak inside the MoE layer's backward: its experts', or the norm's after it
     "one rank bf16": (ParallelConfig(), torch.bfloat16, {}),
+    # the post-attention norm's backward, the aux loss's saved N and load counted once (in block.moe)
+    "one rank bf16 top-1 one layer": (ParallelConfig(), torch.bfloat16, dict(num_experts_per_tok=1, num_hidden_layers=1)),
     "one rank fp32 one layer": (ParallelConfig(), torch.float32, dict(num_hidden_layers=1)),
     "tp2 fp32 (first block)": (ParallelConfig(tp=T), torch.float32, {}),
     "tp2 three layers fp32 (first block)": (ParallelConfig(tp=T), torch.float32, dict(num_hidden_layers=3)),

@@ -78,6 +78,8 @@ FULLY_SHARDED = [
     (dict(dp=2, recompute="selective"), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),
     (dict(dp=2, recompute="full"), torch.float32, 1, 2, 32, 2, 128, False, 0),   # the gathered block unsaved
     (dict(dp=2, recompute="full"), torch.bfloat16, 2, 3, 64, 2, 128, True, 0),
+    # the vocab-parallel loss's forward, the top block's all-gather output still kept
+    (dict(dp=2, tp=2, vocab_parallel=True), torch.float32, 1, 2, 64, 2, 2048, True, 0),
 ]
 
 
@@ -109,6 +111,48 @@ def test_zero3_middle_blocks_are_exact_where_they_hold_the_peak(monkeypatch):
         model = predict_memory(config, par, **kw)
         assert f"(block {block})" in model.peak_at
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), layers
+
+
+def test_zero3_few_tokens_moments_are_exact(monkeypatch):
+    """A quarter and an eighth of hidden_size tokens per microbatch (refused by default): a middle
+    block's gate_proj input grad (the three MLP weight grads in, beside the prefetched and the kept
+    buffers), and the first block's pre-backward copy-out (its gather copied into the parameters'
+    storages while the all-gather output is alive). The same bytes as the tracker on fake tensors."""
+    from minimind_parallel.memory.analytic import predict
+    monkeypatch.setattr(predict, "check_fully_sharded", lambda *args: None)
+    for layers, tied, seq_len, moment in ((3, False, 16, "mlp_input_backward(block 1)"),
+                                          (2, False, 8, "pre_backward(block 0)")):
+        config, par = _config(layers, 128, tied), ParallelConfig(dp=2, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=1, dtype=torch.float32)
+        estimate = estimate_step_memory(config, par, iters=1, **kw)
+        model = predict_memory(config, par, **kw)
+        assert model.peak_at.startswith(moment), model.peak_at
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), layers
+
+
+# (MoE config, dtype, microbatches, layers, the moment of the peak) at dp2 ep1
+MOE_FULLY_SHARDED = [
+    (dict(), torch.float32, 1, 2, "pre_backward(block 0)"),    # the experts' gather outweighs the activations
+    (dict(num_experts_per_tok=2, moe_intermediate_size=32), torch.bfloat16, 2, 2, "weighting_backward"),
+    (dict(num_experts=8, moe_intermediate_size=64), torch.float32, 2, 3, "expert_gather_backward(block 1)"),
+    (dict(), torch.bfloat16, 2, 2, "post_norm_backward"),      # the aux loss's saved N and load once
+]
+
+
+def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte(monkeypatch):
+    """MiniMind's MoE model under --zero 3 at ep 1 (refused by default: check_fully_sharded): the
+    first block's pre-backward copy-out, the weighting's backward, the tokens' gather backward and
+    the norm after the MoE layer, each at the peak; the same bytes as the tracker on fake tensors."""
+    from minimind_parallel.memory.analytic import predict
+    monkeypatch.setattr(predict, "check_fully_sharded", lambda *args: None)
+    for moe, dtype, microbatches, layers, moment in MOE_FULLY_SHARDED:
+        config = replace(_config(layers, 128, False), use_moe=True, **moe)
+        par = ParallelConfig(dp=2, zero=3)
+        kw = dict(seq_len=64, micro_batch_size=1, dtype=dtype, num_microbatches=microbatches)
+        estimate = estimate_step_memory(config, par, iters=1, **kw)
+        model = predict_memory(config, par, **kw)
+        assert model.peak_at.startswith(moment), (moe, model.peak_at)
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), moe
 
 
 @pytest.mark.parametrize("layout, seq_len, moe, message", [

@@ -217,11 +217,6 @@ def check_schedule(schedule: Schedule, par: ParallelConfig, num_microbatches: in
     elif v > 1:
         raise ConfigError(f"--virtual_stages > 1 needs --pp_schedule interleaved; got virtual_stages={v}, "
                           f"pp_schedule={schedule}")
-    if par.zero == 2 and p > 1 and schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE):
-        # --zero 2 frees a bucket's grads once its reduce-scatter starts; a posted order runs a chunk's
-        # (or, zb, a W step's) grads after their bucket has gone
-        raise ConfigError(f"--zero 2 runs with the gpipe and 1f1b schedules; got pp_schedule={schedule} "
-                          f"(--zero 1 composes with it)")
 
 
 def check_order(order: list[Action], num_microbatches: int, virtual_stages: int = 1) -> None:

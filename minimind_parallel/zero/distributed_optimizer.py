@@ -14,11 +14,13 @@ Per (reduction group, dtype), one flat buffer (`buckets.BufferLayout`):
                --zero 2: only this rank's slices [numel padded / W], and `IN_FLIGHT` + 1 staging
                buffers of the largest bucket, allocated once (DeepSpeed's ZeRO stage 2 keeps its
                gradient buckets the same way): a post-accumulate-grad hook on every parameter
-               copies its grad into its bucket's staging buffer and frees it at once; when a
-               bucket's grads are all there (the buffer follows backward's order, so one bucket
-               fills at a time) its reduce-scatter starts asynchronously, at most `IN_FLIGHT` at a
+               copies its grad into its bucket's staging buffer (adds it, if it came before in the
+               same filling) and frees it at once; when every parameter of a bucket has come,
+               whatever their order (the buffer follows backward's order, so under gpipe and 1f1b
+               one bucket fills at a time), its reduce-scatter starts asynchronously, at most `IN_FLIGHT` at a
                time (the oldest is waited for, added to the slice and its buffer freed for the
-               next bucket); the rest are waited for before the step. So no parameter's grad
+               next bucket); after the last microbatch the buckets still filling are reduced with
+               the missing grads zeroed (interleaved, zb), and the rest waited for before the step. So no parameter's grad
                outlives its hook, and what the grads cost is constant: the slices and the buffers.
     optimizer  AdamW over the mains: its states are 1/W of the replicated optimizer's.
 
@@ -72,7 +74,7 @@ class FlatBuffer:
         self.mains = [nn.Parameter(self.flat[slice(*b.shard_range(self.rank))]) for b in self.layout.buckets]
         self.grad_flat = self._slice_grads()
         if level == 2:
-            self._ready = [0] * len(self.layout.buckets)
+            self._arrived: list[set] = [set() for _ in self.layout.buckets]   # names in each filling bucket
             self._pending: list = []      # (bucket, its reduced slice, the work, its staging buffer)
             self._filling: dict = {}      # bucket -> (its staging buffer, the bucket's view of it)
             self._free = deque(staging_buffers(self.layout, self.flat))
@@ -122,21 +124,30 @@ class FlatBuffer:
                 p.grad = self.view(self.grad_flat, name)
         else:
             assert not self._pending and not self._filling, "zero_grad with reduce-scatters in flight"
-            self._ready = [0] * len(self.layout.buckets)
+            self._arrived = [set() for _ in self.layout.buckets]
             for p in self.params.values():
                 p.grad = None
 
     def _grad_ready(self, name: str):
         def hook(param: nn.Parameter) -> None:
+            if param.grad is None:   # a zb B step's deferred weight: autograd runs the hook with no grad made
+                return
             i = self._bucket_of[name]
             b = self.layout.buckets[i]
             staging = self._filling[i][1] if i in self._filling else self._open(i)
             start = self._offsets[name] - b.start
-            staging[start:start + param.numel()].copy_(param.grad.reshape(-1))
+            rows = staging[start:start + param.numel()]
+            arrived = self._arrived[i]
+            # a grad that comes again before its bucket is complete (a later microbatch's, under an
+            # order whose chunks or W steps interleave microbatches) adds to the one already there
+            if name in arrived:
+                rows.add_(param.grad.reshape(-1))
+            else:
+                rows.copy_(param.grad.reshape(-1))
+                arrived.add(name)
             param.grad = None
-            self._ready[i] += 1
-            if self._ready[i] == len(b.names):
-                self._ready[i] = 0
+            if len(arrived) == len(b.names):
+                arrived.clear()
                 self._start_reduce(i)
         return hook
 
@@ -154,6 +165,20 @@ class FlatBuffer:
         staging[sum(b.numels):].zero_()                      # the padding
         self._filling[i] = (buffer, staging)
         return staging
+
+    def _flush_partial(self) -> None:
+        """--zero 2, after the last microbatch: the buckets still filling (under an interleaved or zb
+        order a bucket completes before the last microbatch's grads of some of its parameters
+        come, which then fill it again without the others) reduce-scattered with the grads that
+        did not come again zeroed, so every grad is summed exactly once."""
+        for i in sorted(self._filling):
+            b, staging = self.layout.buckets[i], self._filling[i][1]
+            for name, offset in zip(b.names, b.offsets):
+                if name not in self._arrived[i]:
+                    start = offset - b.start
+                    staging[start:start + self.params[name].numel()].zero_()
+            self._arrived[i].clear()
+            self._start_reduce(i)
 
     def _start_reduce(self, i: int) -> None:
         """--zero 2: bucket i's staging buffer reduce-scattered asynchronously."""
@@ -175,10 +200,9 @@ class FlatBuffer:
             for b in self.layout.buckets:
                 comm.reduce_scatter_flat(self.grad_flat[b.start:b.start + b.padded_numel], self.group)
         else:
+            self._flush_partial()
             while self._pending:
                 self._finish(self._pending.pop(0))
-            if any(self._ready) or self._filling:
-                raise RuntimeError("a bucket's grads were not all produced by backward")
         replicas = grad_divisor(self.groups.par)
         for main in self.mains:
             main.grad.div_(replicas)

@@ -93,6 +93,19 @@ def _mlp_backward(s: StageSizes) -> tuple[int, int, int]:
             3 * s.mlp_out + s.b * s.nn * s.hid + s.waiting)
 
 
+def _mlp_input_backward(s: StageSizes) -> tuple[int, int, int]:
+    """gate_proj's input grad made (the MLP's last mm): the three weight grads in, up's input grad
+    [N, H] (the full sequence under SP) still apart from it, the grad of gate's output [N, I/T]
+    still bound; the MLP's four [N, I/T] freed (under basic SP up's own gathered input too), the
+    residual grad live. (A few tokens per microbatch: the weight grads outweigh the norm's fp32
+    temporaries.)"""
+    b, par = s.b, s.par
+    basic_sp = par.sequence_parallel and not par.shared_sp_gather and not par.async_communication
+    up_input = s.gate_up_input // 2 if basic_sp else 0
+    return (s.head_grads + 3 * s.mlp_w_grad, top_block_acts(s) - 4 * s.mlp_out - up_input,
+            s.mlp_out + 2 * b * s.n * s.hid + b * s.nn * s.hid + s.waiting)
+
+
 def _post_norm_backward(s: StageSizes) -> tuple[int, int, int]:
     """The post-attention RMSNorm's backward (the peak where I/T is small against H): the MLP's
     grads in, its activations and its share of the column inputs freed, the norm's fp32
@@ -191,6 +204,7 @@ def backward_moments(s: StageSizes) -> dict[str, tuple[int, int, int]]:
         top = {"swiglu_backward": _swiglu_backward(s), "post_norm_backward": _lean_post_norm_backward(s)}
     else:
         top = {"down_backward": _down_backward(s), "mlp_backward": _mlp_backward(s),
+               **({} if s.par.async_communication else {"mlp_input_backward": _mlp_input_backward(s)}),
                "post_norm_backward": _post_norm_backward(s)}
     if s.par.cp > 1:
         top["attention_backward"] = (ring_attention_backward(s) if s.par.cp_comm_type == CPCommType.RING

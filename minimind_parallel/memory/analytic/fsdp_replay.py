@@ -3,7 +3,8 @@
 
     root        the root group (embedding, final norm, head) is gathered at the first forward
                 and kept to the end of the backward (the root does not reshard after forward)
-    a block     gathered at its forward and freed after it; gathered again at its backward,
+    a block     gathered at its forward and freed after it (the all-gather output stays until the
+                next all-gather: the top block's at the forward's end); gathered again at its backward,
                 while FSDP2 prefetches the block below (its all-gather output waits, a
                 temporary, for that block's own pre-backward); freed at its post-backward
     its grads   unsharded (temporaries, not a registered parameter's .grad) until the block's
@@ -18,8 +19,8 @@ from ...config import MiniMindConfig, ParallelConfig, Recompute
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .fsdp_sizes import FsdpSizes, fsdp_sizes
-from .schedule_replay import batch_saved, forward_moment, optimizer_step
-from .stage_sizes import StageSizes
+from .schedule_replay import _moe_per_microbatch, batch_saved, forward_moment, optimizer_step
+from .stage_sizes import StageSizes, top_block_acts
 
 
 def _backward_state(s: StageSizes, z: FsdpSizes, name: str, block: int) -> tuple[int, int, int, int]:
@@ -37,8 +38,10 @@ def _backward_state(s: StageSizes, z: FsdpSizes, name: str, block: int) -> tuple
     if name.startswith(("head_", "chunked_loss", "final_norm")):   # the root's pre-backward prefetched the top block
         return 0, 0, root_saved, root_unsaved + z.block
     above = top - block
-    prefetched = z.block if block > 0 else 0      # the all-gather of the block below, waiting
     kept = z.block if block < top else 0          # the reduce-scatter input of the block above
+    if name.startswith("pre_backward"):   # the block's gather copied out, its all-gather output still alive
+        return above, above * s.block_params, root_saved + saved, root_unsaved + unsaved + z.block + kept
+    prefetched = z.block if block > 0 else 0      # the all-gather of the block below, waiting
     return above, above * s.block_params, root_saved + saved, root_unsaved + unsaved + prefetched + kept
 
 
@@ -61,11 +64,28 @@ def _block_moments(s: StageSizes, inner: dict) -> dict:
     return out
 
 
+def _copy_out_moments(s: StageSizes) -> dict:
+    """A block's pre-backward, its all-gathered parameters copied out into their storages (before
+    it prefetches the block below): the blocks above done (their grads in, their activations
+    freed), this block's activations all alive, the incoming grad of its output [Nn, H]. At the
+    top block, the one below it (the first with the reduce-scatter input of a block above kept)
+    and the first (between them a moment gains a block's sharded grads and loses its
+    activations). -> name: (block, (dense new grads, activations, temporaries))."""
+    top, out = s.layers - 1, {}
+    for k in sorted({top, max(top - 1, 0), 0}, reverse=True):
+        above = top - k
+        routed = sum(s.routed[k + 1:]) if s.routed and s.par.recompute != Recompute.FULL else 0
+        out[f"pre_backward(block {k})"] = (k, (s.head_grads + above * s.block_params,
+                                               top_block_acts(s) - above * s.block - routed,
+                                               s.b * s.nn * s.hid + s.waiting))
+    return out
+
+
 def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tuple[dict, dict]:
     """Every moment of the stage's `order` -> (grads, activations, temporaries) under FSDP2, and
     how many microbatches each finds in flight."""
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
-    inner, batch = _block_moments(s, backward_moments(s)), batch_saved(s)
+    inner, batch = {**_copy_out_moments(s), **_block_moments(s, backward_moments(s))}, batch_saved(s)
     every = z.params   # every group's sharded grads, after the first backward
     for action in order:
         i = action.microbatch
@@ -73,12 +93,15 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tu
         extra = s.batch - saved + (n_fwd * s.loss_scalar if s.last else 0)
         extra += s.loss_scalar if action.step is Step.BACKWARD and s.last else 0
         if action.step is Step.FORWARD:
-            _, a, t = forward_moment(s, n_held, 0, saved, extra)
-            moments[f"forward_end[{i}]"] = (every if n_bwd else 0, a + z.root - z.root_unsaved, t + z.root_unsaved)
+            _, a, t = forward_moment(s, n_held, 0, saved, extra + _moe_per_microbatch(s, n_fwd, n_held + 1))
+            # the top block's all-gather output, kept by FSDP2 until its next all-gather
+            moments[f"forward_end[{i}]"] = (every if n_bwd else 0, a + z.root - z.root_unsaved,
+                                            t + z.root_unsaved + z.block)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             continue
         moved = n_held * s.held_temps
+        extra += _moe_per_microbatch(s, n_fwd, n_held)
         for name, (block, (new_grads, a, temp)) in inner.items():
             reduced, reduced_dense, acts, temps = _backward_state(s, z, name, block)
             grads = every if n_bwd else reduced * z.block_shard
@@ -101,11 +124,12 @@ def fully_sharded_moments(s: StageSizes, order: list[Action], device: str) -> tu
 
 
 def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> None:
-    """The --zero 3 layouts the model follows exactly; the others refused in one line: MoE (its
-    experts' moments), and fewer `tokens` per microbatch on a rank than hidden_size, where a
-    block's weight grads outweigh its activations and the peak moves to moments not modelled
-    (inside the attention's backward, a block's gather copied out in its pre-backward). (PP and
-    EP do not compose with --zero 3: check_layout refuses them.)"""
+    """The --zero 3 layouts the model follows exactly; the others refused in one line: MoE (exact
+    where the copy-out, the weighting's, the gather's or the norm's backward holds the peak, not
+    yet under SP, --recompute, nor where a block's forward end does), and fewer `tokens` per
+    microbatch on a rank than hidden_size, where a block's weight grads outweigh its activations
+    and the peak can move to moments not modelled (the attention's q/k/v backward, every weight
+    grad of the block in). (PP and EP do not compose with --zero 3: check_layout refuses them.)"""
     if c.use_moe:
         raise NotImplementedError("predict_memory: --zero 3 (FSDP2) with --use_moe is not modelled")
     if tokens < c.hidden_size:

@@ -77,6 +77,11 @@ def expert_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict
         out[f"expert_up_backward(e{j})"] = moment(grads + 2 * w, freed + 3 * mi, 2 * mi + mh - out_grad)
         out[f"expert_gate_backward(e{j})"] = moment(grads + 2 * w, freed + 4 * mi, mi + 2 * mh + w - out_grad)
         grads, freed, temps = grads + 3 * w, freed + 4 * mi, temps + mh
+    # the gather's backward (flat[token_of]): every expert's weight grads in and its saved tensors
+    # freed (their input [M, H] too), the experts' output grad gone; the input grads concatenated
+    # [M, H], then scattered into a zeroed [N, H]: zeros and index_put's output
+    acts, redone = top_block_saved(s, start + freed + b * m_all * hid)
+    out["expert_gather_backward"] = (grads, acts, temps + b * s.nn * hid + redone)
     return out
 
 

@@ -28,8 +28,9 @@ from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2
 # the schedules whose orders the model replays (zb: of the layouts zero_bubble_moments.unmodelled passes)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
 # the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers, is
-# modelled but for MoE and few tokens per microbatch -- fsdp_replay.check_fully_sharded -- and the
-# planner's time model has no FSDP2 yet); the planner enumerates these two tuples' members
+# modelled but for the layouts fsdp_replay.check_fully_sharded refuses, and at the CUDA allocator
+# level -- planning/allocator_rounding.py -- FSDP2's resized storages are not: the planner does not
+# plan it yet); the planner enumerates these two tuples' members
 MODELLED_ZERO_LEVELS = (0, 1, 2)
 
 
@@ -148,6 +149,9 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
+        if par.zero == 2:
+            raise NotImplementedError(f"predict_memory: --zero 2 under the {schedule} schedule is not modelled (its "
+                                      f"buckets fill across chunks and microbatches); gpipe and 1f1b are")
         if c.use_moe:
             raise NotImplementedError(f"predict_memory: the MoE model under the {schedule} schedule is not modelled "
                                       f"(its chunks' aux losses); gpipe and 1f1b are")
@@ -190,6 +194,9 @@ def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, devic
     """--zero 3 (FSDP2): its moments and this rank's shards (fsdp_replay.py)."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
     moments, in_flight, params, states = fully_sharded_moments(s, order, device)
+    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight)
+    report = moe_report(c, last=True, f=s.f)
+    moments = {k: (g, a, t + state + (report if k == "optimizer" else step)) for k, (g, a, t) in moments.items()}
     return _peak(s, moments, in_flight, params + rope, states)
 
 
