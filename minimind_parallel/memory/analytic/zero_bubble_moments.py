@@ -1,7 +1,7 @@
 """ZB-H1's B and W steps (Qi et al. 2023, "Zero Bubble Pipeline Parallelism";
 tensor_parallel/deferred_wgrad.py), with TP, SP (basic, shared gather, async), VP, DP,
---zero 1, CP (ring, all_gather, a2a), --loss_chunks and --recompute selective (`_lean_block`,
-`_lean_moments`); not (yet) with --recompute full or MoE (`unmodelled`).
+--zero 1, CP (ring, all_gather, a2a), --loss_chunks and --recompute selective|full
+(`_lean_block`, `_full_block`, `_lean_moments`); not (yet) with MoE (`unmodelled`).
 
 B is the 1F1B backward (backward_moments.py) without the deferred linears' weight grads, and
 each deferred linear keeps its output grad dY and saved input X from its backward until the
@@ -26,12 +26,9 @@ from .stage_sizes import StageSizes, top_block_acts
 def unmodelled(*, use_moe: bool = False, cp: int = 1, recompute: Recompute = Recompute.NONE,
                loss_chunks: int = 1) -> str | None:
     """Why zb's B and W steps of a layout are not modelled (one line), or None: what B defers and
-    keeps differs under full recompute's re-run blocks and the experts, and those are not replayed
-    yet (CP, the chunked loss and selective recompute are: `cp` and `loss_chunks` are taken, so
-    that a caller passes the layout whole, and never refused)."""
-    gaps = [name for name, on in (("--use_moe", use_moe),
-                                  (f"--recompute {recompute}", recompute is Recompute.FULL)) if on]
-    return f"the zb schedule's memory is not modelled with {', '.join(gaps)}" if gaps else None
+    keeps differs under the experts, not replayed yet (CP, the chunked loss and recompute are:
+    `cp`, `recompute` and `loss_chunks` are taken, so that a caller passes the layout whole)."""
+    return "the zb schedule's memory is not modelled with --use_moe" if use_moe else None
 
 
 @dataclass(frozen=True)
@@ -53,12 +50,26 @@ def _block(s: StageSizes) -> list[Closure]:
     async_ = par.async_communication
     own = b * n * h if par.sequence_parallel and not par.shared_sp_gather and not async_ else 0
     col, g = (b * s.nn * h, b * n * h) if async_ else (b * n * h, 0)
+    if par.recompute == Recompute.FULL:
+        return _full_block(s, own, col, g)
     if par.recompute.lean:
         return _lean_block(s, own, g)
     return [Closure(b * h * i, b * n * h, b * n * i), Closure(b * i * h, b * n * i, own, g),
             Closure(b * i * h, b * n * i, col, g), Closure(b * h * qd, b * n * h, b * n * qd),
             Closure(b * kv * h, b * n * kv + _joint_kv_grad(s), own, g), Closure(b * kv * h, b * n * kv, own, g),
             Closure(b * qd * h, b * n * qd, col, g)]
+
+
+def _full_block(s: StageSizes, own: int, col: int, g: int) -> list[Closure]:
+    """--recompute full: the block's re-run in B saves under the checkpoint's hooks, so every
+    input a closure keeps to W is a temporary (counted with its dY): gate/up's and q/k/v's shared
+    norm output (basic SP: each its own gathered copy) and o's input; down_proj's grad is made in
+    B (SwiGLU recompute)."""
+    b, n, h, i = s.b, s.n, s.hid, s.inter
+    qd, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return [Closure(0, 0, 0), Closure(b * i * h, b * n * i + own, 0, g), Closure(b * i * h, b * n * i + col, 0, g),
+            Closure(b * h * qd, b * n * h + b * n * qd, 0), Closure(b * kv * h, b * n * kv + own + _joint_kv_grad(s), 0, g),
+            Closure(b * kv * h, b * n * kv + own, 0, g), Closure(b * qd * h, b * n * qd + col, 0, g)]
 
 
 def _lean_block(s: StageSizes, own: int, g: int) -> list[Closure]:
@@ -193,7 +204,7 @@ def zb_backward_moments(s: StageSizes, inner: dict) -> dict:
 
 
 def _lean_moments(s: StageSizes, inner: dict) -> dict:
-    """B's moments under --recompute selective, from the lean 1F1B backward's (`inner`): the
+    """B's moments under --recompute selective and full, from the lean 1F1B backward's (`inner`): the
     head's wgrad deferred (its X and dY kept); in the top block the SwiGLU Function makes
     down_proj's grad as in 1F1B, then gate/up defer theirs and keep X and dY; a lower block finds
     every block above W-pending, the received grad (an earlier stage's) bound by the schedule."""
@@ -228,7 +239,9 @@ def _lean_moments(s: StageSizes, inner: dict) -> dict:
             bound = b * nn_ * h if not s.last and top != "attention_backward" else 0
             out[name] = (g2 + deeper * (s.block_params - sum(c.w for c in block)),
                          a2 - deeper * (s.block - x_block), t2 + deeper * dy_block + bound)
-        if top == "post_norm_backward" and name.endswith("(first block)") == (s.layers > 1):
+        # (selective: under full the re-run block's own moments stay the larger, tests/test_memory.py)
+        if (top == "post_norm_backward" and name.endswith("(first block)") == (s.layers > 1)
+                and s.par.recompute == Recompute.SELECTIVE):
             out[name.replace("post_norm", "input_norm")] = _lean_input_norm(s, out[name])
     return out
 
@@ -266,7 +279,8 @@ def _attention(s: StageSizes, moment: tuple[int, int, int], *, first_block: bool
     sp = s.par.sequence_parallel
     head_x, head_dy = head_pending(s)
     received = not sp and not s.last and not first_block
-    dy = up.dy + gate.dy + (0 if received else down.dy) + (o.dy if sp else 0) + head_dy
+    # (o's dY [N, H] is the residual stream's grad without SP; --recompute full counts o's input with it)
+    dy = up.dy + gate.dy + (0 if received else down.dy) + (o.dy if sp else o.dy - s.b * s.n * s.hid) + head_dy
     down_grad = s.mlp_w_grad if s.par.recompute.lean else 0   # SwiGLU recompute's, made in B
     return _head_grads(s) + s.b * s.hid + down_grad, a + head_x + down.x + up.x + gate.x + o.x, t + dy
 
