@@ -23,12 +23,13 @@ from dataclasses import replace
 
 import torch
 
-from minimind_parallel import MiniMindConfig, ParallelConfig
+from minimind_parallel import ConfigError, MiniMindConfig, ParallelConfig
 from minimind_parallel.config import CPCommType, Recompute
 from minimind_parallel.memory import estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.predict import MODELLED_SCHEDULES
 from minimind_parallel.memory.analytic.zero_bubble_moments import unmodelled
 from minimind_parallel.pipeline_parallel import Schedule
+from minimind_parallel.pipeline_parallel.order import check_schedule
 
 
 def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = False):
@@ -109,6 +110,16 @@ def with_moe(rng: random.Random, case):
     return c, replace(par, ep=ep), sizes
 
 
+def refused(par: ParallelConfig, sizes: dict) -> bool:
+    """Whether the schedule refuses the layout before launch (check_schedule: --zero 2 with
+    interleaved or zb), as the command line would: not a case."""
+    try:
+        check_schedule(sizes["schedule"], par, sizes["num_microbatches"])
+    except ConfigError:
+        return True
+    return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
@@ -131,6 +142,8 @@ def main() -> int:
         if args.zero:
             par = replace(par, zero=rng.choice(args.zero), dp=par.dp if par.dp * par.cp > 1 else 2)
             sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))
+            if refused(par, sizes):
+                continue
         done += 1
         estimate = estimate_step_memory(c, par, iters=1, **sizes)
         pred = predict_memory(c, par, **sizes)
