@@ -164,7 +164,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments, in_flight = (replay_schedule(s, order, grads_count=not layouts, backward=kind.backward) if kind
                               else replay_schedule(s, order))
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
-    moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
+    if state + step:   # MoE's: a dense model has none
+        moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:
         states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
         moments["optimizer"] = optimizer_step(s)
