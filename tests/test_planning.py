@@ -778,3 +778,17 @@ def test_the_space_plans_zb_only_where_the_memory_model_replays_it():
         assert k.cp == 1 and k.recompute is Recompute.NONE and k.loss_chunks == 1, k.describe()
         predict_memory(WORK.model, k.parallel, seq_len=WORK.seq_len, micro_batch_size=k.micro_batch_size,
                        num_microbatches=k.num_microbatches, schedule=k.pp_schedule, worst_only=True)
+
+
+def test_the_remembered_compute_gives_every_layouts_step_time_as_computed_afresh():
+    """step_time with one plan's memo (last_stage_compute, by COMPUTE_FIELDS) equals it without, to
+    the bit, for every layout of the dense and the MoE workloads, in the plan's order."""
+    for work in (WORK, MOE_WORK):
+        memo: dict = {}
+        valid, _ = enumerate_layouts(work)
+        # and the contiguous CP split, which the space leaves out where the balanced one fits (DOMINATED)
+        for k in valid + [replace(k, cp_load_balance=False) for k in valid if k.cp > 1]:
+            fresh, remembered = (step_time(k, work, SLOW, stage_params=1000, expert_params=10, memo=m)
+                                 for m in (None, memo))
+            assert vars(remembered) == vars(fresh), k.describe()
+        assert len(memo) < len(valid)
