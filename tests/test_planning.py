@@ -114,7 +114,7 @@ def _uncached(monkeypatch):
     from minimind_parallel.pipeline_parallel.order import schedule_order
     from minimind_parallel.zero.buckets import bucket_numel
     monkeypatch.setattr(stage_sizes, "stage_parameter_counts", stage_sizes.build_stage_parameter_counts)
-    monkeypatch.setattr(predict, "zero_layouts", lambda c, par, stage, dtype, mb: zero_sizes.build_zero_layouts(
+    monkeypatch.setattr(predict, "zero_layouts", lambda c, par, stage, dtype, mb, model=None: zero_sizes.build_zero_layouts(
         c, par, stage, bucket_numel(mb, dtype)) if par.zero else ())
     monkeypatch.setattr(predict, "stage_order", lambda *a: tuple(schedule_order(*a)))
     monkeypatch.setattr(predict, "stage_releases", predict.stage_releases.__wrapped__)

@@ -17,7 +17,7 @@ from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, exp
                         routing_text)
 from .posted_peak import posted_peak
 from .posted_replay import replay_posted
-from .remembered_sizes import chunk_kinds, stage_kind
+from .remembered_sizes import chunk_kinds, model_key, stage_kind
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
@@ -140,7 +140,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                  dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed, expert_rows=expert_rows)
     kind = stage_kind(c, par, stage, memo, **sized) if memo is not None and par.zero != 3 else None
     s = kind.sizes if kind else stage_sizes(c, par, stage, **sized)
-    layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb)
+    model = model_key(c, memo) if memo is not None else None   # Frozen(c), once per layout
+    layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb, model=model)
     # the flat buffers: padding too
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype

@@ -50,12 +50,12 @@ def stage_kind(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *
     same (not --zero 3: its replay reads other sizes). `memo`: one layout's."""
     if "stage" not in memo:
         zero = 0 if par.pp > 1 else min(par.zero, 1)     # DDP's buckets: only one stage, without --zero
-        memo["stage"] = (_model(c, memo), Frozen(par if par.zero == zero else replace(par, zero=zero)))
+        memo["stage"] = (model_key(c, memo), Frozen(par if par.zero == zero else replace(par, zero=zero)))
     model, shape = memo["stage"]
     return _stage_kind(model, shape, stage, tuple(sorted(kw.items())))
 
 
-def _model(c: MiniMindConfig, memo: dict) -> Frozen:
+def model_key(c: MiniMindConfig, memo: dict) -> Frozen:
     """The model's key, made once per layout (`memo`: its own)."""
     if "model" not in memo:
         memo["model"] = Frozen(c)
@@ -64,7 +64,7 @@ def _model(c: MiniMindConfig, memo: dict) -> Frozen:
 
 @functools.lru_cache(maxsize=1 << 15)   # a few grids of kinds: a grid's zero levels are thousands apart
 def _stage_kind(model: Frozen, par: Frozen, stage: int, kw: tuple) -> SizesKind:
-    return SizesKind(stage_sizes(model.config, par.config, stage, **dict(kw)))
+    return SizesKind(stage_sizes(model.config, par.config, stage, **dict(kw), model=model))
 
 
 def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *, cp_rank: int = 0,
@@ -73,7 +73,7 @@ def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, 
     its layers). `memo`: one layout's, kept across its stages."""
     if "chunked" not in memo:   # each chunk a stage of the pipeline of P V stages
         chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1, zero=0, dp=1)
-        memo["chunked"] = (_model(c, memo), Frozen(chunked), tuple(sorted(kw.items())))
+        memo["chunked"] = (model_key(c, memo), Frozen(chunked), tuple(sorted(kw.items())))
     model, shape, rest = memo["chunked"]
     out = []
     for vs, kind in _virtual_stages(c.num_hidden_layers, par.pp, par.virtual_stages, stage):
