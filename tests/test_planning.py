@@ -792,3 +792,24 @@ def test_the_remembered_compute_gives_every_layouts_step_time_as_computed_afresh
                                  for m in (None, memo))
             assert vars(remembered) == vars(fresh), k.describe()
         assert len(memo) < len(valid)
+
+
+def test_a_replay_remembered_for_one_zero_level_gives_the_others_their_own_prediction():
+    """The gpipe / 1f1b replay is remembered on the stage's kind, which a pipeline's zero levels (and
+    one stage's --zero 1 and 2) share: each level, predicted right after the others in either order,
+    is the full replay's prediction to the byte (a replay taken with another level's grads counted,
+    or its moments changed by the optimizer's, would differ)."""
+    from dataclasses import asdict
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    layouts = [k for k in enumerate_layouts(WORK)[0] if k.zero == 0 and k.dp * k.cp > 1
+               and (k.pp == 1 or k.pp_schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B))][::5]
+    assert {k.pp for k in layouts} == {1, 2} and len(layouts) > 10
+    for k in layouts:
+        for zeros in ((0, 1, 2), (2, 1, 0)):
+            for z in zeros:
+                par = replace(k, zero=z).parallel
+                kw = dict(seq_len=WORK.seq_len, micro_batch_size=k.micro_batch_size,
+                          num_microbatches=k.num_microbatches, schedule=k.pp_schedule, device="cuda")
+                every, alone = predict_memory(WORK.model, par, **kw), predict_memory(WORK.model, par, worst_only=True, **kw)
+                assert {**asdict(alone), "candidates": None, "per_stage": None} == \
+                    {**asdict(every), "candidates": None, "per_stage": None}, (k.describe(), z)

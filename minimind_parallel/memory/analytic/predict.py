@@ -17,7 +17,7 @@ from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, exp
                         routing_text)
 from .posted_peak import posted_peak
 from .posted_replay import replay_posted
-from .remembered_sizes import chunk_kinds, model_key, stage_kind
+from .remembered_sizes import SizesKind, chunk_kinds, model_key, stage_kind
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
@@ -162,8 +162,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
             moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
     else:
-        moments, in_flight = (replay_schedule(s, order, grads_count=not layouts, backward=kind.backward) if kind
-                              else replay_schedule(s, order))
+        moments, in_flight = _replayed(kind, order, not layouts) if kind else replay_schedule(s, order)
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
     if state + step:   # MoE's: a dense model has none
         moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
@@ -186,6 +185,18 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         if name in moments:
             moments[name] = moments[name][:2] + (moments[name][2] + state + report,)
     return _peak(s, moments, in_flight, params, states)
+
+
+def _replayed(kind: SizesKind, order: tuple, grads_count: bool) -> tuple[dict, dict]:
+    """replay_schedule of a kind's sizes with only each backward's largest moment (the planner's), once
+    per order and grads_count: a kind is one for the zero levels that leave its sizes alone
+    (remembered_sizes.stage_kind), and --zero 1 and 2 count no grads there. Its moments a copy: the
+    caller adds the optimizer's."""
+    key = ("replay", order, grads_count)
+    if key not in kind.derived:
+        kind.derived[key] = replay_schedule(kind.sizes, order, grads_count=grads_count, backward=kind.backward)
+    moments, in_flight = kind.derived[key]
+    return dict(moments), in_flight
 
 
 def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str) -> MemoryPrediction:
