@@ -104,3 +104,35 @@ def test_every_module_imports_on_its_own():
                        cwd=ROOT.parent)
     assert r.returncode == 0, r.stdout + r.stderr
     assert len(names) > 30
+
+
+def test_the_command_line_loads_neither_dtensor_fsdp2_nor_dcp():
+    """The command line (and so `plan`) imports no sharding machinery of PyTorch's: DTensor, FSDP2
+    and DCP load half a second of sympy and op tables, imported where a save, a load or --zero 3
+    needs them (distributed/loaded_types.py checks their classes without importing them)."""
+    slow = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint")
+    code = f"import sys, minimind_parallel.cli; print([m for m in {slow!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT.parent)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_type_checks_answer_as_isinstance_once_the_class_is_loaded():
+    """False before torch.distributed.tensor / fsdp are imported (no instance can exist); then a
+    real DTensor (one gloo rank in this process) and an FSDP2 module are seen, plain ones not."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from minimind_parallel.distributed.loaded_types import is_dtensor, is_fsdp_module
+        print(is_dtensor(torch.zeros(1)), is_fsdp_module(torch.nn.Linear(1, 1)))
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate, distribute_tensor
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        mesh = DeviceMesh("cpu", [0])
+        d = distribute_tensor(torch.zeros(2), mesh, [Replicate()])
+        sharded = fully_shard(torch.nn.Linear(2, 2), mesh=mesh)
+        print(is_dtensor(d), is_dtensor(d.to_local()), is_fsdp_module(sharded), is_fsdp_module(torch.nn.Linear(1, 1)))
+        dist.destroy_process_group()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
+    assert out.stdout.split() == ["False", "False", "True", "False", "True", "False"], out.stdout + out.stderr

@@ -114,7 +114,7 @@ def _uncached(monkeypatch):
     from minimind_parallel.pipeline_parallel.order import schedule_order
     from minimind_parallel.zero.buckets import bucket_numel
     monkeypatch.setattr(stage_sizes, "stage_parameter_counts", stage_sizes.build_stage_parameter_counts)
-    monkeypatch.setattr(predict, "zero_layouts", lambda c, par, stage, dtype, mb: zero_sizes.build_zero_layouts(
+    monkeypatch.setattr(predict, "zero_layouts", lambda c, par, stage, dtype, mb, model=None: zero_sizes.build_zero_layouts(
         c, par, stage, bucket_numel(mb, dtype)) if par.zero else ())
     monkeypatch.setattr(predict, "stage_order", lambda *a: tuple(schedule_order(*a)))
     monkeypatch.setattr(predict, "stage_releases", predict.stage_releases.__wrapped__)
@@ -781,3 +781,38 @@ def test_the_space_plans_zb_only_where_the_memory_model_replays_it():
     for k in zb:
         predict_memory(WORK.model, k.parallel, seq_len=WORK.seq_len, micro_batch_size=k.micro_batch_size,
                        num_microbatches=k.num_microbatches, schedule=k.pp_schedule, worst_only=True)
+
+
+def test_the_remembered_compute_gives_every_layouts_step_time_as_computed_afresh():
+    """step_time with one plan's memo (last_stage_compute, by COMPUTE_FIELDS) equals it without, to
+    the bit, for every layout of the dense and the MoE workloads, in the plan's order."""
+    for work in (WORK, MOE_WORK):
+        memo: dict = {}
+        valid, _ = enumerate_layouts(work)
+        # and the contiguous CP split, which the space leaves out where the balanced one fits (DOMINATED)
+        for k in valid + [replace(k, cp_load_balance=False) for k in valid if k.cp > 1]:
+            fresh, remembered = (step_time(k, work, SLOW, stage_params=1000, expert_params=10, memo=m)
+                                 for m in (None, memo))
+            assert vars(remembered) == vars(fresh), k.describe()
+        assert len(memo) < len(valid)
+
+
+def test_a_replay_remembered_for_one_zero_level_gives_the_others_their_own_prediction():
+    """The gpipe / 1f1b replay is remembered on the stage's kind, which a pipeline's zero levels (and
+    one stage's --zero 1 and 2) share: each level, predicted right after the others in either order,
+    is the full replay's prediction to the byte (a replay taken with another level's grads counted,
+    or its moments changed by the optimizer's, would differ)."""
+    from dataclasses import asdict
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    layouts = [k for k in enumerate_layouts(WORK)[0] if k.zero == 0 and k.dp * k.cp > 1
+               and (k.pp == 1 or k.pp_schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B))][::5]
+    assert {k.pp for k in layouts} == {1, 2} and len(layouts) > 10
+    for k in layouts:
+        for zeros in ((0, 1, 2), (2, 1, 0)):
+            for z in zeros:
+                par = replace(k, zero=z).parallel
+                kw = dict(seq_len=WORK.seq_len, micro_batch_size=k.micro_batch_size,
+                          num_microbatches=k.num_microbatches, schedule=k.pp_schedule, device="cuda")
+                every, alone = predict_memory(WORK.model, par, **kw), predict_memory(WORK.model, par, worst_only=True, **kw)
+                assert {**asdict(alone), "candidates": None, "per_stage": None} == \
+                    {**asdict(every), "candidates": None, "per_stage": None}, (k.describe(), z)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ..config import MiniMindConfig
 from .directory import read_checkpoint_config, resolve_checkpoint
@@ -29,6 +28,7 @@ def checkpoint_model_config(path: str) -> MiniMindConfig:
 def read_dense_state(path: str) -> tuple[MiniMindConfig, dict[str, torch.Tensor]]:
     """(config, dense state dict) of the complete checkpoint `path` resolves to (a checkpoint, or a
     save directory's latest). Tensors on the CPU in the dtype they were saved in."""
+    import torch.distributed.checkpoint as dcp  # here: slow to import (DTensor), needed to read one only
     path = resolve_checkpoint(path)
     config = checkpoint_model_config(path)
     index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

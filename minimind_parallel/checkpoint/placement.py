@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..config import MiniMindConfig, ParallelConfig
+from ..distributed.loaded_types import is_dtensor
 from ..groups import ProcessGroups
 from ..plan import plan_of, tp_split_dim
 
@@ -40,6 +40,7 @@ def placed(local: torch.Tensor, name: str, config: MiniMindConfig, par: Parallel
     tensor (DCP writes its rows); under TP its rows are gathered into the TP shard first."""
     if mesh is None:
         return local
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # here: slow to import, needed with TP only
     if isinstance(local, DTensor):   # --zero 3 under TP: FSDP2's rows of the TP shard, gathered over DP x CP
         local = local.full_tensor()
     dim = tp_split_dim(name, par)
@@ -51,15 +52,16 @@ def placed(local: torch.Tensor, name: str, config: MiniMindConfig, par: Parallel
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of a checkpoint tensor made by `placed`."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def as_held(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A loaded checkpoint tensor as parameter `like` holds it (or its optimizer state shaped like
     it): under --zero 3 with TP, FSDP2's rows of the TP shard `placed` loaded (a DTensor placed as
     `like`, no collective); otherwise `tensor` itself."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor  # loaded already: `like` is one
     if isinstance(tensor, DTensor) and tensor.device_mesh != like.device_mesh:
         tensor = tensor.to_local()   # the TP shard, whole over DP x CP
     if isinstance(tensor, DTensor) or tensor.shape != like.shape:

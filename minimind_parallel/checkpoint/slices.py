@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from ..config import MiniMindConfig, ParallelConfig
 from ..groups import ProcessGroups
@@ -84,6 +80,9 @@ def _sharded(key: str, mine: list, tensors: list[torch.Tensor], every: list, me:
     """A ShardedTensor of `tensors` (this rank's rectangles `mine` of `key`) whose metadata lists the
     rectangles of every rank in `every` (same_copy: only of the ranks on this stage, and for a
     TP-replicated parameter on this TP rank: the ranks that hold one copy of the tensor)."""
+    from torch.distributed._shard.metadata import ShardMetadata  # here: slow to import (DTensor), needed to save or load only
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
     listed = []
     for r, (device, stage, tp_rank, theirs) in enumerate(every):
         if same_copy and (stage != me[1] or (tp_split_dim(key, par) is None and tp_rank != me[2])):
@@ -131,6 +130,7 @@ def sliced_targets(path: str, optimizer: DistributedOptimizer, config: MiniMindC
     of empty chunks, this rank's parts}}, the rectangles for `assemble`). Collective over the world."""
     rects = list(_rectangles_here(optimizer, config, par, groups, writers_only=False))
     every, me = _exchange(rects, str(optimizer.buffers[0].flat.device), groups)
+    import torch.distributed.checkpoint as dcp  # here: slow to import (DTensor), needed to save or load only
     index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     out, loaded = {}, []
     for key in me[3]:

@@ -21,13 +21,11 @@ import shutil
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from ..config import MiniMindConfig, ParallelConfig
 from ..data_parallel import unwrap
+from ..distributed.loaded_types import is_dtensor
 from ..groups import ProcessGroups
 from ..plan import plan_of
 from ..zero import DistributedOptimizer
@@ -53,6 +51,8 @@ def save_checkpoint(save_dir: str, step: int, *, model: nn.Module, optimizer: to
     then remove all but the newest that many checkpoints (`directory.prune`). A write that fails
     (OSError on any rank: a full disk, ...) removes the partial save and raises CheckpointSaveError
     on every rank."""
+    import torch.distributed.checkpoint as dcp  # here: slow to import (DTensor), needed to save or load only
+    from torch.distributed.checkpoint.api import CheckpointException
     if extra.get("step", step) != step:
         raise ValueError(f"extra['step']={extra['step']} differs from the saved step {step}")
     temp, error = _broadcast_from_rank0(_on_rank0(groups, lambda: new_temp_dir(save_dir, step)))
@@ -97,8 +97,8 @@ def _os_error_text(e: OSError) -> str:
     return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
 
 
-def _first_failure(e: CheckpointException) -> str:
-    """One line for DCP's failure: the first failed rank's error (its traceback is DCP's, not ours)."""
+def _first_failure(e) -> str:
+    """One line for DCP's failure (its CheckpointException `e`): the first failed rank's error (its traceback is DCP's, not ours)."""
     rank, (exc, _) = min(e.failures.items())
     text = _os_error_text(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
     return f"rank {rank}: {text.splitlines()[0] if text else type(exc).__name__}"
@@ -110,6 +110,7 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: torch.optim.Optim
     shard of the model and its optimizer, whatever layout saved it (DCP reshards). The RNG states
     are restored when the layout is the saved one. Returns the saved extra with its "step".
     Collective over the world; ConfigError if the checkpoint's model config differs."""
+    import torch.distributed.checkpoint as dcp  # here: slow to import (DTensor), needed to save or load only
     path = resolve_checkpoint(path)
     check_checkpoint_config(path, config)
     meta = read_meta(path)
@@ -167,6 +168,7 @@ def _empty_optimizer_tensors(path, params, config, par, mesh) -> dict:
     """Targets for the saved optimizer states of this rank's parameters, read from DCP's index
     (`optim.<key>.<state>`): placed like the parameter when the saved state has the dense
     parameter's shape, else a whole tensor (a scalar such as AdamW's step)."""
+    import torch.distributed.checkpoint as dcp  # here: slow to import (DTensor), needed to save or load only
     index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     out = {}
     for name, p in params.items():
@@ -194,7 +196,7 @@ def _load_optimizer(optimizer, params, loaded, saved_groups, config, rects=None)
     else:
         # a parameter sharded by FSDP2 (--zero 3) keeps its states as DTensors placed like it (the
         # targets made by `empty_like` of it); every other parameter takes its local part
-        whole = {n: {k: as_held(v, p) if isinstance(p, DTensor) else local_part(v)
+        whole = {n: {k: as_held(v, p) if is_dtensor(p) else local_part(v)
                      for k, v in loaded[checkpoint_key(n, config)].items()} for n, p in params.items()}
         state = {index_of[id(p)]: whole[n] for n, p in params.items()}
     groups = []

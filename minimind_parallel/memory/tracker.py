@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..distributed.loaded_types import is_dtensor
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}  # lower rank wins a reclassification
@@ -68,10 +69,8 @@ def _tensors(tree):
     of them (what aten ops take and return; `tree_flatten`'s leaves, without its generality). A
     DTensor (--zero 3: FSDP2's sharded parameters, their grads and AdamW states) is its local
     tensor, the storage this rank holds."""
-    if isinstance(tree, DTensor):
-        yield tree.to_local()
-    elif isinstance(tree, torch.Tensor):
-        yield tree
+    if isinstance(tree, torch.Tensor):
+        yield tree.to_local() if is_dtensor(tree) else tree
     elif isinstance(tree, (tuple, list)):
         for x in tree:
             yield from _tensors(x)
@@ -126,7 +125,7 @@ class StorageTracker(TorchDispatchMode):
         """Track t's storage as `category` (or move it there, if that category ranks higher)."""
         if t is None or not isinstance(t, torch.Tensor):
             return
-        if isinstance(t, DTensor):   # the shard this rank holds
+        if is_dtensor(t):   # the shard this rank holds
             t = t.to_local()
         with self._lock:
             self._mark(t, category)

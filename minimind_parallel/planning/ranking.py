@@ -59,9 +59,9 @@ def workspace_bytes(hw: Hardware) -> int:
 
 
 def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_token: float,
-             workspaces: int = 0) -> PlanEntry:
+             workspaces: int = 0, memo: dict | None = None) -> PlanEntry:
     """Layout `k`'s predicted peak and step; on CUDA at the allocator level (`workspaces` bytes of cuBLAS
-    workspaces, the estimated block rounding)."""
+    workspaces, the estimated block rounding). `memo`: the time model's, across one plan's layouts."""
     par = k.parallel
     pred = predict_memory(w.model, par, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
                           dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
@@ -75,7 +75,7 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
     params = pred.breakdown["params"] // DTYPES[w.dtype].itemsize - 2 * w.model.max_position_embeddings * w.model.head_dim
     experts = w.model.num_hidden_layers // k.pp * w.model.num_experts // k.ep * expert_params(w.model) \
         if w.model.use_moe else 0                                       # this rank's experts' elements
-    t = step_time(k, w, hw, stage_params=params, expert_params=experts)
+    t = step_time(k, w, hw, stage_params=params, expert_params=experts, memo=memo)
     tokens_per_s = w.global_batch_size * w.seq_len / t.total
     mfu = flops_per_token * tokens_per_s / (w.world_size * hw.peak_flops)
     return PlanEntry(candidate=k, peak_bytes=peak, breakdown=breakdown, time=t, tokens_per_s=tokens_per_s, mfu=mfu)
@@ -88,8 +88,9 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int) -> Plan:
     result = Plan(workload=w, hardware=hw, budget_bytes=budget_bytes, cuts=cuts)
     flops = model_flops_per_token(w)
     workspaces = workspace_bytes(hw) if device == "cuda" else 0
+    memo: dict = {}   # step_time's: of this workload and hardware
     for k in valid:
-        e = evaluate(k, w, hw, device, flops, workspaces)
+        e = evaluate(k, w, hw, device, flops, workspaces, memo)
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
     result.over_budget.sort(key=lambda e: e.peak_bytes)

@@ -8,6 +8,7 @@ with `check_layout` (e.g. --zero with ep > 1 under MoE, refused there).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
@@ -75,7 +76,7 @@ class Candidate:
     @property
     def flags(self) -> dict:
         """Everything but the grid, as the command line names it."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.GRID}
+        return {name: getattr(self, name) for name in _flag_names()}
 
     def describe(self) -> str:
         on = [name for name in ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel",
@@ -96,6 +97,12 @@ class Candidate:
             parts.append(f"V={self.virtual_stages}")
         parts.append(f"b={self.micro_batch_size}")
         return " ".join(parts)
+
+
+@functools.cache
+def _flag_names() -> tuple[str, ...]:
+    """Candidate's fields but the grid, in order (read for every layout of a plan)."""
+    return tuple(f.name for f in fields(Candidate) if f.name not in Candidate.GRID)
 
 
 def divisors(n: int) -> list[int]:

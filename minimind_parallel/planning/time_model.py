@@ -359,13 +359,30 @@ def pipeline_bubble(k: Candidate, per_mb: float, bwd: float) -> float:
     return (p - 1) * per_mb
 
 
-def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, expert_params: int = 0) -> StepTime:
+# the fields of a layout that stage_compute reads: the layouts equal in them compute alike
+COMPUTE_FIELDS = ("pp", "tp", "cp", "micro_batch_size", "sequence_parallel", "vocab_parallel", "recompute",
+                  "cp_load_balance")
+
+
+def last_stage_compute(k: Candidate, w: Workload, hw: Hardware, memo: dict | None) -> tuple[float, float]:
+    """stage_compute of the last stage; with a `memo` (of one workload and hardware: the planner's)
+    once per COMPUTE_FIELDS' values."""
+    if memo is None:
+        return stage_compute(w.model, k, w, hw, last=True)
+    key = tuple(getattr(k, name) for name in COMPUTE_FIELDS)
+    if key not in memo:
+        memo[key] = stage_compute(w.model, k, w, hw, last=True)
+    return memo[key]
+
+
+def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, expert_params: int = 0,
+              memo: dict | None = None) -> StepTime:
     """The predicted step of layout `k` (`stage_params`: parameter elements of the largest stage's rank,
-    `expert_params` of them its experts')."""
+    `expert_params` of them its experts'); `memo`: last_stage_compute's, across one plan's layouts."""
     c = w.model
     b = DTYPES[w.dtype].itemsize
     layers = c.num_hidden_layers // k.pp
-    fwd, bwd = stage_compute(c, k, w, hw, last=True)
+    fwd, bwd = last_stage_compute(k, w, hw, memo)
     t = StepTime()
     tp_link = hw.link(crosses_nodes(k.tp, w))
     cp_link = hw.link(crosses_nodes(k.tp * k.cp, w))

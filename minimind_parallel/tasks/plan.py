@@ -227,30 +227,48 @@ def benchmark_mode(k: Candidate) -> str:
 
 def train_command(k: Candidate, args, model: list[str] | None = None) -> str:
     """`model`: model_argv(args), if made already (the plan's thousands of commands share it)."""
-    argv = ["train", *launcher_argv(k, args.device, args.nnodes), "--", *TRAIN_DATA, *(model or model_argv(args)),
-            "--max_seq_len", str(args.seq_len), "--batch_size", str(k.micro_batch_size),
-            "--accumulation_steps", str(k.num_microbatches), "--dtype", args.dtype, "--precision", "pure",
-            *flag_argv(k)]
-    return shell_join([*PROGRAM, *argv])
+    return shell_join_parts((*PROGRAM, "train", *launcher_argv(k, args.device, args.nnodes)),
+                            ("--", *TRAIN_DATA, *(model or model_argv(args)), "--max_seq_len", str(args.seq_len)),
+                            ("--batch_size", str(k.micro_batch_size), "--accumulation_steps", str(k.num_microbatches),
+                             "--dtype", args.dtype, "--precision", "pure"),
+                            tuple(flag_argv(k)))
+
+
+def cell_parts(k: Candidate, args, *, kind: Kind, device: str, model: list[str] | None = None) -> tuple[tuple, ...]:
+    """The benchmark cell of layout `k` (its preset, sizes and flags; one row per DP replica's microbatch),
+    its words in parts that many layouts share."""
+    return (("benchmark", "--kind", str(kind), *launcher_argv(k, device, 1)),
+            ("--", "--modes", benchmark_mode(k), *(model or model_argv(args)), "--seq_len", str(args.seq_len)),
+            ("--micro_batch_size", str(k.micro_batch_size), "--num_microbatches", str(k.num_microbatches),
+             *(["--batch_policy", str(BatchPolicy.FIXED_PER_RANK)] if kind == Kind.MEMORY else []), "--dtype", args.dtype),
+            tuple(flag_argv(k)))
 
 
 def cell_argv(k: Candidate, args, *, kind: Kind, device: str, model: list[str] | None = None) -> list[str]:
-    """The benchmark cell of layout `k` (its preset, sizes and flags; one row per DP replica's microbatch)."""
-    return ["benchmark", "--kind", str(kind), *launcher_argv(k, device, 1), "--", "--modes", benchmark_mode(k),
-            *(model or model_argv(args)), "--seq_len", str(args.seq_len), "--micro_batch_size", str(k.micro_batch_size),
-            "--num_microbatches", str(k.num_microbatches),
-            *(["--batch_policy", str(BatchPolicy.FIXED_PER_RANK)] if kind == Kind.MEMORY else []), "--dtype", args.dtype, *flag_argv(k)]
+    """The benchmark cell of layout `k` as its words (cell_parts)."""
+    return [word for part in cell_parts(k, args, kind=kind, device=device, model=model) for word in part]
 
 
 def estimate_command(k: Candidate, args, hw, model: list[str] | None = None) -> str:
     cap = hw.cuda_capability or (9, 0)
-    argv = [*cell_argv(k, args, kind=Kind.MEMORY, device="cuda", model=model), "--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"]
-    return shell_join([*PROGRAM, *argv])
+    return shell_join_parts(PROGRAM, *cell_parts(k, args, kind=Kind.MEMORY, device="cuda", model=model),
+                            ("--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"))
 
 
 def shell_join(argv: list[str]) -> str:
     """shlex.join, each word's quoting remembered: thousands of commands repeat the same words."""
     return " ".join(map(_quoted, argv))
+
+
+def shell_join_parts(*parts: tuple[str, ...]) -> str:
+    """shell_join of the parts' words in order, each part's quoting remembered: the plan's thousands of
+    commands are a few dozen distinct parts (launcher, model, batch, flags)."""
+    return " ".join(_joined(part) for part in parts if part)
+
+
+@functools.lru_cache(maxsize=4096)
+def _joined(part: tuple[str, ...]) -> str:
+    return shell_join(part)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -320,7 +338,7 @@ def write_plot(path: str, result) -> None:
     ax.set(xlabel="predicted step time (ms)", ylabel="predicted peak per rank (GiB)", xscale="log",
            title=f"plan: {result.workload.world_size} ranks, {result.hardware.name}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.11, top=0.93)   # fixed margins: no tight-layout draw
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)

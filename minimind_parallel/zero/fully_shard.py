@@ -36,10 +36,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ..distributed import comm
+from ..distributed.loaded_types import is_dtensor, is_fsdp_module
 from ..groups import ProcessGroups
 from .reduction_group import reduction_group
 
@@ -51,6 +50,7 @@ MARKS = ("tp_partial_grad", "shared_embedding", "expert_parallel")
 def shard_fully(model: nn.Module, groups: ProcessGroups, mesh: DeviceMesh | None = None) -> nn.Module:
     """`model` with every block and then the root under `fully_shard` over the DP x CP mesh
     (`mesh`: that mesh made beforehand, `sharding_mesh`; --estimate makes it outside its fake mode)."""
+    from torch.distributed.fsdp import fully_shard  # here: slow to import (DTensor), needed to shard only
     mesh = mesh or sharding_mesh(groups, next(model.parameters()).device.type)
     marks = {name: {k: v for k, v in vars(p).items() if k in MARKS} for name, p in model.named_parameters()}
     layers = model.model.layers
@@ -58,7 +58,7 @@ def shard_fully(model: nn.Module, groups: ProcessGroups, mesh: DeviceMesh | None
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if is_fsdp_module(module):
             module.set_custom_all_gather(LibraryAllGather())
             module.set_custom_reduce_scatter(LibraryReduceScatter())
     for name, p in model.named_parameters():   # FSDP2's DTensor Parameters carry the marks of the ones they replace
@@ -95,14 +95,14 @@ def sharding_mesh(groups: ProcessGroups, device_type: str) -> DeviceMesh:
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    return is_fsdp_module(model)
 
 
 def local(t):
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def whole(t):
     """A DTensor gathered whole (collective over its mesh; the tensor itself otherwise)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t

@@ -17,7 +17,7 @@ from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, rec
                         stage_expert_rows)
 from .posted_peak import posted_peak
 from .posted_replay import replay_posted
-from .remembered_sizes import chunk_kinds, stage_kind
+from .remembered_sizes import SizesKind, chunk_kinds, model_key, stage_kind
 from .saved_kinds import as_dtype
 from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
@@ -141,7 +141,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                  dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed, expert_rows=expert_rows)
     kind = stage_kind(c, par, stage, memo, **sized) if memo is not None and par.zero != 3 else None
     s = kind.sizes if kind else stage_sizes(c, par, stage, **sized)
-    layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb)
+    model = model_key(c, memo) if memo is not None else None   # Frozen(c), once per layout
+    layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb, model=model)
     # the flat buffers: padding too
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
@@ -165,10 +166,10 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
             moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
     else:
-        moments, in_flight = (replay_schedule(s, order, grads_count=not layouts, backward=kind.backward) if kind
-                              else replay_schedule(s, order))
+        moments, in_flight = _replayed(kind, order, not layouts) if kind else replay_schedule(s, order)
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
-    moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
+    if state + step:   # MoE's: a dense model has none
+        moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:
         states = 2 * s.param_bytes + (4 * len(s.shapes) if device == "cpu" else 0)  # exp_avg, exp_avg_sq, step
         moments["optimizer"] = optimizer_step(s)
@@ -188,6 +189,18 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         if name in moments:
             moments[name] = moments[name][:2] + (moments[name][2] + state + report,)
     return _peak(s, moments, in_flight, params, states)
+
+
+def _replayed(kind: SizesKind, order: tuple, grads_count: bool) -> tuple[dict, dict]:
+    """replay_schedule of a kind's sizes with only each backward's largest moment (the planner's), once
+    per order and grads_count: a kind is one for the zero levels that leave its sizes alone
+    (remembered_sizes.stage_kind), and --zero 1 and 2 count no grads there. Its moments a copy: the
+    caller adds the optimizer's."""
+    key = ("replay", order, grads_count)
+    if key not in kind.derived:
+        kind.derived[key] = replay_schedule(kind.sizes, order, grads_count=grads_count, backward=kind.backward)
+    moments, in_flight = kind.derived[key]
+    return dict(moments), in_flight
 
 
 def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str) -> MemoryPrediction:

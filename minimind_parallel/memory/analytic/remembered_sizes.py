@@ -50,24 +50,31 @@ def stage_kind(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *
     same (not --zero 3: its replay reads other sizes). `memo`: one layout's."""
     if "stage" not in memo:
         zero = 0 if par.pp > 1 else min(par.zero, 1)     # DDP's buckets: only one stage, without --zero
-        memo["stage"] = (Frozen(c), Frozen(replace(par, zero=zero)))
+        memo["stage"] = (model_key(c, memo), Frozen(par if par.zero == zero else replace(par, zero=zero)))
     model, shape = memo["stage"]
     return _stage_kind(model, shape, stage, tuple(sorted(kw.items())))
 
 
+def model_key(c: MiniMindConfig, memo: dict) -> Frozen:
+    """The model's key, made once per layout (`memo`: its own)."""
+    if "model" not in memo:
+        memo["model"] = Frozen(c)
+    return memo["model"]
+
+
 @functools.lru_cache(maxsize=1 << 15)   # a few grids of kinds: a grid's zero levels are thousands apart
 def _stage_kind(model: Frozen, par: Frozen, stage: int, kw: tuple) -> SizesKind:
-    return SizesKind(stage_sizes(model.config, par.config, stage, **dict(kw)))
+    return SizesKind(stage_sizes(model.config, par.config, stage, **dict(kw), model=model))
 
 
 def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *, cp_rank: int = 0,
                 **kw) -> list[SizesKind]:
     """stage_sizes.chunk_sizes of stage `stage`, one object per kind of virtual stage (first, last,
     its layers). `memo`: one layout's, kept across its stages."""
-    if "chunked" not in memo:
-        chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1)
-        memo["chunked"] = (chunked, Frozen(c), Frozen(replace(chunked, zero=0, dp=1)), tuple(sorted(kw.items())))
-    chunked, model, shape, rest = memo["chunked"]
+    if "chunked" not in memo:   # each chunk a stage of the pipeline of P V stages
+        chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1, zero=0, dp=1)
+        memo["chunked"] = (model_key(c, memo), Frozen(chunked), tuple(sorted(kw.items())))
+    model, shape, rest = memo["chunked"]
     out = []
     for vs, kind in _virtual_stages(c.num_hidden_layers, par.pp, par.virtual_stages, stage):
         if (kind, cp_rank) not in memo:

@@ -253,12 +253,13 @@ class ParameterCounts:
                    partial=tuple((rule, n, elements) for rule, (n, elements) in rules.items()))
 
 
-def stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: int, experts: range
-                           ) -> tuple[dict, ParameterCounts]:
+def stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: int, experts: range,
+                           model: Frozen | None = None) -> tuple[dict, ParameterCounts]:
     """This rank's parameters of stage `stage` (plan.stage_parameters, holding `experts`) and their
     counts, remembered on what they depend on (plan.SHAPE_FIELDS): the planner asks for the same few
-    stages for thousands of layouts. The dict is shared: read it, do not change it."""
-    return _remembered_counts(Frozen(c), tuple(getattr(par, name) for name in SHAPE_FIELDS), stage, experts)
+    stages for thousands of layouts. The dict is shared: read it, do not change it. `model`: Frozen(c),
+    if made already."""
+    return _remembered_counts(model or Frozen(c), tuple(getattr(par, name) for name in SHAPE_FIELDS), stage, experts)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -267,9 +268,9 @@ def _remembered_counts(model: Frozen, shape: tuple, stage: int, experts: range) 
     return build_stage_parameter_counts(c, par, stage, experts)
 
 
-def build_stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: int, experts: range
-                                 ) -> tuple[dict, ParameterCounts]:
-    """`stage_parameter_counts` computed from the plan (not remembered)."""
+def build_stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: int, experts: range,
+                                 model: Frozen | None = None) -> tuple[dict, ParameterCounts]:
+    """`stage_parameter_counts` computed from the plan (not remembered; `model` unused: its signature)."""
     shapes = build_stage_parameters(c, par, stage, experts)
     top = f"model.layers.{stage_layers(c.num_hidden_layers, par.pp, stage)[0]}."
     return shapes, ParameterCounts.of(shapes, top)
@@ -277,16 +278,16 @@ def build_stage_parameter_counts(c: MiniMindConfig, par: ParallelConfig, stage: 
 
 def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                 num_microbatches: int, dtype, cp_rank: int = 0, routed: tuple[int, ...] = (),
-                expert_rows: tuple[tuple[int, ...], ...] = ()) -> StageSizes:
+                expert_rows: tuple[tuple[int, ...], ...] = (), model: Frozen | None = None) -> StageSizes:
     """The sizes of pipeline stage `stage` (the whole model when pp = 1) on CP rank `cp_rank`;
     `routed`, `expert_rows`: each layer's MoE bytes beyond the balanced routing's and its local
-    experts' rows (StageSizes; default: the balanced routing's)."""
+    experts' rows (StageSizes; default: the balanced routing's). `model`: Frozen(c), if made already."""
     b = dtype.itemsize
     t, n = par.tp, seq_len // par.cp * micro_batch_size
     first, last = is_first_stage(stage), is_last_stage(stage, par.pp)
     # this rank's experts under expert parallelism (every EP rank holds as many)
     experts = local_experts(c.num_experts, par.ep, 0) if c.use_moe else range(c.num_experts)
-    shapes, counts = stage_parameter_counts(c, par, stage, experts)
+    shapes, counts = stage_parameter_counts(c, par, stage, experts, model)
     layers_at = stage_layers(c.num_hidden_layers, par.pp, stage)
     tokens = n // par.sequence_shards
     if c.use_moe and not expert_rows:   # balanced: N k rows per rank, split evenly over its experts

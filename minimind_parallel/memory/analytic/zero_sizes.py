@@ -27,17 +27,17 @@ from ...zero.distributed_optimizer import IN_FLIGHT
 from .stage_sizes import numel
 
 
-def zero_layouts(c: MiniMindConfig, par: ParallelConfig, stage: int, dtype, bucket_size_mb: float
-                 ) -> tuple[BufferLayout, ...]:
+def zero_layouts(c: MiniMindConfig, par: ParallelConfig, stage: int, dtype, bucket_size_mb: float,
+                 model: Frozen | None = None) -> tuple[BufferLayout, ...]:
     """The stage's buffer layouts under --zero, in the optimizer's order (() without it): one over
     DP x CP; under expert parallelism the dense parameters' and this rank's experts' (over the EDP
     group, dp x cp / ep ranks), as `zero.reduction_group` groups them. Remembered on the model, the
     layout fields it reads (`LAYOUT_FIELDS`), the stage and the bucket size: the planner asks it for
-    every stage of every --zero layout."""
+    every stage of every --zero layout (`model`: Frozen(c), if made already)."""
     if not par.zero:
         return ()
     shape = tuple(getattr(par, name) for name in LAYOUT_FIELDS)
-    return _remembered_layouts(Frozen(c), shape, stage, bucket_numel(bucket_size_mb, dtype))
+    return _remembered_layouts(model or Frozen(c), shape, stage, bucket_numel(bucket_size_mb, dtype))
 
 
 # the ParallelConfig fields a stage's buffers depend on: its parameters' (plan.SHAPE_FIELDS) and the
