@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.memory import StorageTracker, estimate_step_memory
 from minimind_parallel.memory.estimate import _create_optimizer_states, fake_process_group
-from minimind_parallel.memory.fake_memo import RememberingFakeTensorMode
+from minimind_parallel.memory.fake_memo import Made, RememberingFakeTensorMode
 from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
 from minimind_parallel.training import make_optimizer
 
@@ -60,7 +60,7 @@ def test_the_remembered_fake_dispatch_measures_what_fake_tensor_mode_measures():
         assert (got.peak_bytes, got.breakdown) == (plain.peak_bytes, plain.breakdown), (par, kw)
     assert _Counting.answered == {"aten", "c10d"}   # ops and collectives answered without FakeTensorMode
     remembered = [recipe for recipe in shared.values() if recipe is not None]
-    assert len(remembered) > 200 and any(spec[0] == "view" for _, specs in remembered for spec in specs)
+    assert len(remembered) > 200 and any(spec[0] is Made.VIEW for _, specs in remembered for spec in specs)
 
 
 def test_a_replayed_op_makes_the_tensor_fake_tensor_mode_made():

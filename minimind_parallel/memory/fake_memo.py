@@ -36,6 +36,8 @@ checks that every report is byte-identical with and without it.
 """
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, in_kernel_invocation_manager
 from torch.utils._mode_utils import no_dispatch
@@ -55,6 +57,15 @@ def _leaves(tree) -> list:
     if isinstance(tree, (tuple, list)):
         return [leaf for x in tree for leaf in _leaves(x)]
     return [tree]
+
+
+class Made(enum.Enum):
+    """What an op's output was, as remembered: none, one of its inputs, a view of an input's
+    storage, or a new storage."""
+    NONE = enum.auto()
+    SAME = enum.auto()
+    VIEW = enum.auto()
+    NEW = enum.auto()
 
 
 class _NotRemembered(Exception):
@@ -200,10 +211,10 @@ class RememberingFakeTensorMode(FakeTensorMode):
     @staticmethod
     def _output_spec(o, tensors, fresh: set) -> tuple:
         if o is None:
-            return ("none",)
+            return (Made.NONE,)
         for j, t in enumerate(tensors):
             if o is t:
-                return ("same", j)
+                return (Made.SAME, j)
         if type(o) is not FakeTensor or o.constant is not None or o.requires_grad or o.layout is not torch.strided:
             raise _NotRemembered
         st = o.untyped_storage()
@@ -211,12 +222,12 @@ class RememberingFakeTensorMode(FakeTensorMode):
         flags = (o.dtype, o.fake_device, o.is_conj(), o.is_neg())
         for j, t in enumerate(tensors):
             if t.untyped_storage()._cdata == st._cdata:
-                return ("view", j, shape, stride, offset, *flags)
+                return (Made.VIEW, j, shape, stride, offset, *flags)
         span = 0 if o.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
         if offset != 0 or st.nbytes() != span * o.element_size() or st._cdata in fresh:
             raise _NotRemembered
         fresh.add(st._cdata)
-        return ("new", shape, stride, offset, *flags)
+        return (Made.NEW, shape, stride, offset, *flags)
 
     # -- replay --------------------------------------------------------------------------------
     def _replay(self, recipe, tensors) -> tuple:
@@ -226,9 +237,9 @@ class RememberingFakeTensorMode(FakeTensorMode):
         outs = []
         for spec in specs:
             kind = spec[0]
-            if kind == "none":
+            if kind is Made.NONE:
                 outs.append(None)
-            elif kind == "same":
+            elif kind is Made.SAME:
                 outs.append(tensors[spec[1]])
             else:
                 outs.append(self._make(spec, tensors))
@@ -241,7 +252,7 @@ class RememberingFakeTensorMode(FakeTensorMode):
         kind, shape, stride, offset, dtype, device, conj, neg = (spec[0], *spec[-7:])
         with torch._C._DisableTorchDispatch():   # plain meta tensors: no mode, no FakeTensor, sees these
             empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            if kind == "view":
+            if kind is Made.VIEW:
                 empty.set_(tensors[spec[1]].untyped_storage(), offset, shape, stride)
         if conj:
             torch._C._set_conj(empty, True)
