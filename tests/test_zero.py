@@ -446,3 +446,29 @@ def test_zero2_under_a_posted_schedule_runs_but_its_memory_is_refused_in_one_lin
     message = one_line_error(NotImplementedError, predict_memory, config, par, seq_len=16, micro_batch_size=1,
                              num_microbatches=4, schedule=schedule, dtype=torch.float32)
     assert f"--zero 2 under the {schedule} schedule is not modelled" in message, message
+
+
+def test_zero2_refuses_a_bucket_some_of_whose_parameters_got_no_grad():
+    """A parameter backward never reached (here: every one but the embedding) would leave zeros in
+    its slice unseen; under any schedule each parameter used gets a grad in the step, so a bucket
+    with some grads and not others is an error, named."""
+    import torch.distributed as dist
+    from torch.distributed import HashStore
+
+    from minimind_parallel.model import MiniMindForCausalLM
+    from minimind_parallel.training import build_parallel_model, make_optimizer
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        c = MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=64, intermediate_size=64)
+        par = ParallelConfig(zero=2)
+        groups = ProcessGroups.build(par)
+        model = build_parallel_model(c, par, groups, MiniMindForCausalLM(c).state_dict())
+        optimizer = make_optimizer(model, 1e-3, groups=groups, bucket_size_mb=25.0)   # one bucket
+        optimizer.zero_grad()
+        model.model.embed_tokens(torch.arange(8)).sum().backward()
+        with pytest.raises(RuntimeError, match="not all produced by backward"):
+            optimizer.reduce_grads()
+    finally:
+        dist.destroy_process_group()

@@ -20,7 +20,8 @@ Per (reduction group, dtype), one flat buffer (`buckets.BufferLayout`):
                one bucket fills at a time), its reduce-scatter starts asynchronously, at most `IN_FLIGHT` at a
                time (the oldest is waited for, added to the slice and its buffer freed for the
                next bucket); after the last microbatch the buckets still filling are reduced with
-               the missing grads zeroed (interleaved, zb), and the rest waited for before the step. So no parameter's grad
+               the missing grads zeroed (interleaved, zb), and the rest waited for before the step (a
+               bucket some of whose parameters got no grad in the whole step is an error). So no parameter's grad
                outlives its hook, and what the grads cost is constant: the slices and the buffers.
     optimizer  AdamW over the mains: its states are 1/W of the replicated optimizer's.
 
@@ -75,6 +76,7 @@ class FlatBuffer:
         self.grad_flat = self._slice_grads()
         if level == 2:
             self._arrived: list[set] = [set() for _ in self.layout.buckets]   # names in each filling bucket
+            self._came: list[set] = [set() for _ in self.layout.buckets]      # names seen this step, per bucket
             self._pending: list = []      # (bucket, its reduced slice, the work, its staging buffer)
             self._filling: dict = {}      # bucket -> (its staging buffer, the bucket's view of it)
             self._free = deque(staging_buffers(self.layout, self.flat))
@@ -125,6 +127,7 @@ class FlatBuffer:
         else:
             assert not self._pending and not self._filling, "zero_grad with reduce-scatters in flight"
             self._arrived = [set() for _ in self.layout.buckets]
+            self._came = [set() for _ in self.layout.buckets]
             for p in self.params.values():
                 p.grad = None
 
@@ -138,6 +141,7 @@ class FlatBuffer:
             start = self._offsets[name] - b.start
             rows = staging[start:start + param.numel()]
             arrived = self._arrived[i]
+            self._came[i].add(name)
             # a grad that comes again before its bucket is complete (a later microbatch's, under an
             # order whose chunks or W steps interleave microbatches) adds to the one already there
             if name in arrived:
@@ -200,6 +204,13 @@ class FlatBuffer:
             for b in self.layout.buckets:
                 comm.reduce_scatter_flat(self.grad_flat[b.start:b.start + b.padded_numel], self.group)
         else:
+            # a bucket some of whose parameters got a grad this step and others none (an unused
+            # parameter): its slices would silently hold zeros for them
+            partial = [i for i, came in enumerate(self._came) if came and len(came) < len(self.layout.buckets[i].names)]
+            if partial:
+                b = self.layout.buckets[partial[0]]
+                raise RuntimeError("a bucket's grads were not all produced by backward: "
+                                   f"{sorted(set(b.names) - self._came[partial[0]])[:3]} got none")
             self._flush_partial()
             while self._pending:
                 self._finish(self._pending.pop(0))
