@@ -12,6 +12,8 @@ from minimind_parallel import MiniMindConfig, ParallelConfig, cli
 from minimind_parallel.memory.allocator import (AllocationRecorder, CachingAllocatorModel, CudaSetup,
                                                 cublas_workspace_bytes, cublaslt_workspace_bytes, predict_cuda_peak,
                                                 replay, round_size, segment_size)
+from minimind_parallel.memory import predict_memory
+from minimind_parallel.memory.estimate import estimate_step_memory
 from minimind_parallel.memory.tracker import StorageTracker
 
 KiB, MiB = 1024, 2**20
@@ -126,6 +128,58 @@ def test_recorder_records_allocations_and_frees_and_reports_as_the_tracker():
     peak, reserved = replay(rec, CudaSetup(gemm_threads=0), skip_steps=0)
     assert (peak, reserved) == (1024 + 1024 + 2 * 3072, 2 * MiB)
     del out
+
+
+def test_a_storage_resized_to_nothing_and_back_is_a_free_and_an_alloc():
+    """FSDP2 frees a block's gathered parameters by `resize_(0)` of their storages and allocates them
+    again by `resize_(n)` (no aten op: the tracker watches `UntypedStorage.resize_`); on CUDA each is
+    a free and a malloc of the caching allocator, so the replay holds the block only while it is full."""
+    keep = torch.zeros(700, dtype=torch.uint8)
+    rec = AllocationRecorder()
+    rec.mark(keep, "params")
+    with rec:
+        st = keep.untyped_storage()
+        st.resize_(0)                      # freed
+        ones = torch.ones(3000, dtype=torch.uint8)
+        st.resize_(2000)                   # allocated again, larger
+        rec.end_step()
+    assert rec.before == [(0, 700)]
+    assert [(e[0], e[2] if e[0] == "alloc" else None) for e in rec.events] == [
+        ("free", None), ("alloc", 3000), ("alloc", 2000), ("step", None)]
+    assert rec.events[0] == ("free", 0)
+    peak, _ = replay(rec, CudaSetup(gemm_threads=0), skip_steps=0)
+    assert peak == 3072 + 2048 and rec.report().peak_bytes == 3000 + 2000   # not 1024 + 3072 + 2048
+    del ones
+
+
+def test_a_zero3_steps_recorded_allocations_are_the_memory_models_bytes():
+    """--zero 3 (FSDP2) on fake tensors: the recorded allocations and frees, replayed at their requested
+    sizes, peak at exactly predict_memory's bytes (the unsharded parameters freed after each block's
+    forward and backward: without it they piled up); the allocator replay adds only block rounding."""
+    c = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=256, tie_word_embeddings=False)
+    par, kw = ParallelConfig(dp=2, zero=3), dict(seq_len=64, micro_batch_size=2, dtype=torch.float32)
+    seen = []
+
+    def on_step(tracker):
+        tracker.end_step()
+        seen.append(tracker)
+
+    estimate_step_memory(c, par, iters=2, tracker_type=AllocationRecorder, on_step=on_step, **kw)
+    rec = seen[0]
+    live = dict(rec.before)
+    peak = steps = 0
+    for event in rec.events:
+        if event[0] == "alloc":
+            live[event[1]] = event[2]
+        elif event[0] == "free":
+            live.pop(event[1], None)
+        else:
+            steps += 1
+        peak = max(peak, sum(live.values())) if steps >= 1 else 0   # after the warm-up step
+    assert peak == predict_memory(c, par, device="cuda", **kw).peak_bytes
+    cuda = predict_cuda_peak(c, par, setup=CudaSetup(gemm_threads=0), **kw)
+    assert cuda.tensors_peak == peak and 0 <= cuda.rounding_bytes < 512 * 100
 
 
 def test_predicted_cuda_peak_is_tensors_plus_workspaces_plus_rounding():

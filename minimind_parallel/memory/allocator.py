@@ -27,6 +27,12 @@ allocator's baseline before the step; docs/memory.md, "On a GPU"). cuBLASLt keep
 (`CUBLASLT_WORKSPACE_SIZE` KiB, default 1024, capped at the cuBLAS size) only for the GEMMs that
 take that path (`lt_threads`; none showed in the H200 run: its excess was 64.00 MiB).
 
+**FSDP2's storages** (--zero 3). FSDP2 all-gathers a group's shards into one flat buffer (an
+ordinary allocation), then copies them out into each unsharded parameter's storage, which it
+grows from 0 bytes with `UntypedStorage.resize_` (`alloc_storage`) and shrinks back to 0 after the
+block's forward and backward (`free_storage`): on CUDA a malloc and a free of the caching
+allocator each, which the recorder records (`AllocationRecorder._resized`).
+
 Not modelled: streams other than the default one (NCCL's `recordStream` delays frees to the
 communication stream's events), `max_split_size_mb`, `roundup_power2_divisions`, garbage
 collection, and the history before the measured window (the replay starts from the tensors alive
@@ -289,6 +295,25 @@ class AllocationRecorder(StorageTracker):
             new = next(self._ids)
             self.events += [("alloc", new, st.nbytes()), ("free", self._serial[id(st)])]
             self._serial[id(st)] = new
+
+    def _resized(self, st) -> None:
+        """FSDP2's `resize_` outside any op: on CUDA resizing a storage to 0 bytes frees its block
+        (`free_storage`), to n bytes from 0 allocates one (`alloc_storage`): a free and an alloc."""
+        with self._lock:
+            key = id(st)
+            entry = self._entries.get(key)
+            size = entry[0] if entry is not None else None
+            super()._resized(st)
+            if size is None or size == st.nbytes():   # new: _add recorded it (when not empty)
+                return
+            old = self._serial.pop(key, None)
+            if old is not None:
+                self.events.append(("free", old))
+            if st.nbytes() > 0:
+                serial = next(self._ids)
+                self._serial[key] = serial
+                self._refs[serial] = weakref.ref(st, lambda _r, s=serial, k=key: self._freed(s, k))
+                self.events.append(("alloc", serial, st.nbytes()))
 
     def end_step(self) -> None:
         with self._lock:
