@@ -545,6 +545,42 @@ def test_zero_3_gathers_each_block_twice_and_scatters_its_grads_per_microbatch()
     assert t.optimizer == pytest.approx(params / 4 * ADAMW_ACCESSES * 2 / SLOW.memory_bandwidth)
 
 
+def test_zero_3s_step_time_gathers_what_a_counted_fsdp2_step_gathers(monkeypatch):
+    """The planner's --zero 3 step (ranking.evaluate) against the collectives of a fake FSDP2 step
+    counted at FSDP2's all-gather and reduce-scatter hooks: the same bytes (the unsharded parameters
+    gathered once in forward, the blocks' again in backward, every grad reduce-scattered once: not
+    this rank's shards) and the same calls; AdamW steps this rank's shards (divided once)."""
+    from minimind_parallel.config import DTYPES
+    from minimind_parallel.distributed import comm
+    from minimind_parallel.memory.estimate import estimate_step_memory
+    from minimind_parallel.planning.ranking import evaluate
+    k = Candidate(dp=4, micro_batch_size=2, zero=3)
+    counted = {"calls": 0, "bytes": 0}
+    gather, scatter = comm.all_gather_into, comm.reduce_scatter_into
+
+    def counting(collective, measured):
+        def run(out, x, group, *args):
+            counted["calls"] += 1
+            counted["bytes"] += measured(out, x).numel() * measured(out, x).element_size()
+            return collective(out, x, group, *args)
+        return run
+
+    monkeypatch.setattr(comm, "all_gather_into", counting(gather, lambda out, x: out))        # the gathered
+    monkeypatch.setattr(comm, "reduce_scatter_into", counting(scatter, lambda out, x: x))     # the unsharded grads
+    dtype = DTYPES[WORK.dtype]
+    estimate_step_memory(TINY, k.parallel, seq_len=WORK.seq_len, micro_batch_size=2, dtype=dtype, iters=1)
+    assert counted["calls"] == 2 * TINY.num_hidden_layers + 1 + TINY.num_hidden_layers + 1
+    g, b = k.dp, dtype.itemsize
+    for link, expected in ((Link(latency_s=0.0, bandwidth=1e9), (g - 1) / g * counted["bytes"] / 1e9),
+                           (Link(latency_s=1e-3, bandwidth=1e30), counted["calls"] * (g - 1) * 1e-3)):
+        cpu = replace(SLOW, overlaps_communication=False, intra=link, inter=link)
+        t = evaluate(k, WORK, cpu, "cpu", 1.0).time
+        assert t.dp_exposed == pytest.approx(expected, rel=1e-9)
+    shards = predict_memory(TINY, k.parallel, seq_len=WORK.seq_len, micro_batch_size=2, dtype=dtype).breakdown[
+        "params"] // b - 2 * TINY.max_position_embeddings * TINY.head_dim
+    assert t.optimizer == pytest.approx(shards * ADAMW_ACCESSES * b / SLOW.memory_bandwidth, rel=1e-9)
+
+
 def test_the_calibration_measures_at_the_workloads_shapes_and_old_files_still_load(tmp_path):
     """compute_rates at a tiny workload's block and sequence (every rate measured, positive); a
     calibration file written before the CP blockwise rate and the overlap flag existed loads with

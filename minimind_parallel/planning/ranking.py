@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from ..config import DTYPES
 from ..memory import predict_memory
 from ..memory.allocator import CudaSetup
+from ..memory.analytic.stage_sizes import stage_parameter_counts
+from ..moe.placement import local_experts
 from ..pipeline_parallel.order import Schedule
 from .allocator_rounding import rounding_bytes
 from .hardware import Hardware
@@ -71,14 +73,26 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
     if device == "cuda":
         breakdown["workspaces"], breakdown["rounding"] = workspaces, rounding_bytes(pred, par)
         peak += workspaces + breakdown["rounding"]
-    # this rank's parameter elements: the memory model's params hold RoPE's cos/sin tables too
-    params = pred.breakdown["params"] // DTYPES[w.dtype].itemsize - 2 * w.model.max_position_embeddings * w.model.head_dim
+    params, block = stage_parameters(pred, k, w)
     experts = w.model.num_hidden_layers // k.pp * w.model.num_experts // k.ep * expert_params(w.model) \
         if w.model.use_moe else 0                                       # this rank's experts' elements
-    t = step_time(k, w, hw, stage_params=params, expert_params=experts, memo=memo)
+    t = step_time(k, w, hw, stage_params=params, expert_params=experts, block_params=block, memo=memo)
     tokens_per_s = w.global_batch_size * w.seq_len / t.total
     mfu = flops_per_token * tokens_per_s / (w.world_size * hw.peak_flops)
     return PlanEntry(candidate=k, peak_bytes=peak, breakdown=breakdown, time=t, tokens_per_s=tokens_per_s, mfu=mfu)
+
+
+def stage_parameters(pred, k: Candidate, w: Workload) -> tuple[int, int]:
+    """This rank's parameter elements unsharded (its TP shards; under --zero 1/2 with the flat buffers'
+    padding, as the memory model's params hold them, less RoPE's cos/sin tables), and under --zero 3
+    one block's (FSDP2 gathers the whole of each: the memory model's params are this rank's shards)."""
+    if k.zero == 3:   # pp 1: the whole model
+        c = w.model
+        experts = local_experts(c.num_experts, k.ep, 0) if c.use_moe else range(c.num_experts)
+        counts = stage_parameter_counts(c, k.parallel, 0, experts)[1]
+        return counts.total, counts.top_block
+    rope = 2 * w.model.max_position_embeddings * w.model.head_dim
+    return pred.breakdown["params"] // DTYPES[w.dtype].itemsize - rope, 0
 
 
 def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int) -> Plan:

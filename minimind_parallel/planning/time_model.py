@@ -302,7 +302,8 @@ def expert_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[li
 
 
 def data_parallel_seconds(k: Candidate, w: Workload, hw: Hardware, link: Link, *, stage_params: int,
-                          expert_params: int, forward: float, backward: float, layers: int) -> tuple[float, int]:
+                          expert_params: int, forward: float, backward: float, layers: int,
+                          block_params: int = 0) -> tuple[float, int]:
     """The exposed seconds of the grads' reduction (and under --zero the parameters' all-gather), and
     the tensors AdamW steps on this rank under --zero 1/2 (its buckets' slices; 0: the parameters).
     `forward` / `backward`: the step's compute they can hide behind (on a GPU)."""
@@ -315,7 +316,7 @@ def data_parallel_seconds(k: Candidate, w: Workload, hw: Hardware, link: Link, *
         return (hw.hidden(grads, backward) if k.pp == 1 else grads), 0
     if k.zero == 3:
         return fully_sharded_seconds(k, hw, link, stage_bytes=stage_params * b, forward=forward, backward=backward,
-                                     layers=layers), 0
+                                     layers=layers, block_bytes=block_params * b), 0
     # the distributed optimizer: buckets of DEFAULT_BUCKET_MB over dp x cp; --zero 1 reduce-scatters
     # them after backward, --zero 2 while backward runs (hidden behind it as DDP's all-reduce is)
     buckets = max(1, -(-stage_params * b // int(DEFAULT_BUCKET_MB * 2**20)))
@@ -328,19 +329,22 @@ def data_parallel_seconds(k: Candidate, w: Workload, hw: Hardware, link: Link, *
 
 
 def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes: float, forward: float,
-                          backward: float, layers: int) -> float:
+                          backward: float, layers: int, block_bytes: float = 0) -> float:
     """--zero 3 (FSDP2, zero/fully_shard.py): every block and the root are their own unit; per
     microbatch each block's parameters are all-gathered before its forward and again before its
     backward, and its grads reduce-scattered in backward; the root's gathered once (not resharded
-    after forward) and its grads reduce-scattered. Over dp x cp, the units' bytes taken equal
-    (`stage_bytes` / (layers + 1)). FSDP2 prefetches the next unit's gather on a GPU (hidden behind
+    after forward) and its grads reduce-scattered. Over dp x cp; `stage_bytes` the rank's parameters
+    unsharded (what the gathers output), `block_bytes` one block's (0: the units' bytes taken equal,
+    `stage_bytes` / (layers + 1)), the root the rest. FSDP2 prefetches the next unit's gather on a GPU (hidden behind
     the forward / backward compute); on a CPU every one is exposed."""
-    g, units = k.dp * k.cp, layers + 1
-    each = stage_bytes / units
-    gather, scatter = (Collective(op, each, g).seconds(link) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
+    g = k.dp * k.cp
+    block = block_bytes or stage_bytes / (layers + 1)
+    root = stage_bytes - layers * block
+    gather, scatter = ({n: Collective(op, n, g).seconds(link) for n in (block, root)}
+                       for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
     m = k.num_microbatches
-    fwd = m * units * gather
-    bwd = m * (layers * gather + units * scatter)
+    fwd = m * (layers * gather[block] + gather[root])
+    bwd = m * (layers * gather[block] + layers * scatter[block] + scatter[root])
     return hw.hidden(fwd, forward) + hw.hidden(bwd, backward)
 
 
@@ -376,9 +380,11 @@ def last_stage_compute(k: Candidate, w: Workload, hw: Hardware, memo: dict | Non
 
 
 def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, expert_params: int = 0,
-              memo: dict | None = None) -> StepTime:
+              block_params: int = 0, memo: dict | None = None) -> StepTime:
     """The predicted step of layout `k` (`stage_params`: parameter elements of the largest stage's rank,
-    `expert_params` of them its experts'); `memo`: last_stage_compute's, across one plan's layouts."""
+    unsharded -- under --zero 3 too, what FSDP2's gathers output --, `expert_params` of them its
+    experts', `block_params` one block's: --zero 3's gathers); `memo`: last_stage_compute's, across one
+    plan's layouts."""
     c = w.model
     b = DTYPES[w.dtype].itemsize
     layers = c.num_hidden_layers // k.pp
@@ -416,10 +422,10 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     t.bubble = pipeline_bubble(k, per_mb, bwd)
     t.dp_exposed, buckets = data_parallel_seconds(k, w, hw, dp_link, stage_params=stage_params,
                                                   expert_params=expert_params, forward=m * fwd, backward=m * bwd,
-                                                  layers=layers)
+                                                  layers=layers, block_params=block_params)
     moe_tensors = 1 + 3 * c.num_experts // k.ep - 3 if c.use_moe else 0   # router + experts for the dense MLP
     tensors = buckets or layers * (11 + moe_tensors) + 2
-    stepped = stage_params / (k.dp * k.cp) if k.zero else stage_params
+    stepped = stage_params / (k.dp * k.cp) if k.zero else stage_params   # the rank's slice or shard
     t.optimizer = hw.dispatched(stepped * ADAMW_ACCESSES * b / hw.memory_bandwidth,
                                 OPS_PER_PARAM_STEP * tensors * hw.op_overhead_s)
     t.parts = dict(per_microbatch_ms=1e3 * per_mb, forward_ms=1e3 * fwd, backward_ms=1e3 * bwd)
