@@ -13,6 +13,7 @@ import torch
 from minimind_parallel import cli
 from minimind_parallel.config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 from minimind_parallel.memory import predict_memory
+from minimind_parallel.memory.analytic.fsdp_replay import check_fully_sharded
 from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
 from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enumerate_layouts, plan, step_time
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
@@ -175,7 +176,7 @@ def test_the_planners_moments_alone_give_the_full_replays_prediction_to_the_byte
     sample = [k for g in groups.values() for k in g[::max(1, len(g) // 6)]]    # six of each, spread
     posted = [k for k in sample if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
     assert {k.pp for k in posted} == {2, 4, 8} and {k.virtual_stages for k in posted} == {1, 2, 4}
-    assert {k.zero for k in posted} == {0, 1} and {k.zero for k in sample} == {0, 1, 2}
+    assert {k.zero for k in posted} == {0, 1} and {k.zero for k in sample} == set(MODELLED_ZERO_LEVELS)
     assert {k.pp_schedule for k in sample if k.pp > 1} == set(Schedule)
     peaks = set()
     for k in sample:
@@ -268,6 +269,26 @@ def test_the_space_plans_every_schedule_and_zero_level_the_memory_model_declares
     from minimind_parallel.tasks.plan import flag_argv
     argv = flag_argv(chunked[0])
     assert argv[argv.index("--virtual_stages") + 1] == str(chunked[0].virtual_stages)
+
+
+def test_the_space_plans_zero_3_where_its_replay_is_exact_and_cuts_the_rest_in_its_line():
+    """--zero 3 layouts are planned where predict_memory follows FSDP2 (fsdp_replay.check_fully_sharded),
+    the others cut with its one-line reason (check_candidate): fewer tokens per microbatch than
+    hidden_size (dp4: one 32-token row per rank, H 64), and the MoE model while it refuses that."""
+    few = replace(WORK, global_batch_size=4)
+    valid, cuts = enumerate_layouts(few)
+    sharded = [k for k in valid if k.zero == 3]
+    assert sharded and all(few.seq_len // k.cp * k.micro_batch_size >= TINY.hidden_size for k in sharded)
+    refused = [c for c in cuts if c.candidate.zero == 3 and c.candidate.pp == 1 and _runs(few, c.candidate)]
+    assert refused and all(len(c.reason.splitlines()) == 1 for c in refused)
+    for cut in refused:
+        k = cut.candidate
+        with pytest.raises(NotImplementedError) as e:
+            check_fully_sharded(TINY, k.parallel, few.seq_len // k.cp * k.micro_batch_size)
+        assert cut.reason == str(e.value)
+    moe_valid, moe_cuts = enumerate_layouts(MOE_WORK)
+    if _refused(lambda: check_fully_sharded(MOE, ParallelConfig(dp=4, zero=3), 2**20)):
+        assert not [k for k in moe_valid if k.zero == 3] and [c for c in moe_cuts if c.candidate.zero == 3]
 
 
 def test_the_cuda_peak_rounds_each_held_tensor_to_the_block_a_fresh_segment_gives_it():
@@ -629,13 +650,22 @@ def test_the_json_has_every_field_and_its_commands_run(tmp_path, capsys):
     assert cli.main([*shlex.split(first["estimate_command"])[3:], "--output_csv", str(csv_path)]) == 0
     (cell,) = list(csv.DictReader(open(csv_path)))
     assert abs(float(cell["cuda_allocated_mib"]) - first["predicted_peak_mib"]) <= 0.01 * first["predicted_peak_mib"]
+    # a --zero 3 (FSDP2) row too: its estimate's tensors are the plan's to the byte (the plan's on CUDA: AdamW's
+    # step counters on the host), its allocator peak within 1 %
+    sharded, csv_path = next(r for r in layouts if r["zero"] == 3), tmp_path / "estimate_zero3.csv"
+    assert cli.main([*shlex.split(sharded["estimate_command"])[3:], "--output_csv", str(csv_path)]) == 0
+    (cell,) = list(csv.DictReader(open(csv_path)))
+    tensors = sharded["predicted_peak_mib"] - sharded["breakdown_mib"]["workspaces"] - sharded["breakdown_mib"]["rounding"]
+    replayed = float(cell["cuda_allocated_mib"]) - float(cell["cuda_workspace_mib"]) - float(cell["cuda_rounding_mib"])
+    assert float(cell["peak_mib"]) == float(cell["predicted_mib"]) and replayed == pytest.approx(tensors, abs=1e-6)
+    assert abs(float(cell["cuda_allocated_mib"]) - sharded["predicted_peak_mib"]) <= 0.01 * sharded["predicted_peak_mib"]
 
 
 def assert_commands_are_the_layouts(layouts, *, moe=False):
     """Each sampled layout's train and estimate commands parse with the real parsers and resolve to it
     (both ZeRO levels and every ep among the sample)."""
     sample = layouts[:: max(1, len(layouts) // 20)]
-    sample += [next(r for r in layouts if r[key] == v) for key, vs in (("zero", (0, 1)), ("ep", (1, 2, 4)))
+    sample += [next(r for r in layouts if r[key] == v) for key, vs in (("zero", MODELLED_ZERO_LEVELS), ("ep", (1, 2, 4)))
                for v in vs if any(r[key] == v for r in layouts)]
     for row in sample:
         for key in ("train_command", "estimate_command"):
@@ -686,9 +716,28 @@ def test_a_moe_plan_spreads_the_experts_and_its_commands_run(tmp_path, capsys):
     assert code == 0
     data = json.loads(out.read_text())
     layouts = data["layouts"]
-    assert {r["ep"] for r in layouts} == {1, 2, 4} and {r["zero"] for r in layouts} == set(MODELLED_ZERO_LEVELS)
+    assert {r["ep"] for r in layouts} == {1, 2, 4} and {r["zero"] for r in layouts} == set(MODELLED_ZERO_LEVELS) - (
+        {3} if _refused(lambda: check_fully_sharded(MOE, ParallelConfig(dp=4, zero=3), 2**20)) else set())
     assert "balanced routing" in printed and "balanced routing" in data["notes"][0]
     assert_commands_are_the_layouts(layouts, moe=True)
+
+
+def _runs(work, k) -> bool:
+    """Whether check_layout passes layout `k`."""
+    try:
+        check_layout(work.model, k.parallel, seq_len=work.seq_len)
+    except ConfigError:
+        return False
+    return True
+
+
+def _refused(call) -> bool:
+    """Whether `call` raises NotImplementedError (the memory model refuses what it asks)."""
+    try:
+        call()
+    except NotImplementedError:
+        return True
+    return False
 
 
 def test_a_calibration_file_round_trips_and_its_rates_are_the_plans(tmp_path, capsys):

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 from ..memo import cached_property
 from ..config import ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
+from ..memory.analytic.fsdp_replay import check_fully_sharded
 from ..memory.analytic.predict import MODELLED_SCHEDULES, MODELLED_ZERO_LEVELS
 from ..memory.analytic.zero_bubble_moments import unmodelled as zero_bubble_unmodelled
 from ..pipeline_parallel.order import Schedule, check_schedule
@@ -257,9 +258,15 @@ def _grid_reason(w: Workload, grid: dict) -> str | None:
 
 def check_candidate(w: Workload, cand: "Candidate") -> None:
     """Raise ConfigError (one line) where a full assignment cannot run or be predicted: check_layout,
-    the schedule's constraints (check_schedule), and the MoE model and --zero 2 under a posted schedule (interleaved, zb), which predict_memory does not
-    replay (the chunks' aux losses; buckets filled across chunks and microbatches)."""
+    the schedule's constraints (check_schedule), the MoE model and --zero 2 under a posted schedule (interleaved, zb), which predict_memory does not
+    replay (the chunks' aux losses; buckets filled across chunks and microbatches), and the --zero 3
+    layouts its FSDP2 replay refuses (fsdp_replay.check_fully_sharded)."""
     check_layout(w.model, cand.parallel, seq_len=w.seq_len)
+    if cand.zero == 3:   # FSDP2: what its replay follows (the MoE model, too few tokens refused there)
+        try:
+            check_fully_sharded(w.model, cand.parallel, w.seq_len // cand.cp * cand.micro_batch_size)
+        except NotImplementedError as e:
+            raise ConfigError(str(e)) from None
     if cand.pp == 1:
         return
     check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)

@@ -27,11 +27,10 @@ from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2
 
 # the schedules whose orders the model replays (zb: of the layouts zero_bubble_moments.unmodelled passes)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
-# the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers, is
-# modelled but for the layouts fsdp_replay.check_fully_sharded refuses, and at the CUDA allocator
-# level -- planning/allocator_rounding.py -- FSDP2's resized storages are not: the planner does not
-# plan it yet); the planner enumerates these two tuples' members
-MODELLED_ZERO_LEVELS = (0, 1, 2)
+# the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers, but for
+# the layouts fsdp_replay.check_fully_sharded refuses, which the planner cuts through
+# space.check_candidate); the planner enumerates these two tuples' members
+MODELLED_ZERO_LEVELS = (0, 1, 2, 3)
 
 
 @dataclass
@@ -74,7 +73,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
         check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
     elif par.zero not in MODELLED_ZERO_LEVELS:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled; "
-                                  f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))} and 3")
+                                  f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))}")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
     check_layout(c, par, seq_len=seq_len)
