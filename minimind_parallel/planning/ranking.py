@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import DTYPES
-from ..memory import predict_memory
+from ..memory import MemoryPrediction, predict_memory
 from ..memory.allocator import CudaSetup
 from ..memory.analytic.stage_sizes import stage_parameter_counts
 from ..moe.placement import local_experts
@@ -82,7 +82,7 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
     return PlanEntry(candidate=k, peak_bytes=peak, breakdown=breakdown, time=t, tokens_per_s=tokens_per_s, mfu=mfu)
 
 
-def stage_parameters(pred, k: Candidate, w: Workload) -> tuple[int, int]:
+def stage_parameters(pred: MemoryPrediction, k: Candidate, w: Workload) -> tuple[int, int]:
     """This rank's parameter elements unsharded (its TP shards; under --zero 1/2 with the flat buffers'
     padding, as the memory model's params hold them, less RoPE's cos/sin tables), and under --zero 3
     one block's (FSDP2 gathers the whole of each: the memory model's params are this rank's shards)."""
