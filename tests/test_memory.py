@@ -333,16 +333,40 @@ def test_the_zero_bubble_variants_not_modelled_are_refused_in_one_line():
         predict_memory(moe, ParallelConfig(pp=2), seq_len=S, micro_batch_size=B, num_microbatches=4, schedule="zb")
 
 
-def test_the_moe_model_under_model_chunks_is_refused_in_one_line():
-    """Interleaved runs the MoE model (each chunk backpropagates its own aux loss), but the posted
-    replay has no per-chunk aux terms: predict_memory says so, and the planner cuts it."""
-    moe = replace(PIPE, num_hidden_layers=4, use_moe=True, num_experts=4)
-    with pytest.raises(NotImplementedError, match="the MoE model under the interleaved schedule is not modelled"):
-        predict_memory(moe, ParallelConfig(pp=2, virtual_stages=2), seq_len=S, micro_batch_size=B,
-                       num_microbatches=4, schedule="interleaved")
-    # the same layout of the dense model is predicted
-    predict_memory(replace(moe, use_moe=False), ParallelConfig(pp=2, virtual_stages=2), seq_len=S,
-                   micro_batch_size=B, num_microbatches=4, schedule="interleaved")
+MOE_CHUNKED = replace(PIPE, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_CHUNKED_CASES = {  # (layout, dtype): the MoE model under interleaved's model chunks, pp2 V2 M4
+    "ep1": (ParallelConfig(pp=2, virtual_stages=2), torch.float32),
+    "ep2": (ParallelConfig(pp=2, dp=2, ep=2, virtual_stages=2), torch.float32),
+    "tp2 sp ep2 bf16": (ParallelConfig(pp=2, tp=2, dp=2, ep=2, sequence_parallel=True, virtual_stages=2),
+                        torch.bfloat16),
+    "vp cp2": (ParallelConfig(pp=2, tp=2, cp=2, vocab_parallel=True, virtual_stages=2), torch.float32),
+}
+
+
+def test_the_moe_model_under_model_chunks_is_predicted_to_the_byte_on_every_stage():
+    """Interleaved runs the MoE model with each chunk backpropagating its own aux loss: every unit
+    (microbatch, chunk) keeps its aux backward root (the last chunk: its objective) to its
+    backward and its reported aux share to the step's end (posted_replay.UnitTerms' MoE terms).
+    Against --estimate on every stage (stage 0 peaks in a first chunk's weighting backward, stage
+    1 in the head's backward with units of both chunks held), and the planner's remembered rows
+    (worst_only) give each stage the same bytes."""
+    for name, (par, dtype) in MOE_CHUNKED_CASES.items():
+        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=4, schedule="interleaved")
+        fast = predict_memory(MOE_CHUNKED, par, worst_only=True, **kw)
+        for stage in range(par.pp):
+            pred = predict_memory(MOE_CHUNKED, par, stage=stage, **kw)
+            assert fast.per_stage[stage] == pred.peak_bytes, (name, stage)
+            _check_model(pred, estimate_step_memory(MOE_CHUNKED, par, iters=1, stage=stage, **kw),
+                         f"{name} stage {stage}")
+
+
+def test_an_earlier_stage_of_the_moe_model_under_cp_keeps_its_aux_root():
+    """Under CP only the last stage's objective is replaced by its CP-scaled copy: an earlier
+    stage's first-microbatch MoE terms are those without CP (1f1b, pp2 cp2, stage 0)."""
+    par = ParallelConfig(pp=2, cp=2)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.float32, num_microbatches=4, schedule="1f1b", stage=0)
+    pred = predict_memory(MOE_CHUNKED, par, **kw)
+    _check_model(pred, estimate_step_memory(MOE_CHUNKED, par, iters=1, **kw), "pp2 cp2 stage 0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -161,13 +161,14 @@ def basic_sp_router_input(par: ParallelConfig, shard: int) -> int:
 
 
 def moe_temporaries(c: MiniMindConfig, par: ParallelConfig, layers: int, *, f: int,
-                    loss_copy: int) -> tuple[int, int]:
-    """(alive all step, alive until the step's backward ends) for `layers` MoE layers on a stage;
-    `loss_copy`: the LM loss's bytes when it is in the model dtype below float32, else 0. Under CP
-    the objective is replaced by its copy scaled by cp (the stage's `cp_scaled_loss`)."""
+                    loss_copy: int, last: bool = True) -> tuple[int, int]:
+    """(alive all step, alive until the step's backward ends) for `layers` MoE layers on a stage
+    (`last`: the last pipeline stage); `loss_copy`: the LM loss's bytes when it is in the model
+    dtype below float32, else 0. Under CP the last stage's objective is replaced by its copy scaled
+    by cp (the stage's `cp_scaled_loss`); an earlier stage's term stays."""
     if not c.use_moe:
         return 0, 0
-    objective = 0 if par.cp > 1 else f
+    objective = 0 if par.cp > 1 and last else f
     return layers * (8 * c.num_experts + f), 2 * f + objective + loss_copy
 
 

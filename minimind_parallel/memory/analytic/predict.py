@@ -153,9 +153,6 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         if par.zero == 2:
             raise NotImplementedError(f"predict_memory: --zero 2 under the {schedule} schedule is not modelled (its "
                                       f"buckets fill across chunks and microbatches); gpipe and 1f1b are")
-        if c.use_moe:
-            raise NotImplementedError(f"predict_memory: the MoE model under the {schedule} schedule is not modelled "
-                                      f"(its chunks' aux losses); gpipe and 1f1b are")
         kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None:   # the first largest moment alone, by the total the peak is taken by
@@ -167,7 +164,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
             moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
     else:
         moments, in_flight = _replayed(kind, order, not layouts) if kind else replay_schedule(s, order)
-    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
     if state + step:   # MoE's: a dense model has none
         moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:

@@ -99,7 +99,7 @@ def forward_moment(s: StageSizes, n_held: int, grads: int, saved: int, extra: in
     return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
 
 
-def _backward_seed(s: StageSizes) -> int:
+def backward_seed(s: StageSizes) -> int:
     """The grad a backward starts from: the last stage's d loss / d loss; an earlier stage's MoE
     layers' aux loss enters backward beside its output with its own (float32, 0-dim)."""
     if s.last:
@@ -129,6 +129,28 @@ def _not_made_inside_the_loss(s: StageSizes, finished: int) -> int:
     return (0 if s.par.cp > 1 else s.f) + (s.f if finished == 0 else 0)
 
 
+def moe_held(s: StageSizes) -> int:
+    """MoE: what one held unit of these sizes keeps beyond the first microbatch's (its aux loss's
+    backward root; on the last stage its objective, none under CP): `_moe_per_microbatch`'s per
+    held microbatch, for the posted replay's units."""
+    if not s.top_k:
+        return 0
+    return 0 if s.last and s.par.cp > 1 else s.f
+
+
+def moe_unmade(s: StageSizes) -> tuple[int, int]:
+    """MoE: what the first microbatch's terms count that the end of a unit's forward does not hold
+    yet -> (always, more while no forward has finished on the stage): an earlier (virtual) stage's
+    aux share and backward root (made after its forward), the last stage's as
+    `_not_made_inside_the_loss` says."""
+    if not s.top_k:
+        return 0, 0
+    if not s.last:
+        return 2 * s.f, 0
+    later = _not_made_inside_the_loss(s, 1)
+    return later, _not_made_inside_the_loss(s, 0) - later
+
+
 def _first_largest(inner: dict, grads_count: bool) -> dict:
     """The first of the largest of a backward's moments, by the total with its own grads or without."""
     name = max(inner, key=lambda k: (inner[k][0] if grads_count else 0) + inner[k][1] + inner[k][2])
@@ -154,7 +176,7 @@ def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None
         saved = batch + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
         # the last stage's losses so far (and a backward's seed, d loss / d loss)
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
-        extra += _backward_seed(s) if action.step is Step.BACKWARD else 0
+        extra += backward_seed(s) if action.step is Step.BACKWARD else 0
         if action.step is Step.FORWARD:
             # an earlier stage: this microbatch's aux share and backward root are made after its forward
             extra += _moe_per_microbatch(s, n_fwd, n_held + 1) - (2 * s.f if s.top_k and not s.last else 0)
