@@ -374,6 +374,33 @@ def test_an_earlier_stage_under_selective_recompute_ends_its_forward_with_the_bl
     _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), "pp2 selective stage 0")
 
 
+MOE_LINGERING_CASES = {  # (layers, vocab, layout, sizes): a received input kept past its backward
+    # a middle stage of pp4 at M 8: the peak in chunk 0's backward with chunk 1's last input still kept
+    "pp4 V2 stage 2": (8, 512, ParallelConfig(pp=4, virtual_stages=2),
+                       dict(seq_len=128, num_microbatches=8, schedule="interleaved", stage=2)),
+    # the optimizer step: each later chunk's last received input (1f1b: the last microbatch's)
+    "1f1b stage 1": (4, 8192, ParallelConfig(pp=2), dict(seq_len=32, micro_batch_size=1, num_microbatches=4,
+                                                         schedule="1f1b", stage=1)),
+    "interleaved stage 1": (4, 8192, ParallelConfig(pp=2, virtual_stages=2),
+                            dict(seq_len=32, micro_batch_size=1, num_microbatches=4, schedule="interleaved", stage=1)),
+}
+
+
+def test_a_chunks_last_received_input_outlives_its_backward_through_the_moe_layers_aux_loss():
+    """Each MoE layer keeps its last aux loss (MiniMind's `self.aux_loss`), whose graph holds the
+    chunk's received input (its grad's accumulator): the input of a chunk's last forward lives past
+    that unit's backward until the chunk's next forward, or through the optimizer step
+    (schedule_replay.moe_lingering). Against --estimate where that is the peak."""
+    for name, (layers, vocab, par, sizes) in MOE_LINGERING_CASES.items():
+        c = MiniMindConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=vocab, tie_word_embeddings=False, max_position_embeddings=256, use_moe=True,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+        kw = {**dict(micro_batch_size=B, dtype=torch.float32), **sizes}
+        pred = predict_memory(c, par, **kw)
+        assert pred.peak_at.startswith("optimizer" if vocab > 512 else "weighting_backward"), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+
+
 def test_an_earlier_stage_of_the_moe_model_under_cp_keeps_its_aux_root():
     """Under CP only the last stage's objective is replaced by its CP-scaled copy: an earlier
     stage's first-microbatch MoE terms are those without CP (1f1b, pp2 cp2, stage 0)."""

@@ -33,7 +33,7 @@ from .remembered_sizes import SizesKind
 from .stage_sizes import StageSizes
 
 DIGIT = 32                                  # bits per term's coefficient
-UNIT_LEAVES = 27                            # the numbers of one UnitTerms with one moment per list
+UNIT_LEAVES = 29                            # the numbers of one UnitTerms with one moment per list
 STAGE_LEAVES = 7
 
 
@@ -67,7 +67,8 @@ def _one(entries: tuple) -> tuple:
 def _unit_leaves(u: UnitTerms) -> list[int]:
     return [u.held_acts, u.held_temps, u.param_bytes, u.deferred, u.pending_x, u.pending_dy, u.sent_forward,
             u.sent_backward, *u.forward_end, *_one(u.backward_first), *_one(u.backward_later),
-            *_one(u.weight_first), *_one(u.weight_later), u.moe_held, u.moe_seed, u.moe_unmade, u.moe_unmade_first]
+            *_one(u.weight_first), *_one(u.weight_later), u.moe_held, u.moe_seed, u.moe_unmade, u.moe_unmade_first,
+            u.moe_linger_acts, u.moe_linger_temps]
 
 
 def _stage_leaves(st: StageTerms) -> list[int]:
@@ -80,7 +81,8 @@ def _symbolic_unit(last: bool, first_leaf: int) -> UnitTerms:
                      pending_dy=d[5], sent_forward=d[6], sent_backward=d[7], forward_end=tuple(d[8:11]),
                      backward_first=(("first", tuple(d[11:14])),), backward_later=(("later", tuple(d[14:17])),),
                      weight_first=(("first", tuple(d[17:20])),), weight_later=(("later", tuple(d[20:23])),),
-                     moe_held=d[23], moe_seed=d[24], moe_unmade=d[25], moe_unmade_first=d[26])
+                     moe_held=d[23], moe_seed=d[24], moe_unmade=d[25], moe_unmade_first=d[26],
+                     moe_linger_acts=d[27], moe_linger_temps=d[28])
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from .posted_peak import posted_peak
 from .posted_replay import replay_posted
 from .remembered_sizes import SizesKind, chunk_kinds, model_key, stage_kind
 from .saved_kinds import as_dtype
-from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
+from .schedule_replay import moe_lingering, optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
 from .zero_bubble_moments import unmodelled
 from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2_moments, zero_layouts
@@ -170,14 +170,19 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None:   # the first largest moment alone, by the total the peak is taken by
-            moments, in_flight = posted_peak(s, chunk_kinds(c, par, stage, memo, **kw),
-                                             (par.pp, stage, num_microbatches, schedule, par.virtual_stages),
+            kinds = chunk_kinds(c, par, stage, memo, **kw)
+            moments, in_flight = posted_peak(s, kinds, (par.pp, stage, num_microbatches, schedule, par.virtual_stages),
                                              grads_count=not layouts)
+            chunks = [k.sizes for k in kinds]
         else:
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
-            moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
+            chunks = chunk_sizes(c, par, stage, **kw)
+            moments, in_flight = replay_posted(s, chunks, order, releases)
     else:
         moments, in_flight = _replayed(kind, order, not layouts) if kind else replay_schedule(s, order, each=each)
+        chunks = [each[order[-1].microbatch] if each else s]
+    # MoE: each chunk's last received input, past its backward to the step's end (moe_lingering)
+    linger = [sum(x) for x in zip((0, 0), *(moe_lingering(cs) for cs in chunks))]
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
     if state + step:   # MoE's: a dense model has none
         moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
@@ -198,7 +203,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     report = moe_report(c, last=s.last, f=s.f)
     for name in ("optimizer", "partial_grad_sum"):
         if name in moments:
-            moments[name] = moments[name][:2] + (moments[name][2] + state + report,)
+            g, a, t = moments[name]
+            moments[name] = (g, a + linger[0], t + state + report + linger[1])
     return _peak(s, moments, in_flight, params, states)
 
 

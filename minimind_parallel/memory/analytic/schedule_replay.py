@@ -24,6 +24,7 @@ from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows
+from .zero_bubble_moments import received_pending
 
 
 def _last_forward_end(s: StageSizes) -> tuple[int, int]:
@@ -143,6 +144,17 @@ def moe_held(s: StageSizes) -> int:
     return 0 if s.last and s.par.cp > 1 else s.f
 
 
+def moe_lingering(s: StageSizes) -> tuple[int, int]:
+    """MoE on a later (virtual) stage: the received input of the chunk's last forward outlives that
+    unit's backward until the chunk's next forward (or the step's end): each MoE layer keeps its
+    last aux loss (`MOEFeedForward.aux_loss`, MiniMind's attribute), whose graph holds the input
+    leaf (autograd's accumulator of its grad). -> (activations, temporaries), split as the
+    received input is (`received_pending`); none on the first stage or without MoE layers."""
+    if not s.top_k or s.first:
+        return 0, 0
+    return received_pending(s)
+
+
 def moe_unmade(s: StageSizes) -> tuple[int, int]:
     """MoE: what the first microbatch's terms count that the end of a unit's forward does not hold
     yet -> (always, more while no forward has finished on the stage): an earlier (virtual) stage's
@@ -177,6 +189,8 @@ def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None
     first, later = (inner, inner) if grads_count is None else (_first_largest(inner, grads_count),
                                                                  _first_largest(inner, False))
     held: list[int] = []       # the microbatches held (`each`: what they hold beyond microbatch i's)
+    linger = (0, 0)            # MoE: the last forward's received input, once it is backwarded
+    last_forward = None
     own: dict = {}             # `each`: microbatch i's backward moments
     for action in order:
         i = action.microbatch
@@ -187,7 +201,10 @@ def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None
         saved = batch + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
         # the last stage's losses so far (and a backward's seed, d loss / d loss)
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
-        saved += shift
+        if action.step is Step.FORWARD:   # its layers' new aux losses free the last one's
+            linger = (0, 0)
+        saved += shift + linger[0]
+        extra += linger[1]
         extra += backward_seed(s) if action.step is Step.BACKWARD else 0
         if action.step is Step.FORWARD:
             # an earlier stage: this microbatch's aux share and backward root are made after its forward
@@ -197,6 +214,7 @@ def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             held.append(i)
+            last_forward = i
             continue
         extra += _moe_per_microbatch(s, n_fwd, n_held)
         moved = n_held * s.held_temps
@@ -208,6 +226,8 @@ def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None
             in_flight[f"{name}[{i}]"] = n_held
         n_held, n_bwd = n_held - 1, n_bwd + 1
         held.remove(i)
+        if i == last_forward:
+            linger = moe_lingering(mine)
     return moments, in_flight
 
 
