@@ -336,7 +336,6 @@ def test_the_zero_bubble_variants_not_modelled_are_refused_in_one_line():
 MOE_CHUNKED = replace(PIPE, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MOE_CHUNKED_CASES = {  # (layout, dtype): the MoE model under interleaved's model chunks, pp2 V2 M4
     "ep1": (ParallelConfig(pp=2, virtual_stages=2), torch.float32),
-    "ep2": (ParallelConfig(pp=2, dp=2, ep=2, virtual_stages=2), torch.float32),
     "tp2 sp ep2 bf16": (ParallelConfig(pp=2, tp=2, dp=2, ep=2, sequence_parallel=True, virtual_stages=2),
                         torch.bfloat16),
     "vp cp2": (ParallelConfig(pp=2, tp=2, cp=2, vocab_parallel=True, virtual_stages=2), torch.float32),
