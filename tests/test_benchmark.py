@@ -362,6 +362,33 @@ def test_an_estimated_moe_cell_follows_the_given_routing_and_equals_the_predicti
     assert row["peak_mib"] > balanced.mib(), (row["peak_mib"], balanced.mib())
 
 
+def test_an_estimated_moe_cell_follows_a_routing_per_microbatch_and_equals_the_prediction(monkeypatch, tmp_path,
+                                                                                         capsys):
+    """--routing FILE holding a list of histograms, one per microbatch (ep_pp, M 2): the estimate
+    routes each microbatch by its own, equal to the prediction for the list to the byte on every
+    stage; a list of another length is refused in one line before launch."""
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: pytest.fail("--estimate launched ranks"))
+    each = [{"model.layers.0.mlp": [100, 60, 50, 46], "model.layers.1.mlp": [10, 20, 200, 26]},
+            {"model.layers.0.mlp": [10, 10, 200, 36], "model.layers.1.mlp": [180, 50, 10, 16]}]
+    (tmp_path / "routing.json").write_text(json.dumps(each))
+    model = ["--num_hidden_layers", "2", "--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads",
+             "2", "--vocab_size", "128", "--num_experts", "4", "--num_experts_per_tok", "2",
+             "--moe_intermediate_size", "256", "--seq_len", "32", "--micro_batch_size", "2", "--dtype", "float32",
+             "--num_microbatches", "2"]
+    launch = ["benchmark", "--dp_size", "2", "--pp_size", "2", "--ep_size", "2", "--", "--modes", "ep_pp", *model]
+    assert cli.main([*launch, "--routing", str(tmp_path / "routing.json"), "--estimate", *outputs(tmp_path)]) == 0
+    row = json.loads((tmp_path / "b.json").read_text())["rows"][0]
+    assert row["status"] == "ok" and row["peak_mib"] == row["predicted_mib"], row
+    assert row["peak_mib_per_stage"] == row["predicted_mib_per_stage"], row
+    assert row["tokens_per_expert"].startswith("the given histograms, one per microbatch"), row["tokens_per_expert"]
+    (tmp_path / "three.json").write_text(json.dumps(each + each[:1]))
+    capsys.readouterr()
+    assert cli.main([*launch, "--routing", str(tmp_path / "three.json"), *outputs(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == ["error: --routing, cell ep_pp:2: routing histograms: one per microbatch, "
+                                "num_microbatches=2; got 3"], err
+
+
 def test_every_row_carries_the_analytic_prediction_and_the_deviation(monkeypatch, tmp_path):
     """Each row's prediction is predict_memory of that row's own cell (its mode, its depth; the
     four cells' predictions all differ), written out here from the command line's values."""

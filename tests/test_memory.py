@@ -333,16 +333,80 @@ def test_the_zero_bubble_variants_not_modelled_are_refused_in_one_line():
         predict_memory(moe, ParallelConfig(pp=2), seq_len=S, micro_batch_size=B, num_microbatches=4, schedule="zb")
 
 
-def test_the_moe_model_under_model_chunks_is_refused_in_one_line():
-    """Interleaved runs the MoE model (each chunk backpropagates its own aux loss), but the posted
-    replay has no per-chunk aux terms: predict_memory says so, and the planner cuts it."""
-    moe = replace(PIPE, num_hidden_layers=4, use_moe=True, num_experts=4)
-    with pytest.raises(NotImplementedError, match="the MoE model under the interleaved schedule is not modelled"):
-        predict_memory(moe, ParallelConfig(pp=2, virtual_stages=2), seq_len=S, micro_batch_size=B,
-                       num_microbatches=4, schedule="interleaved")
-    # the same layout of the dense model is predicted
-    predict_memory(replace(moe, use_moe=False), ParallelConfig(pp=2, virtual_stages=2), seq_len=S,
-                   micro_batch_size=B, num_microbatches=4, schedule="interleaved")
+MOE_CHUNKED = replace(PIPE, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_CHUNKED_CASES = {  # (layout, dtype): the MoE model under interleaved's model chunks, pp2 V2 M4
+    "ep1": (ParallelConfig(pp=2, virtual_stages=2), torch.float32),
+    "tp2 sp ep2 bf16": (ParallelConfig(pp=2, tp=2, dp=2, ep=2, sequence_parallel=True, virtual_stages=2),
+                        torch.bfloat16),
+    "vp cp2": (ParallelConfig(pp=2, tp=2, cp=2, vocab_parallel=True, virtual_stages=2), torch.float32),
+}
+
+
+def test_the_moe_model_under_model_chunks_is_predicted_to_the_byte_on_every_stage():
+    """Interleaved runs the MoE model with each chunk backpropagating its own aux loss: every unit
+    (microbatch, chunk) keeps its aux backward root (the last chunk: its objective) to its
+    backward and its reported aux share to the step's end (posted_replay.UnitTerms' MoE terms).
+    Against --estimate on every stage (stage 0 peaks in a first chunk's weighting backward, stage
+    1 in the head's backward with units of both chunks held), and the planner's remembered rows
+    (worst_only) give each stage the same bytes."""
+    for name, (par, dtype) in MOE_CHUNKED_CASES.items():
+        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=4, schedule="interleaved")
+        fast = predict_memory(MOE_CHUNKED, par, worst_only=True, **kw)
+        for stage in range(par.pp):
+            pred = predict_memory(MOE_CHUNKED, par, stage=stage, **kw)
+            assert fast.per_stage[stage] == pred.peak_bytes, (name, stage)
+            _check_model(pred, estimate_step_memory(MOE_CHUNKED, par, iters=1, stage=stage, **kw),
+                         f"{name} stage {stage}")
+
+
+def test_an_earlier_stage_under_selective_recompute_ends_its_forward_with_the_blocks_frame_bound():
+    """--recompute selective on an earlier stage: at the last residual add the block's frame still
+    binds the attention's output and the post-attention norm's (neither saved), two [N, H] beyond
+    `forward_end`'s usual two. With 2 tokens per unit of hidden size the MoE model peaks there."""
+    c = MiniMindConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                       vocab_size=128, tie_word_embeddings=False, max_position_embeddings=256, use_moe=True,
+                       num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16)
+    par = ParallelConfig(pp=2, recompute="selective")
+    kw = dict(seq_len=128, micro_batch_size=2, dtype=torch.float32, num_microbatches=2, schedule="gpipe", stage=0)
+    pred = predict_memory(c, par, **kw)
+    assert pred.peak_at == "forward_end[1]", pred.peak_at
+    _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), "pp2 selective stage 0")
+
+
+MOE_LINGERING_CASES = {  # (layers, vocab, layout, sizes): a received input kept past its backward
+    # a middle stage of pp4 at M 8: the peak in chunk 0's backward with chunk 1's last input still kept
+    "pp4 V2 stage 2": (8, 512, ParallelConfig(pp=4, virtual_stages=2),
+                       dict(seq_len=128, num_microbatches=8, schedule="interleaved", stage=2)),
+    # the optimizer step: each later chunk's last received input (1f1b: the last microbatch's)
+    "1f1b stage 1": (4, 8192, ParallelConfig(pp=2), dict(seq_len=32, micro_batch_size=1, num_microbatches=4,
+                                                         schedule="1f1b", stage=1)),
+    "interleaved stage 1": (4, 8192, ParallelConfig(pp=2, virtual_stages=2),
+                            dict(seq_len=32, micro_batch_size=1, num_microbatches=4, schedule="interleaved", stage=1)),
+}
+
+
+def test_a_chunks_last_received_input_outlives_its_backward_through_the_moe_layers_aux_loss():
+    """Each MoE layer keeps its last aux loss (MiniMind's `self.aux_loss`), whose graph holds the
+    chunk's received input (its grad's accumulator): the input of a chunk's last forward lives past
+    that unit's backward until the chunk's next forward, or through the optimizer step
+    (schedule_replay.moe_lingering). Against --estimate where that is the peak."""
+    for name, (layers, vocab, par, sizes) in MOE_LINGERING_CASES.items():
+        c = MiniMindConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=vocab, tie_word_embeddings=False, max_position_embeddings=256, use_moe=True,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+        kw = {**dict(micro_batch_size=B, dtype=torch.float32), **sizes}
+        pred = predict_memory(c, par, **kw)
+        assert pred.peak_at.startswith("optimizer" if vocab > 512 else "weighting_backward"), (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+
+
+def test_an_earlier_stage_of_the_moe_model_under_cp_keeps_its_aux_root():
+    """Under CP only the last stage's objective is replaced by its CP-scaled copy: an earlier
+    stage's first-microbatch MoE terms are those without CP (1f1b, pp2 cp2, stage 0)."""
+    par = ParallelConfig(pp=2, cp=2)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.float32, num_microbatches=4, schedule="1f1b", stage=0)
+    pred = predict_memory(MOE_CHUNKED, par, **kw)
+    _check_model(pred, estimate_step_memory(MOE_CHUNKED, par, iters=1, **kw), "pp2 cp2 stage 0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -852,6 +916,34 @@ def test_the_estimate_follows_the_worst_case_and_a_given_histogram_as_the_model_
                    for r in ep_ranks), key=lambda rep: rep.peak_bytes)
         _check_model(pred, est, pred.routing)
         assert est.peak_bytes != balanced, pred.routing
+
+
+def test_a_routing_per_microbatch_is_predicted_as_the_estimate_follows_it():
+    """A list of histograms, one per microbatch: each held microbatch saves by its own routing and
+    its experts' backward moments are its own (schedule_replay's `each`); the estimate's fake
+    dispatch takes microbatch i's (moe/feed_forward: the layer's forwards in turn). GPipe M3 at
+    dp2 ep2, every EP rank estimated: the worst equals the model to the byte, and the prediction
+    is none of the single histograms' (each taken for every microbatch)."""
+    par = ParallelConfig(dp=2, ep=2)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.float32, num_microbatches=3, schedule="gpipe")
+    each = [{"model.layers.0.mlp": [200, 20, 20, 16], "model.layers.1.mlp": [180, 50, 10, 16]},
+            {"model.layers.0.mlp": [10, 10, 200, 36], "model.layers.1.mlp": [64, 64, 64, 64]},
+            {"model.layers.0.mlp": [100, 60, 50, 46], "model.layers.1.mlp": [10, 20, 200, 26]}]
+    pred = predict_memory(MOE_SMALL_VOCAB, par, routing=each, **kw)
+    est = max((estimate_step_memory(MOE_SMALL_VOCAB, par, iters=1, routing=each, ep_rank=r, **kw) for r in (0, 1)),
+              key=lambda rep: rep.peak_bytes)
+    _check_model(pred, est, pred.routing)
+    assert pred.routing.startswith("the given histograms, one per microbatch"), pred.routing
+    singles = {predict_memory(MOE_SMALL_VOCAB, par, routing=h, **kw).peak_bytes for h in each}
+    assert pred.peak_bytes not in singles, (pred.peak_bytes, singles)
+    # one per microbatch, and not under model chunks: one line each
+    message = one_line_error(ValueError, predict_memory, MOE_SMALL_VOCAB, par, routing=each[:2], **kw)
+    assert "routing histograms: one per microbatch, num_microbatches=3; got 2" in message, message
+    chunked = replace(MOE_SMALL_VOCAB, num_hidden_layers=4)
+    message = one_line_error(NotImplementedError, predict_memory, chunked, ParallelConfig(pp=2, virtual_stages=2),
+                             seq_len=S, micro_batch_size=B, num_microbatches=4, schedule="interleaved",
+                             routing=[{f"model.layers.{i}.mlp": [32, 32, 32, 32] for i in range(4)}] * 4)
+    assert "a routing per microbatch is modelled under gpipe and 1f1b" in message, message
 
 
 WEIGHTING_CASES = {  # (model fields, layout, sizes): the peak in the weighting's backward, every grad made

@@ -19,6 +19,7 @@ from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enum
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
 from minimind_parallel.planning.allocator_rounding import block_excess, fresh_block, rounding_bytes
 from minimind_parallel.planning.ranking import workspace_bytes
+from minimind_parallel.pipeline_parallel.order import Schedule
 from minimind_parallel.planning.space import RULES, check_candidate
 from minimind_parallel.planning.time_model import (ADAMW_ACCESSES, Collective, Op, block_matmul_params, expert_params,
                                                    stage_compute)
@@ -87,6 +88,8 @@ def test_the_moe_space_spreads_the_experts_and_its_cuts_are_real():
     assert any(k.zero for k in valid)
     names = {c.constraint for c in cuts}
     assert any(k.cp > 1 for k in valid)   # MoE under CP is in the memory model
+    # and under interleaved's model chunks (each chunk's aux terms replayed: posted_replay.UnitTerms)
+    assert any(k.pp_schedule == Schedule.INTERLEAVED for k in valid)
     # and every layout it keeps is predicted
     result = plan(MOE_WORK, GPU_PROFILES["H100"], device="cpu", budget_bytes=2**40)
     assert len(result.fitting) == len(valid)

@@ -31,7 +31,7 @@ from ..zero.buckets import DEFAULT_BUCKET_MB
 from ..zero.fully_shard import shard_fully, sharding_mesh
 from .analytic import as_dtype
 from .fake_memo import RememberingFakeTensorMode
-from .analytic.moe_sizes import Routing, RoutingPolicy, stage_expert_rows
+from .analytic.moe_sizes import Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, stage_expert_rows
 from .meter import MemoryMeter
 from .tracker import MemoryReport
 
@@ -130,7 +130,8 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
 
     MoE: fake tensors have no routing to read, so each MoE layer's dispatch and experts split their
     rows by `routing` (predict_memory's: balanced, the worst case, or a histogram of tokens per
-    expert per layer) as EP rank `ep_rank` receives them (moe/fake_routing.py)."""
+    expert per layer, or a list of them, one per microbatch) as EP rank `ep_rank` receives them
+    (moe/fake_routing.py)."""
     if not 0 <= stage < par.pp:
         raise ValueError(f"stage must be in [0, pp); got stage={stage}, pp={par.pp}")
     if not 0 <= cp_rank < par.cp:
@@ -149,8 +150,9 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
         with RememberingFakeTensorMode(memo) if remember else FakeTensorMode() as fake:
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
             if model_config.use_moe and routing != RoutingPolicy.BALANCED:
-                set_fake_routing(model, stage_expert_rows(model_config, par, routing, stage, seq_len=seq_len,
-                                                          micro_batch_size=micro_batch_size, ep_rank=ep_rank), par.ep)
+                rows = [stage_expert_rows(model_config, par, r, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                          ep_rank=ep_rank) for r in microbatch_routings(routing, num_microbatches)]
+                set_fake_routing(model, rows if is_per_microbatch(routing) else rows[0], par.ep)
             if par.zero == 3:   # FSDP2 shards fake tensors as real ones, over the fake backend's mesh
                 model = shard_fully(model, groups, mesh)
             optimizer = make_optimizer(model, 1e-3, groups, bucket_size_mb)

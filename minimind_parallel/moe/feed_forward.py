@@ -52,6 +52,8 @@ class MOEFeedForward(nn.Module):
         self.aux_loss = None
         self.tokens_per_expert = None     # [E] int64, this module's tokens of its last forward (no grad)
         self.fake_routing: FakeRouting | None = None   # on fake tensors: the rows its experts receive (None: balanced)
+        self.fake_routings: tuple[FakeRouting, ...] = ()   # or one per microbatch, in the step's order
+        self._fake_calls = [0, 0]   # forwards, and re-runs inside backward (--recompute full), on fake tensors
 
     def forward(self, x):
         shape = x.shape
@@ -61,7 +63,7 @@ class MOEFeedForward(nn.Module):
         order = torch.argsort(pairs, stable=True)                         # [N*k] pairs sorted by expert
         token_of = order // self.top_k                                    # [N*k] the token of each sorted pair
         counts = tokens_per_expert(r.indices, self.num_experts)           # [E]
-        fake = self.fake_routing if is_fake(flat) else None               # no values to route by (--estimate)
+        fake = self._fake_routing() if is_fake(flat) else None            # no values to route by (--estimate)
         local, local_counts = self.dispatcher.dispatch(flat[token_of], counts, fake=fake)   # [T, H], [E_local]
         out = self.dispatcher.combine(self.experts(local, local_counts,   # [N*k, H] sorted order
                                                    fake_rows=fake.per_expert if fake else None))
@@ -70,6 +72,17 @@ class MOEFeedForward(nn.Module):
         self.aux_loss = self._aux_loss(r.scores, counts)
         self.tokens_per_expert = counts.detach()
         return y.view(shape)
+
+    def _fake_routing(self) -> FakeRouting | None:
+        """The routing of this forward on fake tensors: the one given, or of a list one per
+        microbatch the next in turn (a step forwards its microbatches in order, and backward, which
+        re-runs a checkpointed block's forward, takes them in order too)."""
+        if not self.fake_routings:
+            return self.fake_routing
+        rerun = torch._C._current_graph_task_id() != -1     # inside autograd's backward
+        n = self._fake_calls[rerun]
+        self._fake_calls[rerun] += 1
+        return self.fake_routings[n % len(self.fake_routings)]
 
     def _aux_loss(self, scores, counts):
         if not (self.training and self.coef > 0):
@@ -86,13 +99,19 @@ def routing_histogram(model: nn.Module) -> dict[str, list[int]]:
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def set_fake_routing(model: nn.Module, per_layer: Mapping[int, Sequence[int]], sources: int) -> None:
+def set_fake_routing(model: nn.Module, per_layer: Mapping[int, Sequence[int]] | Sequence[Mapping[int, Sequence[int]]],
+                     sources: int) -> None:
     """On fake tensors (--estimate): give each MoE layer of `model` the rows each of its local
-    experts receives in one microbatch, `per_layer` {global layer index: [L]}, spread over the
-    `sources` EP ranks (fake_routing.py); a layer of `model` missing from `per_layer` is refused."""
+    experts receives in one microbatch, `per_layer` {global layer index: [L]} (or a list of them,
+    one per microbatch of the step), spread over the `sources` EP ranks (fake_routing.py); a layer
+    of `model` missing from `per_layer` is refused."""
+    each = list(per_layer) if isinstance(per_layer, (list, tuple)) else [per_layer]
     for name, m in model.named_modules():
         if isinstance(m, MOEFeedForward):
             layer = int(_LAYER.search(name).group(1))
-            if layer not in per_layer:
-                raise ValueError(f"fake routing: no rows for MoE layer {layer} ({name}); got layers {sorted(per_layer)}")
-            m.fake_routing = FakeRouting.of_expert_rows(per_layer[layer], sources)
+            missing = [rows for rows in each if layer not in rows]
+            if missing:
+                raise ValueError(f"fake routing: no rows for MoE layer {layer} ({name}); got layers {sorted(missing[0])}")
+            routings = tuple(FakeRouting.of_expert_rows(rows[layer], sources) for rows in each)
+            m.fake_routing = routings[0]
+            m.fake_routings = routings if isinstance(per_layer, (list, tuple)) else ()

@@ -258,8 +258,8 @@ def _grid_reason(w: Workload, grid: dict) -> str | None:
 
 def check_candidate(w: Workload, cand: "Candidate") -> None:
     """Raise ConfigError (one line) where a full assignment cannot run or be predicted: check_layout,
-    the schedule's constraints (check_schedule), the MoE model and --zero 2 under a posted schedule (interleaved, zb), which predict_memory does not
-    replay (the chunks' aux losses; buckets filled across chunks and microbatches), and the --zero 3
+    the schedule's constraints (check_schedule), --zero 2 under a posted schedule (interleaved, zb), which
+    predict_memory does not replay (buckets filled across chunks and microbatches), and the --zero 3
     layouts its FSDP2 replay refuses (fsdp_replay.check_fully_sharded)."""
     check_layout(w.model, cand.parallel, seq_len=w.seq_len)
     if cand.zero == 3:   # FSDP2: what its replay follows (the MoE model, too few tokens refused there)
@@ -270,9 +270,6 @@ def check_candidate(w: Workload, cand: "Candidate") -> None:
     if cand.pp == 1:
         return
     check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)
-    if w.model.use_moe and cand.pp_schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
-        raise ConfigError(f"the memory model replays the MoE model under gpipe and 1f1b only; "
-                          f"got pp_schedule={cand.pp_schedule}")
     if cand.zero == 2 and cand.pp_schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         raise ConfigError(f"the memory model replays --zero 2 under gpipe and 1f1b only (its buckets fill across "
                           f"chunks and microbatches otherwise); got pp_schedule={cand.pp_schedule}")

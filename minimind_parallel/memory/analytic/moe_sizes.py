@@ -30,7 +30,8 @@ dispatch's two indices are [M]-shaped (`received_row_bytes`), the rest of the la
 `predict_memory` takes the policy -- balanced (M = N k on every rank, --estimate's), the worst
 case (every token of the EP group on one rank's experts: M = P N k) -- or a measured histogram
 (the benchmark's tokens per expert: each MoE layer's rows per expert from one EP group in one
-microbatch; every microbatch taken to route alike), and predicts its worst EP rank. Checked against a real ep-2 run fed its own
+microbatch; every microbatch taken to route alike, or a list of them, one per microbatch), and
+predicts its worst EP rank. Checked against a real ep-2 run fed its own
 histogram, and one routed to a single rank's experts (tests/test_memory.py).
 """
 from __future__ import annotations
@@ -50,9 +51,10 @@ class RoutingPolicy(Choice):
 
 
 # a measured routing: {MoE layer's module name ("model.layers.{i}.mlp"): rows each expert
-# receives from one EP group in one microbatch} (the benchmark's tokens per expert)
+# receives from one EP group in one microbatch} (the benchmark's tokens per expert); every
+# microbatch routed alike, or a list of them, one per microbatch of the step
 Histogram = Mapping[str, Sequence[int]]
-Routing = RoutingPolicy | Histogram
+Routing = RoutingPolicy | Histogram | Sequence[Histogram]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -63,7 +65,25 @@ def routing_text(routing: Routing) -> str:
         return "balanced (N x k / E rows per expert from every source)"
     if routing == RoutingPolicy.WORST:
         return "worst case (every token of the EP group on one EP rank's experts)"
+    if is_per_microbatch(routing):
+        return "the given histograms, one per microbatch (tokens per expert per MoE layer)"
     return "the given histogram (tokens per expert per MoE layer)"
+
+
+def is_per_microbatch(routing: Routing) -> bool:
+    """Whether `routing` is a list of histograms, one per microbatch."""
+    return isinstance(routing, (list, tuple))
+
+
+def microbatch_routings(routing: Routing, num_microbatches: int) -> list[Routing]:
+    """The routing of each of the step's `num_microbatches` microbatches: a list's own (one per
+    microbatch: ValueError in one line otherwise), or the one routing for all."""
+    if not is_per_microbatch(routing):
+        return [routing] * num_microbatches
+    if len(routing) != num_microbatches:
+        raise ValueError(f"routing histograms: one per microbatch, num_microbatches={num_microbatches}; "
+                         f"got {len(routing)}")
+    return list(routing)
 
 
 def received_row_bytes(c: MiniMindConfig, par: ParallelConfig, b: int) -> int:
@@ -102,12 +122,14 @@ def stage_expert_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, 
     return dict(zip(layers, expert_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)))
 
 
-def check_histogram(c: MiniMindConfig, par: ParallelConfig, histogram: Histogram, *, seq_len: int,
-                    micro_batch_size: int) -> None:
+def check_histogram(c: MiniMindConfig, par: ParallelConfig, histogram: Histogram | Sequence[Histogram], *,
+                    seq_len: int, micro_batch_size: int, num_microbatches: int = 1) -> None:
     """A histogram fits the layout: every MoE layer's E counts, summing to one EP group's routed
-    rows of one microbatch (ValueError in one line otherwise)."""
-    for stage in range(par.pp):
-        stage_expert_rows(c, par, histogram, stage, seq_len=seq_len, micro_batch_size=micro_batch_size, ep_rank=0)
+    rows of one microbatch; a list of them, one per microbatch, each (ValueError in one line
+    otherwise)."""
+    for one in microbatch_routings(histogram, num_microbatches if is_per_microbatch(histogram) else 1):
+        for stage in range(par.pp):
+            stage_expert_rows(c, par, one, stage, seq_len=seq_len, micro_batch_size=micro_batch_size, ep_rank=0)
 
 
 def _histogram_by_layer(c: MiniMindConfig, histogram: Histogram, total: int) -> dict[int, Sequence[int]]:
@@ -161,13 +183,14 @@ def basic_sp_router_input(par: ParallelConfig, shard: int) -> int:
 
 
 def moe_temporaries(c: MiniMindConfig, par: ParallelConfig, layers: int, *, f: int,
-                    loss_copy: int) -> tuple[int, int]:
-    """(alive all step, alive until the step's backward ends) for `layers` MoE layers on a stage;
-    `loss_copy`: the LM loss's bytes when it is in the model dtype below float32, else 0. Under CP
-    the objective is replaced by its copy scaled by cp (the stage's `cp_scaled_loss`)."""
+                    loss_copy: int, last: bool = True) -> tuple[int, int]:
+    """(alive all step, alive until the step's backward ends) for `layers` MoE layers on a stage
+    (`last`: the last pipeline stage); `loss_copy`: the LM loss's bytes when it is in the model
+    dtype below float32, else 0. Under CP the last stage's objective is replaced by its copy scaled
+    by cp (the stage's `cp_scaled_loss`); an earlier stage's term stays."""
     if not c.use_moe:
         return 0, 0
-    objective = 0 if par.cp > 1 else f
+    objective = 0 if par.cp > 1 and last else f
     return layers * (8 * c.num_experts + f), 2 * f + objective + loss_copy
 
 

@@ -33,8 +33,8 @@ from .remembered_sizes import SizesKind
 from .stage_sizes import StageSizes
 
 DIGIT = 32                                  # bits per term's coefficient
-UNIT_LEAVES = 23                            # the numbers of one UnitTerms with one moment per list
-STAGE_LEAVES = 6
+UNIT_LEAVES = 29                            # the numbers of one UnitTerms with one moment per list
+STAGE_LEAVES = 7
 
 
 def _b_score(entry: tuple, grads_count: bool) -> int:
@@ -67,11 +67,12 @@ def _one(entries: tuple) -> tuple:
 def _unit_leaves(u: UnitTerms) -> list[int]:
     return [u.held_acts, u.held_temps, u.param_bytes, u.deferred, u.pending_x, u.pending_dy, u.sent_forward,
             u.sent_backward, *u.forward_end, *_one(u.backward_first), *_one(u.backward_later),
-            *_one(u.weight_first), *_one(u.weight_later)]
+            *_one(u.weight_first), *_one(u.weight_later), u.moe_held, u.moe_seed, u.moe_unmade, u.moe_unmade_first,
+            u.moe_linger_acts, u.moe_linger_temps]
 
 
 def _stage_leaves(st: StageTerms) -> list[int]:
-    return [st.saved, st.targets, st.loss_weights, st.batch, st.ddp_buckets, st.loss_scalar]
+    return [st.saved, st.targets, st.loss_weights, st.batch, st.ddp_buckets, st.loss_scalar, st.aux_share]
 
 
 def _symbolic_unit(last: bool, first_leaf: int) -> UnitTerms:
@@ -79,7 +80,9 @@ def _symbolic_unit(last: bool, first_leaf: int) -> UnitTerms:
     return UnitTerms(last=last, held_acts=d[0], held_temps=d[1], param_bytes=d[2], deferred=d[3], pending_x=d[4],
                      pending_dy=d[5], sent_forward=d[6], sent_backward=d[7], forward_end=tuple(d[8:11]),
                      backward_first=(("first", tuple(d[11:14])),), backward_later=(("later", tuple(d[14:17])),),
-                     weight_first=(("first", tuple(d[17:20])),), weight_later=(("later", tuple(d[20:23])),))
+                     weight_first=(("first", tuple(d[17:20])),), weight_later=(("later", tuple(d[20:23])),),
+                     moe_held=d[23], moe_seed=d[24], moe_unmade=d[25], moe_unmade_first=d[26],
+                     moe_linger_acts=d[27], moe_linger_temps=d[28])
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ def _moments(order_key: tuple, pattern: tuple, lasts: tuple, stage_last: bool, w
     base = UNIT_LEAVES * len(lasts)
     d = [1 << (DIGIT * (base + j)) for j in range(STAGE_LEAVES)]
     st = StageTerms(last=stage_last, weightless=weightless, saved=d[0], targets=d[1], loss_weights=d[2], batch=d[3],
-                    ddp_buckets=d[4], loss_scalar=d[5])
+                    ddp_buckets=d[4], loss_scalar=d[5], aux_share=d[6])
     leaves = base + STAGE_LEAVES
     half = sum(1 << (DIGIT * j + DIGIT - 1) for j in range(leaves))   # each digit's c + 2^31 >= 0: no borrows
     rows, values = [], []

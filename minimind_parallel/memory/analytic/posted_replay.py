@@ -9,7 +9,11 @@ its first backward on. And what a posted send sent is alive until its release po
 (pipeline_parallel.releases): a sent output whole, [S(/T), B, H], instead of its one-element
 stand-in, an input grad of that shape. Under zb (zero_bubble_moments.py) B leaves out the
 deferred weight grads, a unit keeps its linears' output grads and inputs from its B to its W,
-and the deferred grads exist from the stage's first W on.
+and the deferred grads exist from the stage's first W on. The MoE model: predict.py adds the first
+microbatch's aux terms to every moment (moe_sizes.moe_temporaries), the walk what each unit adds
+beyond them, as schedule_replay.py counts per microbatch: every finished forward its reported aux
+share, every held unit its aux backward root (the last chunk: its objective), an earlier chunk's
+backward its aux seed, less what the end of a unit's forward has not made yet.
 
 The replay (`walk`) reads the sizes only through `UnitTerms` (each chunk's) and `StageTerms`
 (the stage's), and only adds and subtracts them and multiplies them by counts: every moment is
@@ -23,7 +27,8 @@ from typing import Callable
 
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
-from .schedule_replay import batch_saved, forward_moment, targets_saved
+from .schedule_replay import (backward_seed, batch_saved, forward_moment, moe_held, moe_lingering, moe_unmade,
+                              targets_saved)
 from .stage_sizes import StageSizes
 from .zero_bubble_moments import deferred_grads, pending, weight_moments, zb_backward_moments
 
@@ -56,6 +61,13 @@ class UnitTerms:
     backward_later: tuple
     weight_first: tuple
     weight_later: tuple
+    # MoE (0 for a dense chunk), beyond the first microbatch's terms predict.py adds to every moment:
+    moe_held: int = 0           # a held unit's aux backward root (the last chunk: its objective)
+    moe_seed: int = 0           # an earlier chunk's backward: its aux loss's seed
+    moe_unmade: int = 0         # the end of its forward: what those terms count that is not made yet
+    moe_unmade_first: int = 0   # more, while no forward has finished on the stage
+    moe_linger_acts: int = 0    # its received input past its backward, if the chunk's last forward's
+    moe_linger_temps: int = 0   # (until the chunk's next forward: schedule_replay.moe_lingering)
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ class StageTerms:
     batch: int
     ddp_buckets: int
     loss_scalar: int
+    aux_share: int = 0          # MoE: each finished forward's reported aux share, beyond the first's
 
 
 def unit_terms(cs: StageSizes, zb: bool) -> UnitTerms:
@@ -82,19 +95,24 @@ def unit_terms(cs: StageSizes, zb: bool) -> UnitTerms:
     moments = tuple(inner.items())
     x, dy = pending(cs) if zb else (0, 0)
     weights = (tuple(weight_moments(cs, first=True)), tuple(weight_moments(cs, first=False))) if zb else ((), ())
+    unmade, unmade_first = moe_unmade(cs)
+    linger_acts, linger_temps = moe_lingering(cs)
     return UnitTerms(last=cs.last, held_acts=cs.held - cs.held_temps, held_temps=cs.held_temps,
                      param_bytes=cs.param_bytes, deferred=deferred_grads(cs) if zb else 0,
                      pending_x=x, pending_dy=dy, sent_forward=_sent(cs, Action(Step.FORWARD, 0)),
                      sent_backward=_sent(cs, Action(Step.BACKWARD, 0)),
                      # forward_moment is its arguments plus the chunk's own terms
                      forward_end=forward_moment(cs, 0, 0, 0, 0), backward_first=moments, backward_later=moments,
-                     weight_first=tuple(enumerate(weights[0])), weight_later=tuple(enumerate(weights[1])))
+                     weight_first=tuple(enumerate(weights[0])), weight_later=tuple(enumerate(weights[1])),
+                     moe_held=moe_held(cs), moe_seed=0 if cs.last else backward_seed(cs), moe_unmade=unmade,
+                     moe_unmade_first=unmade_first, moe_linger_acts=linger_acts, moe_linger_temps=linger_temps)
 
 
 def stage_terms(s: StageSizes) -> StageTerms:
     return StageTerms(last=s.last, weightless=s.weight == 0, saved=batch_saved(s),
                       targets=targets_saved(s),
-                      loss_weights=4 * s.mb, batch=s.batch, ddp_buckets=s.ddp_buckets, loss_scalar=s.loss_scalar)
+                      loss_weights=4 * s.mb, batch=s.batch, ddp_buckets=s.ddp_buckets, loss_scalar=s.loss_scalar,
+                      aux_share=s.f if s.top_k else 0)
 
 
 class _Sums:
@@ -122,7 +140,11 @@ def walk(st: StageTerms, units: list[UnitTerms], order: list[Action], releases: 
     made = deferred = 0             # their grads, and the share W makes
     releasing: dict = {}            # action index -> [bytes a posted send keeps alive until then]
     sent = 0                        # what the sends not released yet keep alive
-    n_fwd_last = 0
+    n_fwd_last = n_fwd = 0
+    moe_held = 0                    # the held units' MoE terms
+    last_forward: dict = {}         # chunk -> its last forwarded unit
+    lingering = _Sums()             # MoE: the received inputs kept past their backward
+    lingers: dict = {}              # chunk -> its unit's (activations, temporaries) kept so
     waiting: dict = {}              # unit -> (X, dY) from its B to its W
     weighted = False                # a W has run: the deferred grads exist
     held_sums = _Sums()             # the held units' (activations, temporaries)
@@ -142,6 +164,12 @@ def walk(st: StageTerms, units: list[UnitTerms], order: list[Action], releases: 
         if unit in held:           # a backward's own unit: in its moments' own terms
             del held[unit]
             held_sums.drop(u.held_acts, u.held_temps)
+            moe_held -= u.moe_held
+        if action.step is Step.FORWARD and unit[1] in lingers:   # its layers' new aux losses free the last one's
+            lingering.drop(*lingers.pop(unit[1]))
+        # MoE: the aux shares and the other held units' terms beyond the first microbatch's
+        extra += max(n_fwd - 1, 0) * st.aux_share + moe_held + lingering.second
+        saved += lingering.first
         x_u, dy_u = waiting.pop(unit, (0, 0)) if action.step is Step.WEIGHT else (0, 0)
         waiting_sums.drop(x_u, dy_u)
         others_acts = held_sums.first + waiting_sums.first
@@ -154,17 +182,24 @@ def walk(st: StageTerms, units: list[UnitTerms], order: list[Action], releases: 
             continue
         if action.step is Step.FORWARD:
             g, a, t = u.forward_end
+            t -= u.moe_unmade + (u.moe_unmade_first if n_fwd == 0 else 0)
             emit(Step.FORWARD, None, unit, (grads + g, saved + a + others_acts, extra + t + others_temps), len(held) + 1)
             held[unit] = u
             held_sums.add(u.held_acts, u.held_temps)
+            moe_held += u.moe_held
             n_fwd_last += u.last
+            n_fwd += 1
+            last_forward[unit[1]] = unit
             sending = u.sent_forward
         else:
-            extra += st.loss_scalar if u.last and st.last else 0
+            extra += st.loss_scalar if u.last and st.last else u.moe_seed
             new = unit[1] not in backwarded
             for name, (new_grads, a, temp) in (u.backward_first if new else u.backward_later):
                 emit(Step.BACKWARD, name, unit, (grads + new_grads if new else grads, saved + others_acts + a - u.held_temps,
                                                  extra + temp + others_temps + u.held_temps), len(held) + 1)
+            if last_forward.get(unit[1]) == unit:
+                lingers[unit[1]] = (u.moe_linger_acts, u.moe_linger_temps)
+                lingering.add(*lingers[unit[1]])
             if new:
                 backwarded.add(unit[1])
                 made, deferred = made + u.param_bytes, deferred + u.deferred

@@ -13,13 +13,13 @@ from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .orders import stage_order, stage_releases
-from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, received_row_bytes, routing_text,
-                        stage_expert_rows)
+from .moe_sizes import (Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, moe_report, moe_temporaries,
+                        received_row_bytes, routing_text, stage_expert_rows)
 from .posted_peak import posted_peak
 from .posted_replay import replay_posted
 from .remembered_sizes import SizesKind, chunk_kinds, model_key, stage_kind
 from .saved_kinds import as_dtype
-from .schedule_replay import optimizer_step, partial_grad_sum, replay_schedule
+from .schedule_replay import moe_lingering, optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
 from .zero_bubble_moments import unmodelled
 from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2_moments, zero_layouts
@@ -67,7 +67,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     first largest (of each backward its largest; of a posted order, interleaved or zb, its peak
     alone, posted_peak.py), which `candidates` then lists; the prediction is the same. MoE under
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
-    tokens per expert, then the worst EP rank's), said in `routing`."""
+    tokens per expert, or a list of them, one per microbatch; then the worst EP rank's), said in
+    `routing`."""
     c = model_config
     if par.zero == 3:
         check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
@@ -94,7 +95,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
                                   cp_rank=r, bucket_size_mb=bucket_size_mb, memo=memo if worst_only else None,
                                   **_routed(c, par, routing, p, e, dtype=dtype, seq_len=seq_len,
-                                            micro_batch_size=micro_batch_size))
+                                            micro_batch_size=micro_batch_size, num_microbatches=num_microbatches))
                    for r in cp_ranks for e in ep_ranks), key=lambda s: s.peak_bytes)
               for p in (candidate_stages(par, schedule) if worst_only and stage is None else range(par.pp))]
     pick = stages[stage] if stage is not None else max(stages, key=lambda s: s.peak_bytes)
@@ -115,12 +116,18 @@ def candidate_stages(par: ParallelConfig, schedule: Schedule) -> list[int]:
 
 
 def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int, ep_rank: int, *, dtype,
-            seq_len: int, micro_batch_size: int) -> dict:
+            seq_len: int, micro_batch_size: int, num_microbatches: int = 1) -> dict:
     """The stage's MoE layers on EP rank `ep_rank` under `routing` (StageSizes.routed and
     expert_rows): what each saves beyond the balanced routing's (its rows received off N k, at
-    `received_row_bytes` each) and the rows of each of its experts; none: the balanced routing's."""
+    `received_row_bytes` each) and the rows of each of its experts; none: the balanced routing's.
+    A list of histograms, one per microbatch: those of the first, and each microbatch's as
+    `microbatches` (`_predict_stage`)."""
     if not c.use_moe or routing == RoutingPolicy.BALANCED:
         return {}
+    if is_per_microbatch(routing):
+        each = tuple(_routed(c, par, r, stage, ep_rank, dtype=dtype, seq_len=seq_len,
+                             micro_batch_size=micro_batch_size) for r in microbatch_routings(routing, num_microbatches))
+        return {**each[0], "microbatches": each}
     tokens = seq_len // par.cp * micro_batch_size // par.sequence_shards
     per_row = received_row_bytes(c, par, torch.empty((), dtype=as_dtype(dtype)).element_size())
     experts = list(stage_expert_rows(c, par, routing, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
@@ -132,41 +139,50 @@ def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int
 def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: int, micro_batch_size: int,
                    num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0,
                    bucket_size_mb: float = DEFAULT_BUCKET_MB, routed: tuple[int, ...] = (),
-                   expert_rows: tuple[tuple[int, ...], ...] = (), memo: dict | None = None) -> MemoryPrediction:
+                   expert_rows: tuple[tuple[int, ...], ...] = (), microbatches: tuple[dict, ...] = (),
+                   memo: dict | None = None) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then. With
-    a `memo` (one layout's: predict_memory's worst_only) only the moments that can be the first largest."""
+    a `memo` (one layout's: predict_memory's worst_only) only the moments that can be the first largest.
+    `microbatches`: each microbatch's own `routed` and `expert_rows` (a routing per microbatch)."""
     sized = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                  dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed, expert_rows=expert_rows)
+    memo = None if microbatches else memo
     kind = stage_kind(c, par, stage, memo, **sized) if memo is not None and par.zero != 3 else None
     s = kind.sizes if kind else stage_sizes(c, par, stage, **sized)
+    each = [stage_sizes(c, par, stage, **{**sized, **m}) for m in microbatches] if microbatches else None
     model = model_key(c, memo) if memo is not None else None   # Frozen(c), once per layout
     layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb, model=model)
     # the flat buffers: padding too
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    if each is not None and (par.zero == 3 or posted(order)):
+        raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
+                                  f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
         if par.zero == 2:
             raise NotImplementedError(f"predict_memory: --zero 2 under the {schedule} schedule is not modelled (its "
                                       f"buckets fill across chunks and microbatches); gpipe and 1f1b are")
-        if c.use_moe:
-            raise NotImplementedError(f"predict_memory: the MoE model under the {schedule} schedule is not modelled "
-                                      f"(its chunks' aux losses); gpipe and 1f1b are")
         kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None:   # the first largest moment alone, by the total the peak is taken by
-            moments, in_flight = posted_peak(s, chunk_kinds(c, par, stage, memo, **kw),
-                                             (par.pp, stage, num_microbatches, schedule, par.virtual_stages),
+            kinds = chunk_kinds(c, par, stage, memo, **kw)
+            moments, in_flight = posted_peak(s, kinds, (par.pp, stage, num_microbatches, schedule, par.virtual_stages),
                                              grads_count=not layouts)
+            chunks = [k.sizes for k in kinds]
         else:
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
-            moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
+            chunks = chunk_sizes(c, par, stage, **kw)
+            moments, in_flight = replay_posted(s, chunks, order, releases)
     else:
-        moments, in_flight = _replayed(kind, order, not layouts) if kind else replay_schedule(s, order)
-    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+        moments, in_flight = _replayed(kind, order, not layouts) if kind else replay_schedule(s, order, each=each)
+        chunks = [each[order[-1].microbatch] if each else s]
+    # MoE: each chunk's last received input, past its backward to the step's end (moe_lingering)
+    linger = [sum(x) for x in zip((0, 0), *(moe_lingering(cs) for cs in chunks))]
+    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
     if state + step:   # MoE's: a dense model has none
         moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:
@@ -186,7 +202,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     report = moe_report(c, last=s.last, f=s.f)
     for name in ("optimizer", "partial_grad_sum"):
         if name in moments:
-            moments[name] = moments[name][:2] + (moments[name][2] + state + report,)
+            g, a, t = moments[name]
+            moments[name] = (g, a + linger[0], t + state + report + linger[1])
     return _peak(s, moments, in_flight, params, states)
 
 

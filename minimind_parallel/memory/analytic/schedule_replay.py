@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import functools
 
+from ...config import Recompute
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows
+from .zero_bubble_moments import received_pending
 
 
 def _last_forward_end(s: StageSizes) -> tuple[int, int]:
@@ -68,8 +70,12 @@ def _chunked_loss_forward(s: StageSizes) -> tuple[int, int]:
 def _earlier_forward_end(s: StageSizes) -> tuple[int, int]:
     """The end of an earlier stage's forward, at its last residual add: everything saved, plus
     down_proj's output, the sum, and in half precision the block's input and middle residual
-    stream (their fp32 copies are what the norms save; a received input is counted as held)."""
+    stream (their fp32 copies are what the norms save; a received input is counted as held). Under
+    --recompute selective the block's frame still binds the attention's output and the
+    post-attention norm's (neither saved: the lean norm saves its input, its output's copies are
+    re-made in backward), [N(/T), H] each."""
     residual = 2 + (0 if s.b == s.f else 2 - (1 if not s.first and s.layers == 1 else 0))
+    residual += 2 if s.par.recompute == Recompute.SELECTIVE else 0
     return s.held - s.held_temps, residual * s.b * s.nn * s.hid
 
 
@@ -99,7 +105,7 @@ def forward_moment(s: StageSizes, n_held: int, grads: int, saved: int, extra: in
     return grads, saved + n_held * s.held + acts - moved, extra + temps + moved
 
 
-def _backward_seed(s: StageSizes) -> int:
+def backward_seed(s: StageSizes) -> int:
     """The grad a backward starts from: the last stage's d loss / d loss; an earlier stage's MoE
     layers' aux loss enters backward beside its output with its own (float32, 0-dim)."""
     if s.last:
@@ -129,6 +135,39 @@ def _not_made_inside_the_loss(s: StageSizes, finished: int) -> int:
     return (0 if s.par.cp > 1 else s.f) + (s.f if finished == 0 else 0)
 
 
+def moe_held(s: StageSizes) -> int:
+    """MoE: what one held unit of these sizes keeps beyond the first microbatch's (its aux loss's
+    backward root; on the last stage its objective, none under CP): `_moe_per_microbatch`'s per
+    held microbatch, for the posted replay's units."""
+    if not s.top_k:
+        return 0
+    return 0 if s.last and s.par.cp > 1 else s.f
+
+
+def moe_lingering(s: StageSizes) -> tuple[int, int]:
+    """MoE on a later (virtual) stage: the received input of the chunk's last forward outlives that
+    unit's backward until the chunk's next forward (or the step's end): each MoE layer keeps its
+    last aux loss (`MOEFeedForward.aux_loss`, MiniMind's attribute), whose graph holds the input
+    leaf (autograd's accumulator of its grad). -> (activations, temporaries), split as the
+    received input is (`received_pending`); none on the first stage or without MoE layers."""
+    if not s.top_k or s.first:
+        return 0, 0
+    return received_pending(s)
+
+
+def moe_unmade(s: StageSizes) -> tuple[int, int]:
+    """MoE: what the first microbatch's terms count that the end of a unit's forward does not hold
+    yet -> (always, more while no forward has finished on the stage): an earlier (virtual) stage's
+    aux share and backward root (made after its forward), the last stage's as
+    `_not_made_inside_the_loss` says."""
+    if not s.top_k:
+        return 0, 0
+    if not s.last:
+        return 2 * s.f, 0
+    later = _not_made_inside_the_loss(s, 1)
+    return later, _not_made_inside_the_loss(s, 0) - later
+
+
 def _first_largest(inner: dict, grads_count: bool) -> dict:
     """The first of the largest of a backward's moments, by the total with its own grads or without."""
     name = max(inner, key=lambda k: (inner[k][0] if grads_count else 0) + inner[k][1] + inner[k][2])
@@ -136,40 +175,59 @@ def _first_largest(inner: dict, grads_count: bool) -> dict:
 
 
 def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None = None,
-                    backward: dict | None = None) -> tuple[dict, dict]:
+                    backward: dict | None = None, each: list[StageSizes] | None = None) -> tuple[dict, dict]:
     """Every moment of the stage's `order` (its schedule's actions) -> (grads, activations,
     temporaries), and how many microbatches each finds in flight. With `grads_count` (the
     planner's: whether the peak's total counts these grads, not under --zero's constant buffer),
     of each backward only its first largest moment: its moments share everything else, so the
-    step's first largest is among those. `backward`: backward_moments(s), if made already."""
+    step's first largest is among those. `backward`: backward_moments(s), if made already.
+    `each`: microbatch i's own sizes (MoE: a routing per microbatch; what it saves and its
+    experts' moments differ), the others held counted at theirs."""
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
     inner, batch = backward if backward is not None else backward_moments(s), batch_saved(s)
     # (the first backward's grads are its own; later ones find every grad made)
     first, later = (inner, inner) if grads_count is None else (_first_largest(inner, grads_count),
                                                                  _first_largest(inner, False))
+    held: list[int] = []       # the microbatches held (`each`: what they hold beyond microbatch i's)
+    linger = (0, 0)            # MoE: the last forward's received input, once it is backwarded
+    last_forward = None
+    own: dict = {}             # `each`: microbatch i's backward moments
     for action in order:
         i = action.microbatch
+        mine = each[i] if each is not None else s
+        shift = sum(each[j].held - mine.held for j in held if j != i) if each is not None else 0
         grads = s.param_bytes if n_bwd else 0      # after the first backward every grad exists
         # the fp32 loss weights are filed as activations once a loss scaling saves them
         saved = batch + (4 * s.mb if s.last and s.weight == 0 and n_fwd else 0)
         # the last stage's losses so far (and a backward's seed, d loss / d loss)
         extra = s.batch - saved + s.ddp_buckets + (n_fwd * s.loss_scalar if s.last else 0)
-        extra += _backward_seed(s) if action.step is Step.BACKWARD else 0
+        if action.step is Step.FORWARD:   # its layers' new aux losses free the last one's
+            linger = (0, 0)
+        saved += shift + linger[0]
+        extra += linger[1]
+        extra += backward_seed(s) if action.step is Step.BACKWARD else 0
         if action.step is Step.FORWARD:
             # an earlier stage: this microbatch's aux share and backward root are made after its forward
             extra += _moe_per_microbatch(s, n_fwd, n_held + 1) - (2 * s.f if s.top_k and not s.last else 0)
             extra -= _not_made_inside_the_loss(s, n_fwd)
-            moments[f"forward_end[{i}]"] = forward_moment(s, n_held, grads, saved, extra)
+            moments[f"forward_end[{i}]"] = forward_moment(mine, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
+            held.append(i)
+            last_forward = i
             continue
         extra += _moe_per_microbatch(s, n_fwd, n_held)
         moved = n_held * s.held_temps
-        for name, (new_grads, a, temp) in (later if grads else first).items():
-            moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * s.held + a - moved,
+        if mine is not s and i not in own:
+            own[i] = backward_moments(mine)
+        for name, (new_grads, a, temp) in (own[i] if mine is not s else later if grads else first).items():
+            moments[f"{name}[{i}]"] = (grads or new_grads, saved + (n_held - 1) * mine.held + a - moved,
                                        extra + temp + moved)
             in_flight[f"{name}[{i}]"] = n_held
         n_held, n_bwd = n_held - 1, n_bwd + 1
+        held.remove(i)
+        if i == last_forward:
+            linger = moe_lingering(mine)
     return moments, in_flight
 
 

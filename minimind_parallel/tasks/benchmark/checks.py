@@ -39,7 +39,8 @@ def check_benchmark(job: Job) -> list[CellRun]:
 
 
 def check_routing(routing, runs: list[CellRun]) -> None:
-    """--routing is for MoE cells; a histogram fits each one (its layers, experts, rows)."""
+    """--routing is for MoE cells; a histogram fits each one (its layers, experts, rows; a list of
+    them, one per microbatch of the cell)."""
     moe = [r for r in runs if model_config(r.args).use_moe]
     if routing == RoutingPolicy.BALANCED:
         return
@@ -51,7 +52,7 @@ def check_routing(routing, runs: list[CellRun]) -> None:
     for r in moe:
         try:
             check_histogram(model_config(r.args), r.par, routing, seq_len=r.sizes["seq_len"],
-                            micro_batch_size=r.sizes["micro_batch_size"])
+                            micro_batch_size=r.sizes["micro_batch_size"], num_microbatches=r.sizes["num_microbatches"])
         except ValueError as e:
             raise ConfigError(f"--routing, cell {r.cell.name}: {e}") from None
 

@@ -62,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def routing_arg(text: str) -> Routing:
-    """--routing: a policy's name, or a JSON file {MoE layer's module name: tokens per expert}."""
+    """--routing: a policy's name, or a JSON file {MoE layer's module name: tokens per expert} (or
+    a list of them, one per microbatch)."""
     if text in RoutingPolicy.values():
         return RoutingPolicy(text)
     try:
@@ -70,10 +71,16 @@ def routing_arg(text: str) -> Routing:
             histogram = json.load(f)
     except (OSError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"not {' or '.join(RoutingPolicy.values())}, nor a readable JSON file: {e}")
-    if not (isinstance(histogram, dict) and all(isinstance(v, list) and all(isinstance(n, int) for n in v)
-                                                for v in histogram.values())):
-        raise argparse.ArgumentTypeError(f"{text} must hold {{MoE layer name: [tokens per expert, ...]}}")
+    each = histogram if isinstance(histogram, list) and histogram else [histogram]
+    if not all(_is_histogram(h) for h in each):
+        raise argparse.ArgumentTypeError(f"{text} must hold {{MoE layer name: [tokens per expert, ...]}} or a list "
+                                         f"of them, one per microbatch")
     return histogram
+
+
+def _is_histogram(histogram) -> bool:
+    return isinstance(histogram, dict) and all(isinstance(v, list) and all(isinstance(n, int) for n in v)
+                                               for v in histogram.values())
 
 
 def resolve(launch: LaunchOptions, args: argparse.Namespace, argv: tuple[str, ...]) -> Job:
