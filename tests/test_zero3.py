@@ -165,3 +165,59 @@ def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(
     with pytest.raises(NotImplementedError, match=re.escape(message)) as refused:
         predict_memory(config, ParallelConfig(**layout), seq_len=seq_len, micro_batch_size=2)
     assert "\n" not in str(refused.value)
+
+
+def test_zero3_under_pipeline_parallelism_runs_but_its_memory_is_refused_in_one_line():
+    """--zero 3 at pp_size > 1 passes check_layout and check_schedule (test_zero.py's 1F1B, interleaved
+    and zb rows equal the dense model) and --estimate runs a stage on fake tensors; predict_memory
+    does not replay a stage's whole-step gathers and says so in one line, and the planner cuts it."""
+    from helpers import one_line_error
+    from minimind_parallel.config import ConfigError, check_layout
+    from minimind_parallel.planning import Candidate, Workload
+    from minimind_parallel.planning.space import check_candidate
+    config, par = _config(2, 128, True), ParallelConfig(dp=2, pp=2, zero=3)
+    check_layout(config, par, seq_len=32)
+    kw = dict(seq_len=32, micro_batch_size=1, dtype=torch.float32, num_microbatches=4)
+    message = one_line_error(NotImplementedError, predict_memory, config, par, **kw)
+    assert message.startswith("predict_memory: --zero 3 with --pp_size > 1 is not modelled") and \
+        message.endswith("got pp_size=2"), message
+    cut = one_line_error(ConfigError, check_candidate, Workload(model=config, seq_len=32, global_batch_size=8,
+                                                                world_size=4),
+                         Candidate(dp=2, pp=2, zero=3, num_microbatches=4, micro_batch_size=1))
+    assert "does not replay --zero 3 with pp_size > 1" in cut, cut
+    # stage 1 of 2 on fake tensors: its block and the head, each parameter's Shard(0) rows over dp2 (AdamW's two states)
+    estimate = estimate_step_memory(config, par, iters=1, stage=1, **kw)
+    dense = dict(MiniMindForCausalLM(config).named_parameters())
+    # (the head: the tied embedding's copy on the last stage)
+    mine = [p for n, p in dense.items() if n.startswith(("model.layers.1.", "model.norm"))] + \
+        [dense["model.embed_tokens.weight"]]
+    rows = sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in mine)
+    assert estimate.breakdown["optimizer"] == 2 * 4 * rows + 4 * len(mine)
+
+
+def test_zero3_under_expert_parallelism_runs_but_its_memory_is_refused_in_one_line():
+    """--zero 3 at ep_size > 1 passes check_layout (the experts' own FSDP2 group over their EDP mesh:
+    test_zero.py's rows equal the dense model) and --estimate runs it on fake tensors; predict_memory
+    does not replay the experts' second group and says so in one line, and the planner cuts it there."""
+    from helpers import one_line_error
+    from minimind_parallel.config import ConfigError, check_layout
+    from minimind_parallel.planning import Candidate, Workload
+    from minimind_parallel.planning.space import check_candidate
+    config = replace(_config(2, 128, False), use_moe=True, num_experts=4, num_experts_per_tok=2)
+    for par in (ParallelConfig(dp=2, ep=2, zero=3), ParallelConfig(dp=4, ep=2, zero=3)):
+        check_layout(config, par, seq_len=32)
+        kw = dict(seq_len=32, micro_batch_size=2, dtype=torch.float32)
+        message = one_line_error(NotImplementedError, predict_memory, config, par, **kw)
+        assert message.startswith("predict_memory: --zero 3 with --ep_size > 1 is not modelled") and \
+            message.endswith(f"got ep_size={par.ep}"), message
+        cut = one_line_error(ConfigError, check_candidate, Workload(model=config, seq_len=32, global_batch_size=8,
+                                                                    world_size=par.world_size),
+                             Candidate(dp=par.dp, ep=par.ep, zero=3, micro_batch_size=8 // par.dp))
+        assert "does not replay --zero 3 with ep_size > 1" in cut, cut
+    # dp4 ep2: rank 0 holds experts 0 and 1 of each layer, sharded over its EDP group (ranks 0, 2), the
+    # rest over the 4 DP ranks; AdamW's two states of rank 0's Shard(0) rows and a float32 step per parameter
+    from minimind_parallel.moe.placement import expert_of
+    estimate = estimate_step_memory(config, ParallelConfig(dp=4, ep=2, zero=3), iters=1, **kw)
+    mine = [(n, p) for n, p in MiniMindForCausalLM(config).named_parameters() if expert_of(n) in (None, 0, 1)]
+    rows = sum(-(-p.shape[0] // (4 if expert_of(n) is None else 2)) * (p.numel() // p.shape[0]) for n, p in mine)
+    assert estimate.breakdown["optimizer"] == 2 * 4 * rows + 4 * len(mine)

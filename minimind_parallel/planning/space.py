@@ -258,8 +258,15 @@ def _grid_reason(w: Workload, grid: dict) -> str | None:
 def check_candidate(w: Workload, cand: "Candidate") -> None:
     """Raise ConfigError (one line) where a full assignment cannot run or be predicted: check_layout,
     the schedule's constraints (check_schedule), and the MoE model and --zero 2 under a posted schedule (interleaved, zb), which predict_memory does not
-    replay (the chunks' aux losses; buckets filled across chunks and microbatches)."""
+    replay (the chunks' aux losses; buckets filled across chunks and microbatches), and --zero 3 under
+    expert or pipeline parallelism (memory/analytic/fsdp_composition.py)."""
     check_layout(w.model, cand.parallel, seq_len=w.seq_len)
+    if cand.zero == 3 and cand.ep > 1:
+        raise ConfigError(f"the memory model does not replay --zero 3 with ep_size > 1 (the experts' own FSDP2 "
+                          f"group over the expert-data-parallel mesh); got ep_size={cand.ep}")
+    if cand.zero == 3 and cand.pp > 1:
+        raise ConfigError(f"the memory model does not replay --zero 3 with pp_size > 1 (each stage's parameters "
+                          f"gathered over the schedule, reduce-scattered after it); got pp_size={cand.pp}")
     if cand.pp == 1:
         return
     check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)

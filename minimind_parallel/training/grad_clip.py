@@ -54,8 +54,8 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups, sharded: Distribut
         fsdp = is_fully_sharded(model)
         dense = [(n, local(p.grad)) for n, p in named if not is_expert_parameter(p)]
         experts = [(n, local(p.grad)) for n, p in named if is_expert_parameter(p)]
-        # + other EP ranks'; --zero 3 (ep 1): FSDP2's shards of the experts over their EDP group
-        parts = [((reduction_group(groups, ""),) if fsdp else (), dense), ((groups.edp,) if fsdp else (groups.ep,), experts)]
+        # + other EP ranks'; --zero 3: FSDP2's shards of the experts over their EDP group, then the other EP ranks'
+        parts = [((reduction_group(groups, ""),) if fsdp else (), dense), ((groups.edp, groups.ep) if fsdp else (groups.ep,), experts)]
     else:
         parts = sharded.grads_by_group()
     squares = torch.zeros((), dtype=acc, device=device)

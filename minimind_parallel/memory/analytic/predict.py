@@ -11,6 +11,7 @@ from ...pipeline_parallel.order import Schedule, check_schedule, posted
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
+from .fsdp_composition import check_composition
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .orders import stage_order, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, moe_report, moe_temporaries, received_row_bytes, routing_text,
@@ -71,6 +72,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     tokens per expert, then the worst EP rank's), said in `routing`."""
     c = model_config
     if par.zero == 3:
+        check_composition(par)
         check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
     elif par.zero not in MODELLED_ZERO_LEVELS:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled; "
