@@ -18,7 +18,9 @@ from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from minimind_parallel.checkpoint.slices import sliced_targets
-from minimind_parallel.data.batches import dp_rows, random_batch
+from minimind_parallel.data.batches import dp_rows, random_batch, split_microbatches
+from minimind_parallel.distributed.loaded_types import is_dtensor
+from minimind_parallel.pipeline_parallel import forward_backward
 from minimind_parallel.loss_normalisation import equal_replicas_mean
 from minimind_parallel.memory import MemoryMeter, estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
@@ -120,6 +122,10 @@ def _clip(par: ParallelConfig, tied: bool, microbatches: int, moe: dict | None =
     make_optimizer(dense, 1e-2).step()
     stats = train_step(model, optimizer, groups, *dp_rows(batch, groups.dp_rank, par.dp),
                        num_microbatches=microbatches, grad_clip=0.1 * full)
+    if par.zero == 3 and par.pp > 1:   # an evaluation's forwards (the stage kept gathered) leave FSDP2's shards behind
+        forward_backward(model, groups, split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), microbatches),
+                         forward_only=True)
+        assert all(is_dtensor(p) for p in model.parameters()), "a stage left gathered after its forwards"
     worst = max((whole(p.detach()) - dense_slice(name, dense.get_parameter(name).detach(), par, groups.tp_rank))
                 .abs().max().item() for name, p in unwrap(model).named_parameters())
     states = sum(local(v).numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data_parallel import unwrap
-from ..zero.fully_shard import reduced_after_the_schedule
+from ..zero.fully_shard import reduced_after_the_schedule, resharded_after_the_forwards
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
@@ -306,7 +306,8 @@ def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list
                    forward_context=forward_context)
     start = time.perf_counter()
     if forward_only:      # no schedule: every microbatch (chunk by chunk) through
-        all_forwards(stage)
+        with resharded_after_the_forwards(model, groups):   # --zero 3: FSDP2's shards again after
+            all_forwards(stage)
     else:
         pp, v = groups.par.pp, groups.par.virtual_stages
         orders = [schedule_order(pp, p, len(microbatches), schedule, v) for p in range(pp)]

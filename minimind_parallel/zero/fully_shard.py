@@ -151,6 +151,19 @@ def reduced_after_the_schedule(model: nn.Module, groups: ProcessGroups):
     state._root_post_backward_final_callback()
 
 
+@contextmanager
+def resharded_after_the_forwards(model: nn.Module, groups: ProcessGroups):
+    """Around a forward-only pass under PP (evaluation; nothing otherwise): `reshard_after_forward`
+    False keeps every group gathered after it, so each is resharded here, and a checkpoint or the
+    next optimizer step sees FSDP2's shards as after a training step."""
+    yield
+    if groups.par.pp == 1 or not is_fully_sharded(model):
+        return
+    for module in model.modules():
+        if is_fsdp_module(module):
+            module.reshard()
+
+
 class LibraryAllGather:
     """FSDP2's all-gather (its `AllGather` interface: `allocate` its buffer, run it) through
     `distributed.comm`, so that it is a marked collective as the library's own are: a memory meter
