@@ -150,7 +150,7 @@ def main() -> int:
                 continue   # runs, but predict_memory refuses it (its buckets fill across chunks and microbatches)
             if par.zero == 3 and (par.pp > 1 or c.use_moe
                                   or sizes["seq_len"] // par.cp * sizes["micro_batch_size"] < c.hidden_size):
-                continue   # runs, but predict_memory refuses it: PP (fsdp_composition), MoE, few tokens (fsdp_replay)
+                continue   # PP: modelled by fsdp_pipeline, not drawn here; MoE, few tokens: refused (fsdp_replay)
             if refused(par, sizes):
                 continue
         try:

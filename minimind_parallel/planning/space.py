@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 from ..memo import cached_property
 from ..config import ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
 from ..memory.analytic.predict import MODELLED_SCHEDULES, MODELLED_ZERO_LEVELS
+from ..memory.analytic.fsdp_composition import composition_refusal
 from ..memory.analytic.zero_bubble_moments import unmodelled as zero_bubble_unmodelled
 from ..pipeline_parallel.order import Schedule, check_schedule
 
@@ -258,15 +259,12 @@ def _grid_reason(w: Workload, grid: dict) -> str | None:
 def check_candidate(w: Workload, cand: "Candidate") -> None:
     """Raise ConfigError (one line) where a full assignment cannot run or be predicted: check_layout,
     the schedule's constraints (check_schedule), and the MoE model and --zero 2 under a posted schedule (interleaved, zb), which predict_memory does not
-    replay (the chunks' aux losses; buckets filled across chunks and microbatches), and --zero 3 under
-    expert or pipeline parallelism (memory/analytic/fsdp_composition.py)."""
+    replay (the chunks' aux losses; buckets filled across chunks and microbatches), and the --zero 3
+    compositions it does not replay (memory/analytic/fsdp_composition.py)."""
     check_layout(w.model, cand.parallel, seq_len=w.seq_len)
-    if cand.zero == 3 and cand.ep > 1:
-        raise ConfigError(f"the memory model does not replay --zero 3 with ep_size > 1 (the experts' own FSDP2 "
-                          f"group over the expert-data-parallel mesh); got ep_size={cand.ep}")
-    if cand.zero == 3 and cand.pp > 1:
-        raise ConfigError(f"the memory model does not replay --zero 3 with pp_size > 1 (each stage's parameters "
-                          f"gathered over the schedule, reduce-scattered after it); got pp_size={cand.pp}")
+    refusal = composition_refusal(cand.parallel, cand.pp_schedule, cand.num_microbatches) if cand.zero == 3 else None
+    if refusal is not None:
+        raise ConfigError(f"the memory model refuses it: {refusal}")
     if cand.pp == 1:
         return
     check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)

@@ -39,8 +39,9 @@ False), no microbatch's backward reduce-scatters, and every group reduce-scatter
 last backward (`reduced_after_the_schedule`, as torch.distributed.pipelining's stage and
 torchtitan do): the schedule holds several microbatches between their forwards and backwards, and
 a zero-bubble W step makes weight grads after its B, which per-microbatch gathers and
-reduce-scatters would not follow. Between steps a stage holds 1/W of its parameters; within one
-it holds them whole, as at --zero 2.
+reduce-scatters would not follow. Between steps a stage holds 1/W of its parameters and of their
+AdamW states; within one it holds the parameters whole and their grads unsharded, as --zero 0
+does (memory/analytic/fsdp_pipeline.py).
 """
 from __future__ import annotations
 

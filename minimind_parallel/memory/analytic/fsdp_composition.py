@@ -7,29 +7,42 @@ over the EDP mesh: gathered inside the MoE layer between the token dispatch and 
 after the experts' forward, gathered again in backward by the block's pre-backward prefetch (FSDP2
 prefetches in the reverse of the forward's order: the block's dense group, then its experts, so
 both gathers are alive over the block's attention backward), and reduce-scattered over EDP before
-the dispatch's backward all-to-all. That timeline is not replayed (nor, at ep_size 1, the MoE model
-under --zero 3: fsdp_replay.check_fully_sharded).
+the dispatch's backward all-to-all. That timeline is not replayed.
 
-Under pipeline parallelism (pp_size > 1) a stage keeps every parameter gathered from its first
-forward to the end of the schedule (reshard_after_forward False), its grads accumulate unsharded
-over the microbatches, and every group reduce-scatters once after the last backward
-(zero/fully_shard.reduced_after_the_schedule): a timeline of its own, interleaved with the
-schedule's held microbatches, that neither fsdp_replay (one microbatch's per-block gathers) nor
-the schedule replays (whole unsharded parameters) follow.
+Under pipeline parallelism fsdp_pipeline.py replays gpipe and 1f1b with two microbatches or more;
+refused: the posted schedules (interleaved, zb: their replays, posted_replay.py, are not composed
+with the gathered stage), --recompute full (a block's gathered parameters are saved only while its
+backward re-runs its forward, not from the first forward on), and one microbatch (the last stage's
+forward end and the reduces after a first-and-last backward hold bytes the replay does not follow).
 """
 from __future__ import annotations
 
-from ...config import ParallelConfig
+from ...config import ParallelConfig, Recompute
+from ...pipeline_parallel.order import Schedule
 
 
-def check_composition(par: ParallelConfig) -> None:
-    """Refuse (one line) the --zero 3 layouts whose FSDP2 groups fsdp_replay does not follow."""
+def composition_refusal(par: ParallelConfig, schedule: Schedule, num_microbatches: int) -> str | None:
+    """Why the --zero 3 layout `par` (under `schedule`, `num_microbatches`) is not modelled; None where it is."""
     if par.ep > 1:
-        raise NotImplementedError(f"predict_memory: --zero 3 with --ep_size > 1 is not modelled (the experts' "
-                                  f"FSDP2 group over the expert-data-parallel mesh, gathered between the dispatch "
-                                  f"and the combine and prefetched by the block's backward, is not replayed); "
-                                  f"got ep_size={par.ep}")
-    if par.pp > 1:
-        raise NotImplementedError(f"predict_memory: --zero 3 with --pp_size > 1 is not modelled (each stage's "
-                                  f"parameters gathered over the whole schedule and its grads reduce-scattered once "
-                                  f"after the last backward are not replayed); got pp_size={par.pp}")
+        return (f"--zero 3 with --ep_size > 1 is not modelled (the experts' FSDP2 group over the expert-data-parallel "
+                f"mesh, gathered between the dispatch and the combine and prefetched by the block's backward, is not "
+                f"replayed); got ep_size={par.ep}")
+    if par.pp == 1:
+        return None
+    if Schedule(schedule) not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        return (f"--zero 3 with --pp_size > 1 is modelled under gpipe and 1f1b (a stage gathered over the schedule); "
+                f"got pp_schedule={schedule}")
+    if par.recompute == Recompute.FULL:
+        return ("--zero 3 with --pp_size > 1 is not modelled under --recompute full (a block's gathered parameters "
+                "saved only while its backward re-runs its forward)")
+    if num_microbatches < 2:
+        return (f"--zero 3 with --pp_size > 1 is modelled at two microbatches or more (one backward, the first and "
+                f"the last, is not replayed); got num_microbatches={num_microbatches}")
+    return None
+
+
+def check_composition(par: ParallelConfig, schedule: Schedule, num_microbatches: int) -> None:
+    """Refuse (one line) the --zero 3 layouts whose FSDP2 groups neither replay follows."""
+    reason = composition_refusal(par, schedule, num_microbatches)
+    if reason is not None:
+        raise NotImplementedError(f"predict_memory: {reason}")
