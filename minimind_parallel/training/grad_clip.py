@@ -15,7 +15,8 @@ the same with its "is not a duplicate" test):
       group (zero.reduction_group); --zero 3:    part of the averaged grad), then as above
       FSDP2's shards
     an expert's weights (mixture of experts)    each EP rank counts its own experts; summed over EP
-                                                (under --zero 1/2 the slices over EDP, then over EP)
+                                                (under --zero 1/2 the slices, --zero 3 FSDP2's shards
+                                                over EDP, then over EP)
 
 Call after `training.finalize_grads` (and, under a float16 loss scaler, after unscaling).
 Every rank gets the same norm, so every rank applies the same clip coefficient.
