@@ -50,8 +50,7 @@ def pipelined_fully_sharded_moments(s: StageSizes, order: list[Action], device: 
     groups = _groups(s)
     last_gather = sum(gathered[n] for n in groups[-1])
     replayed, in_flight = replay_schedule(s, order)
-    first = next(f"forward_end[{a.microbatch}]" for a in order if f"forward_end[{a.microbatch}]" in replayed) \
-        if any(k.startswith("forward_end") for k in replayed) else None
+    first = f"forward_end[{order[0].microbatch}]"   # the stage's first forward: every group gathered in it
     whole = sum(gathered.values())
     moments = {k: (0, a + whole - unsaved, t + g + unsaved + (last_gather if k == first else 0))
                for k, (g, a, t) in replayed.items()}
