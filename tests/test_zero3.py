@@ -206,8 +206,9 @@ def test_the_memory_model_of_zero3_under_pipeline_parallelism_is_the_estimate_to
 def test_zero3_under_pipeline_parallelism_runs_where_its_memory_is_refused_in_one_line(
         schedule, virtual_stages, microbatches, recompute, message):
     """The --zero 3 PP layouts fsdp_pipeline does not replay run (test_zero.py's interleaved and zb
-    rows equal the dense model) and pass check_layout; predict_memory refuses them in one line,
-    the planner cuts them with the same reason, and keeps a modelled one."""
+    rows equal the dense model) and pass check_layout; predict_memory refuses them in one line and
+    the planner cuts them with the same reason; a modelled one is predicted, and the planner cuts it
+    for its time model (a stage gathered over the schedule is not costed)."""
     from helpers import one_line_error
     from minimind_parallel.config import ConfigError, Recompute, check_layout
     from minimind_parallel.pipeline_parallel.order import Schedule
@@ -223,8 +224,11 @@ def test_zero3_under_pipeline_parallelism_runs_where_its_memory_is_refused_in_on
     cut = dict(dp=2, pp=2, zero=3, num_microbatches=microbatches, micro_batch_size=4 // microbatches,
                pp_schedule=Schedule(schedule), virtual_stages=virtual_stages, recompute=Recompute(recompute))
     assert message in one_line_error(ConfigError, check_candidate, work, Candidate(**cut))
-    check_candidate(work, Candidate(**{**cut, "pp_schedule": Schedule.ONE_F_ONE_B, "virtual_stages": 1,
-                                       "recompute": Recompute.NONE, "num_microbatches": 4, "micro_batch_size": 1}))
+    modelled = Candidate(**{**cut, "pp_schedule": Schedule.ONE_F_ONE_B, "virtual_stages": 1,
+                            "recompute": Recompute.NONE, "num_microbatches": 4, "micro_batch_size": 1})
+    predict_memory(config, modelled.parallel, seq_len=32, micro_batch_size=1, num_microbatches=4)
+    # predicted, but the planner's time model does not cost a stage gathered over the schedule
+    assert "does not cost --zero 3 with pp_size > 1" in one_line_error(ConfigError, check_candidate, work, modelled)
 
 
 def test_zero3_under_expert_parallelism_runs_but_its_memory_is_refused_in_one_line():
