@@ -216,9 +216,6 @@ def check_layout(model: MiniMindConfig, par: ParallelConfig, *, seq_len: int | N
     check_recompute(par)
     check_zero(par)
     check_pipeline_chunks(model, par)
-    if model.use_moe and par.zero == 3 and par.ep > 1:   # FSDP2's mesh is DP x CP: the experts' EDP group is not wired to it
-        raise ConfigError(f"--zero 3 with --use_moe is supported with ep_size 1 (levels 1 and 2 at any ep_size); "
-                          f"got zero={par.zero}, ep_size={par.ep}")
     if seq_len is not None:
         if seq_len < 2:
             raise ConfigError(f"seq_len must be >= 2 (the loss is shifted by one); got seq_len={seq_len}")
@@ -301,9 +298,6 @@ def check_zero(par: ParallelConfig) -> None:
     """--zero names a level the library shards at, over a DP x CP group of more than one rank."""
     if par.zero not in ZERO_LEVELS:
         raise ConfigError(f"zero must be one of {', '.join(map(str, ZERO_LEVELS))}; got zero={par.zero}")
-    if par.zero == 3 and par.pp > 1:
-        raise ConfigError(f"--zero 3 (FSDP2's fully_shard) is composed with data, context and tensor parallelism, "
-                          f"not with the project's pipeline parallelism; got pp_size={par.pp}")
     if par.zero and par.dp * par.cp == 1:
         raise ConfigError(f"--zero {par.zero} shards over the data-parallel x context-parallel ranks and needs "
                           f"dp_size x cp_size > 1; got dp_size={par.dp}, cp_size={par.cp}")

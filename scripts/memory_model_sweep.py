@@ -133,6 +133,8 @@ def main() -> int:
                     help="draw these --zero levels (over dp x cp > 1: dp 2 when the draw has dp x cp = 1) and "
                          "--bucket_size_mb 0.01 / 0.05 / 25 (3: the draws it runs and predict_memory models only)")
     ap.add_argument("--moe", action="store_true", help="draw MiniMind's MoE model, with expert parallelism")
+    ap.add_argument("--zero3_pipeline", action="store_true",
+                    help="with --zero 3, keep the pipeline draws too (fsdp_pipeline.py; the draws it refuses are skipped)")
     args = ap.parse_args()
     rng, done, bad = random.Random(args.seed), 0, 0
     memo: dict = {}   # the estimate's fake dispatch, remembered from one layout to the next
@@ -148,9 +150,11 @@ def main() -> int:
             sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))
             if par.zero == 2 and par.pp > 1 and sizes["schedule"] in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE):
                 continue   # runs, but predict_memory refuses it (its buckets fill across chunks and microbatches)
-            if par.zero == 3 and (par.pp > 1 or c.use_moe
-                                  or sizes["seq_len"] // par.cp * sizes["micro_batch_size"] < c.hidden_size):
-                continue   # PP: check_layout refuses it; MoE, few tokens: predict_memory (fsdp_replay.check_fully_sharded)
+            if par.zero == 3 and par.pp > 1 and not args.zero3_pipeline:
+                continue   # modelled by fsdp_pipeline (--zero3_pipeline draws it)
+            if par.zero == 3 and par.pp == 1 and (c.use_moe
+                                                  or sizes["seq_len"] // par.cp * sizes["micro_batch_size"] < c.hidden_size):
+                continue   # MoE, few tokens: refused (fsdp_replay.check_fully_sharded)
             if refused(par, sizes):
                 continue
         try:

@@ -325,8 +325,6 @@ BAD = [
       "--virtual_stages", "2"], "virtual_stages > 1 needs pipeline parallelism; got virtual_stages=2, pp_size=1"),
     (["validate", "--pp_size", "2", "--", *TINY_CLI, "--virtual_stages", "0"],
      "virtual_stages must be >= 1; got virtual_stages=0"),
-    (["validate", "--dp_size", "2", "--ep_size", "2", "--", *TINY_CLI, "--use_moe", "--zero", "3"],
-     "--zero 3 with --use_moe is supported with ep_size 1 (levels 1 and 2 at any ep_size); got zero=3, ep_size=2"),
 ]
 
 

@@ -18,7 +18,9 @@ from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, ProcessGroups
 from minimind_parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from minimind_parallel.checkpoint.slices import sliced_targets
-from minimind_parallel.data.batches import dp_rows, random_batch
+from minimind_parallel.data.batches import dp_rows, random_batch, split_microbatches
+from minimind_parallel.distributed.loaded_types import is_dtensor
+from minimind_parallel.pipeline_parallel import forward_backward
 from minimind_parallel.loss_normalisation import equal_replicas_mean
 from minimind_parallel.memory import MemoryMeter, estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
@@ -62,6 +64,14 @@ VALIDATE = {
     "moe dp4 ep2 zero2": (dict(dp=4, ep=2, zero=2), dict(moe=True)),
     "moe dp2 tp2 ep2 sp zero1": (dict(dp=2, tp=2, ep=2, zero=1, sequence_parallel=True), dict(moe=True)),
     "moe dp2 tp2 ep2 sp zero2": (dict(dp=2, tp=2, ep=2, zero=2, sequence_parallel=True), dict(moe=True)),
+    # FSDP2 over the EDP mesh for the experts: one rank (left to finalize_grads, as under DDP) and two
+    "moe dp2 ep2 zero3": (dict(dp=2, ep=2, zero=3), dict(moe=True)),
+    "moe dp4 ep2 zero3": (dict(dp=4, ep=2, zero=3), dict(moe=True)),
+    # FSDP2 under 1F1B: the stage's parameters gathered over the step, its grads reduce-scattered once after it
+    "dp2 pp2 zero3 tied": (dict(dp=2, pp=2, zero=3), dict(tied=True, micro_batch_size=1, num_microbatches=4)),
+    "dp2 pp2 v2 interleaved zero3": (dict(dp=2, pp=2, zero=3, virtual_stages=2),
+                                     dict(layers=4, pp_schedule="interleaved", micro_batch_size=1, num_microbatches=4)),
+    "dp2 pp2 zb zero3": (dict(dp=2, pp=2, zero=3), dict(pp_schedule="zb", micro_batch_size=1, num_microbatches=4)),
     "dp2 tp2 sp zero3 tied": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), dict(tied=True)),
     "dp2 tp2 sp async vp zero3": (dict(dp=2, tp=2, zero=3, **SP_ASYNC_VP), dict()),
 }
@@ -75,6 +85,8 @@ CLIP = {
     "moe dp4 ep2 zero2 clip": (dict(dp=4, ep=2, zero=2), False, 1, MOE),     # experts: over EDP, then over EP
     "dp2 tp2 sp zero3 tied clip": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), True, 1),   # of TP shards
     "dp2 zero3 moe clip": (dict(dp=2, zero=3), False, 1, MOE),          # the experts' shards
+    "moe dp4 ep2 zero3 clip": (dict(dp=4, ep=2, zero=3), False, 1, MOE),     # experts: over EDP, then over EP
+    "dp2 pp2 zero3 tied clip": (dict(dp=2, pp=2, zero=3), True, 2),     # FSDP2's shards, tied copies on two stages
 }
 
 
@@ -110,6 +122,10 @@ def _clip(par: ParallelConfig, tied: bool, microbatches: int, moe: dict | None =
     make_optimizer(dense, 1e-2).step()
     stats = train_step(model, optimizer, groups, *dp_rows(batch, groups.dp_rank, par.dp),
                        num_microbatches=microbatches, grad_clip=0.1 * full)
+    if par.zero == 3 and par.pp > 1:   # an evaluation's forwards (the stage kept gathered) leave FSDP2's shards behind
+        forward_backward(model, groups, split_microbatches(*dp_rows(batch, groups.dp_rank, par.dp), microbatches),
+                         forward_only=True)
+        assert all(is_dtensor(p) for p in model.parameters()), "a stage left gathered after its forwards"
     worst = max((whole(p.detach()) - dense_slice(name, dense.get_parameter(name).detach(), par, groups.tp_rank))
                 .abs().max().item() for name, p in unwrap(model).named_parameters())
     states = sum(local(v).numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")
@@ -127,6 +143,7 @@ MEMORY = {
     "dp2 zero2 buckets": (dict(dp=2, zero=2), 1, SMALL_BUCKETS),
     "dp2 zero3 accumulation": (dict(dp=2, zero=3), 2, 25.0),    # FSDP2 under the tracker and on fake tensors
     "dp2 tp2 sp zero3": (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 1, 25.0),
+    "dp2 pp2 zero3": (dict(dp=2, pp=2, zero=3), 4, 25.0),    # each stage gathered over the schedule, both stages
 }
 
 
@@ -161,15 +178,17 @@ def test_zero_matches_dense_and_clips_over_the_slices(world):
     validate, clip, measure = _of_world(VALIDATE, world), _of_world(CLIP, world), _of_world(MEMORY, world)
     every = run_ranks(_cases, world, validate, clip, measure, timeout=900)
     for name in measure:   # the real run's tracker, the estimate (fake tensors) and the model: the same bytes
-        real = max((rank[name] for rank in every), key=lambda r: r.peak_bytes)
         par, microbatches, bucket = ParallelConfig(**MEMORY[name][0]), *MEMORY[name][1:]
         kw = dict(seq_len=32, micro_batch_size=2, dtype=torch.bfloat16, num_microbatches=microbatches,
                   bucket_size_mb=bucket)
-        estimate = estimate_step_memory(MEMORY_CONFIG, par, iters=1, **kw)
-        assert (real.peak_bytes, real.breakdown) == (estimate.peak_bytes, estimate.breakdown), name
-        if par.zero in (*MODELLED_ZERO_LEVELS, 3):
-            model = predict_memory(MEMORY_CONFIG, par, **kw)
-            assert (model.peak_bytes, model.breakdown) == (real.peak_bytes, real.breakdown), (name, model.peak_at)
+        for stage in range(par.pp):   # the worst rank of each stage (the grid is dp, pp, cp, tp)
+            real = max((rank[name] for r, rank in enumerate(every) if r // (par.cp * par.tp) % par.pp == stage),
+                       key=lambda r: r.peak_bytes)
+            estimate = estimate_step_memory(MEMORY_CONFIG, par, iters=1, stage=stage, **kw)
+            assert (real.peak_bytes, real.breakdown) == (estimate.peak_bytes, estimate.breakdown), (name, stage)
+            if par.zero in (*MODELLED_ZERO_LEVELS, 3):
+                model = predict_memory(MEMORY_CONFIG, par, stage=stage, **kw)
+                assert (model.peak_bytes, model.breakdown) == (real.peak_bytes, real.breakdown), (name, model.peak_at)
     for name in validate:
         rows = every[0][name]
         items = {r.item for r in rows}
@@ -295,14 +314,11 @@ def test_the_buckets_cover_every_parameter_once_and_pad_to_the_group():
     (["validate", "--tp_size", "2", "--", "--zero", "2"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
     (["validate", "--", "--mode", "zero1"], "needs dp_size x cp_size > 1; got dp_size=1, cp_size=1"),
     (["validate", "--dp_size", "2", "--", "--zero", "4"], "argument --zero: invalid choice: 4"),
-    (["validate", "--pp_size", "2", "--dp_size", "2", "--", "--zero", "3"],
-     "--zero 3 (FSDP2's fully_shard) is composed with data, context and tensor parallelism, not with the project's "
-     "pipeline parallelism; got pp_size=2"),
     (["validate", "--dp_size", "2", "--", "--zero", "1", "--bucket_size_mb", "0"],
      "bucket_size_mb must be > 0 MiB; got bucket_size_mb=0"),
     (["benchmark", "--dp_size", "2", "--", "--modes", "zero2", "--bucket_size_mb", "-1", "--num_hidden_layers", "1"],
      "bucket_size_mb must be > 0 MiB; got bucket_size_mb=-1"),
-], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level", "zero3_pp",
+], ids=["validate_dp1", "validate_tp2_dp1", "mode_dp1", "level",
                                  "bucket_zero", "benchmark_bucket"])
 def test_bad_zero_input_is_one_line_and_launches_nothing(argv, message, monkeypatch, capsys):
     assert_refused_before_launch(argv, message, monkeypatch, capsys)
@@ -394,14 +410,54 @@ def test_a_zero1_dp4_checkpoint_resumes_at_zero0_dp2_zero2_tp2_dp2_and_pp2(tmp_p
     assert len(chunks["optim.model.embed_tokens.weight.exp_avg"]) >= 4   # a part on each of the 4 ranks
     every = run_ranks(_ckpt_resume, 4, str(tmp_path), [dict(dp=2, tp=2, zero=2, sequence_parallel=True),
                                                        dict(dp=4, zero=1), dict(dp=2, pp=2, zero=1),
-                                                       dict(dp=2, tp=2, zero=3, sequence_parallel=True)])
-    four = [next(rank[i] for rank in every if rank[i][0] is not None) for i in range(4)]   # pp2: the last stage's
+                                                       dict(dp=2, tp=2, zero=3, sequence_parallel=True),
+                                                       dict(dp=2, pp=2, zero=3)])
+    four = [next(rank[i] for rank in every if rank[i][0] is not None) for i in range(5)]   # pp2: the last stage's
     two = run_ranks(_ckpt_resume, 2, str(tmp_path), [dict(dp=2), dict(dp=2, zero=2), dict(dp=2, zero=3)])[0]
     assert four[1] == uninterrupted            # the same layout: bit for bit
-    for resumed in (four[0], four[2], four[3], *two):
+    for resumed in (four[0], four[2], four[3], four[4], *two):
         assert resumed == pytest.approx(uninterrupted, rel=1e-5, abs=0), (resumed, uninterrupted)
     other_init = run_ranks(_ckpt_resume_nothing, 2)[0]
     assert other_init != pytest.approx(uninterrupted, rel=1e-3, abs=0)   # the check can fail
+
+
+def _moe_ckpt_setup(par: ParallelConfig, seed: int):
+    groups = ProcessGroups.build(par)
+    config = MiniMindConfig(**TINY_MOE)
+    torch.manual_seed(seed)
+    model = wrap_data_parallel(build_parallel_model(config, par, groups, MiniMindForCausalLM(config).state_dict()),
+                               groups)
+    return groups, config, model, make_optimizer(model, 1e-2, groups, SMALL_BUCKETS)
+
+
+def _moe_ckpt(save_dir: str, layouts: list[dict]):
+    """The MoE model at zero3 dp4 ep2 (the experts' FSDP2 shards over their EDP mesh): CKPT_SAVE_AT
+    steps, a checkpoint, the uninterrupted run's later losses; then the checkpoint loaded onto each
+    of `layouts` (another initialisation first) and its later losses."""
+    groups, config, model, optimizer = _moe_ckpt_setup(ParallelConfig(dp=4, ep=2, zero=3), seed=0)
+    _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT), config)
+    save_checkpoint(save_dir, CKPT_SAVE_AT, model=model, optimizer=optimizer, config=config, par=groups.par,
+                    groups=groups, extra={})
+    uninterrupted = _ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config)
+    resumed = []
+    for layout in [*layouts, None]:   # None: the first layout without the load (what a load that did nothing gives)
+        groups, config, model, optimizer = _moe_ckpt_setup(ParallelConfig(**(layout or layouts[0])), seed=1)
+        if layout is not None:
+            load_checkpoint(save_dir, model=model, optimizer=optimizer, config=config, par=groups.par, groups=groups)
+        resumed.append(_ckpt_train(model, optimizer, groups, range(CKPT_SAVE_AT, CKPT_STEPS), config))
+    return uninterrupted, resumed
+
+
+def test_a_zero3_moe_checkpoint_under_expert_parallelism_resumes_at_other_layouts(tmp_path):
+    """DCP saves the experts' FSDP2 shards over their EDP mesh and the dense ones over DP x CP
+    (zero3 dp4 ep2) with their placements; the checkpoint loads at zero3 dp4 ep4 (experts left
+    whole on their rank), at zero1 dp4 ep2 and at zero0 dp4 ep1, and the run continues at round-off."""
+    layouts = [dict(dp=4, ep=2, zero=3), dict(dp=4, ep=4, zero=3), dict(dp=4, ep=2, zero=1), dict(dp=4)]
+    uninterrupted, (*resumed, fresh) = run_ranks(_moe_ckpt, 4, str(tmp_path), layouts)[0]
+    assert resumed[0] == uninterrupted            # the same layout: bit for bit
+    for layout, losses_ in zip(layouts[1:], resumed[1:]):
+        assert losses_ == pytest.approx(uninterrupted, rel=1e-5, abs=0), (layout, losses_, uninterrupted)
+    assert fresh != pytest.approx(uninterrupted, rel=1e-3, abs=0)   # the check can fail
 
 
 def _ckpt_resume_nothing():

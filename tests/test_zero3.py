@@ -165,3 +165,95 @@ def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(
     with pytest.raises(NotImplementedError, match=re.escape(message)) as refused:
         predict_memory(config, ParallelConfig(**layout), seq_len=seq_len, micro_batch_size=2)
     assert "\n" not in str(refused.value)
+
+
+MOE_FIELDS = dict(use_moe=True, num_experts=4, num_experts_per_tok=2)
+# (layout, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied, schedule, MoE): zero 3 under PP
+PIPELINED = [
+    (dict(dp=2, pp=2), torch.bfloat16, 4, 2, 32, 2, 256, False, "1f1b", False),  # a block's backward, 2 in flight
+    (dict(dp=2, pp=2), torch.float32, 2, 2, 8, 1, 8192, True, "1f1b", False),     # the embedding's backward
+    (dict(dp=4, pp=2), torch.bfloat16, 3, 2, 32, 2, 256, False, "gpipe", False),
+    (dict(dp=2, pp=2, tp=2, sequence_parallel=True, async_communication=True, vocab_parallel=True), torch.float32,
+     2, 2, 32, 2, 256, False, "1f1b", False),
+    (dict(dp=2, pp=2), torch.bfloat16, 2, 2, 32, 2, 256, False, "1f1b", True),    # the MoE model
+]
+
+
+def test_the_memory_model_of_zero3_under_pipeline_parallelism_is_the_estimate_to_the_byte():
+    """predict_memory under --zero 3 with PP (memory/analytic/fsdp_pipeline.py: the replicated
+    stage's replay, the stage's groups gathered from the first forward on, the unsharded grads
+    temporaries, the reduces after the schedule) equals the tracker on fake tensors on every stage:
+    fp32 and bf16, tied, dp2 and dp4, gpipe and 1f1b, TP (SP, async, VP) and the MoE model."""
+    for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule, moe in PIPELINED:
+        config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
+        config = replace(config, **MOE_FIELDS) if moe else config
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
+        for stage in range(par.pp):
+            estimate = estimate_step_memory(config, par, iters=1, stage=stage, **kw)
+            model = predict_memory(config, par, stage=stage, **kw)
+            assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
+                (layout, dtype, microbatches, schedule, moe, stage, model.peak_at)
+
+
+@pytest.mark.parametrize("schedule,virtual_stages,microbatches,recompute,message", [
+    ("interleaved", 2, 4, "none", "is modelled under gpipe and 1f1b (a stage gathered over the schedule); "
+                                  "got pp_schedule=interleaved"),
+    ("zb", 1, 4, "none", "is modelled under gpipe and 1f1b (a stage gathered over the schedule); got pp_schedule=zb"),
+    ("1f1b", 1, 4, "full", "is not modelled under --recompute full"),
+    ("1f1b", 1, 1, "none", "is modelled at two microbatches or more (one backward, the first and the last, is not "
+                           "replayed); got num_microbatches=1"),
+], ids=["interleaved", "zb", "recompute_full", "one_microbatch"])
+def test_zero3_under_pipeline_parallelism_runs_where_its_memory_is_refused_in_one_line(
+        schedule, virtual_stages, microbatches, recompute, message):
+    """The --zero 3 PP layouts fsdp_pipeline does not replay run (test_zero.py's interleaved and zb
+    rows equal the dense model) and pass check_layout; predict_memory refuses them in one line and
+    the planner cuts them with the same reason; a modelled one is predicted, and the planner cuts it
+    for its time model (a stage gathered over the schedule is not costed)."""
+    from helpers import one_line_error
+    from minimind_parallel.config import ConfigError, Recompute, check_layout
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    from minimind_parallel.planning import Candidate, Workload
+    from minimind_parallel.planning.space import check_candidate
+    config = _config(4, 128, True)
+    par = ParallelConfig(dp=2, pp=2, zero=3, virtual_stages=virtual_stages, recompute=recompute)
+    check_layout(config, par, seq_len=32)
+    kw = dict(seq_len=32, micro_batch_size=1, dtype=torch.float32, num_microbatches=microbatches, schedule=schedule)
+    refused = one_line_error(NotImplementedError, predict_memory, config, par, **kw)
+    assert refused.startswith("predict_memory: --zero 3 with --pp_size > 1 ") and message in refused, refused
+    work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=4)
+    cut = dict(dp=2, pp=2, zero=3, num_microbatches=microbatches, micro_batch_size=4 // microbatches,
+               pp_schedule=Schedule(schedule), virtual_stages=virtual_stages, recompute=Recompute(recompute))
+    assert message in one_line_error(ConfigError, check_candidate, work, Candidate(**cut))
+    modelled = Candidate(**{**cut, "pp_schedule": Schedule.ONE_F_ONE_B, "virtual_stages": 1,
+                            "recompute": Recompute.NONE, "num_microbatches": 4, "micro_batch_size": 1})
+    predict_memory(config, modelled.parallel, seq_len=32, micro_batch_size=1, num_microbatches=4)
+    # predicted, but the planner's time model does not cost a stage gathered over the schedule
+    assert "does not cost --zero 3 with pp_size > 1" in one_line_error(ConfigError, check_candidate, work, modelled)
+
+
+def test_zero3_under_expert_parallelism_runs_but_its_memory_is_refused_in_one_line():
+    """--zero 3 at ep_size > 1 passes check_layout (the experts' own FSDP2 group over their EDP mesh:
+    test_zero.py's rows equal the dense model) and --estimate runs it on fake tensors; predict_memory
+    does not replay the experts' second group and says so in one line, and the planner cuts it there."""
+    from helpers import one_line_error
+    from minimind_parallel.config import ConfigError, check_layout
+    from minimind_parallel.planning import Candidate, Workload
+    from minimind_parallel.planning.space import check_candidate
+    config = replace(_config(2, 128, False), use_moe=True, num_experts=4, num_experts_per_tok=2)
+    for par in (ParallelConfig(dp=2, ep=2, zero=3), ParallelConfig(dp=4, ep=2, zero=3)):
+        check_layout(config, par, seq_len=32)
+        kw = dict(seq_len=32, micro_batch_size=2, dtype=torch.float32)
+        message = one_line_error(NotImplementedError, predict_memory, config, par, **kw)
+        assert message.startswith("predict_memory: --zero 3 with --ep_size > 1 is not modelled") and \
+            message.endswith(f"got ep_size={par.ep}"), message
+        cut = one_line_error(ConfigError, check_candidate, Workload(model=config, seq_len=32, global_batch_size=8,
+                                                                    world_size=par.world_size),
+                             Candidate(dp=par.dp, ep=par.ep, zero=3, micro_batch_size=8 // par.dp))
+        assert "--zero 3 with --ep_size > 1 is not modelled" in cut, cut
+    # dp4 ep2: rank 0 holds experts 0 and 1 of each layer, sharded over its EDP group (ranks 0, 2), the
+    # rest over the 4 DP ranks; AdamW's two states of rank 0's Shard(0) rows and a float32 step per parameter
+    from minimind_parallel.moe.placement import expert_of
+    estimate = estimate_step_memory(config, ParallelConfig(dp=4, ep=2, zero=3), iters=1, **kw)
+    mine = [(n, p) for n, p in MiniMindForCausalLM(config).named_parameters() if expert_of(n) in (None, 0, 1)]
+    rows = sum(-(-p.shape[0] // (4 if expert_of(n) is None else 2)) * (p.numel() // p.shape[0]) for n, p in mine)
+    assert estimate.breakdown["optimizer"] == 2 * 4 * rows + 4 * len(mine)

@@ -28,7 +28,7 @@ from ..parallel_model import ParallelMiniMindForCausalLM
 from ..pipeline_parallel import Schedule
 from ..training import make_optimizer, train_step
 from ..zero.buckets import DEFAULT_BUCKET_MB
-from ..zero.fully_shard import shard_fully, sharding_mesh
+from ..zero.fully_shard import shard_fully, sharding_meshes
 from .analytic import as_dtype
 from .fake_memo import RememberingFakeTensorMode
 from .analytic.moe_sizes import Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, stage_expert_rows
@@ -146,7 +146,7 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
     rank = (stage * par.cp + cp_rank) * par.tp  # the grid is (dp, pp, cp, tp): dp and tp rank 0
     with fake_process_group(rank, par.world_size):
         groups = ProcessGroups.build(par)  # real (fake-backend) groups, built outside the fake mode
-        mesh = sharding_mesh(groups, "cpu") if par.zero == 3 else None   # so is --zero 3's device mesh
+        meshes = sharding_meshes(groups, "cpu") if par.zero == 3 else None   # so are --zero 3's device meshes
         with RememberingFakeTensorMode(memo) if remember else FakeTensorMode() as fake:
             model = _to_dtype(ParallelMiniMindForCausalLM(model_config, par, groups), dtype)
             if model_config.use_moe and routing != RoutingPolicy.BALANCED:
@@ -154,7 +154,7 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
                                           ep_rank=ep_rank) for r in microbatch_routings(routing, num_microbatches)]
                 set_fake_routing(model, rows if is_per_microbatch(routing) else rows[0], par.ep)
             if par.zero == 3:   # FSDP2 shards fake tensors as real ones, over the fake backend's mesh
-                model = shard_fully(model, groups, mesh)
+                model = shard_fully(model, groups, meshes)
             optimizer = make_optimizer(model, 1e-3, groups, bucket_size_mb)
             # DDP over DP x CP; none under PP, nor under --zero
             buckets = ddp_gradient_buckets(model) if par.dp * par.cp > 1 and par.pp == 1 and not par.zero else []

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data_parallel import unwrap
+from ..zero.fully_shard import reduced_after_the_schedule, resharded_after_the_forwards
 from ..distributed import comm
 from ..groups import ProcessGroups
 from ..distributed.ranges import span
@@ -305,12 +306,14 @@ def forward_backward(model: nn.Module, groups: ProcessGroups, microbatches: list
                    forward_context=forward_context)
     start = time.perf_counter()
     if forward_only:      # no schedule: every microbatch (chunk by chunk) through
-        all_forwards(stage)
+        with resharded_after_the_forwards(model, groups):   # --zero 3: FSDP2's shards again after
+            all_forwards(stage)
     else:
         pp, v = groups.par.pp, groups.par.virtual_stages
         orders = [schedule_order(pp, p, len(microbatches), schedule, v) for p in range(pp)]
         order = orders[groups.pp_rank]
-        run_order(stage, order, release_points(orders, pp, v)[groups.pp_rank] if posted(order) else None)
+        with reduced_after_the_schedule(model, groups):   # --zero 3: FSDP2 reduce-scatters once, after the last backward
+            run_order(stage, order, release_points(orders, pp, v)[groups.pp_rank] if posted(order) else None)
     return stage.result(time.perf_counter() - start)
 
 

@@ -15,7 +15,8 @@ the same with its "is not a duplicate" test):
       group (zero.reduction_group); --zero 3:    part of the averaged grad), then as above
       FSDP2's shards
     an expert's weights (mixture of experts)    each EP rank counts its own experts; summed over EP
-                                                (under --zero 1/2 the slices over EDP, then over EP)
+                                                (under --zero 1/2 the slices, --zero 3 FSDP2's shards
+                                                over EDP, then over EP)
 
 Call after `training.finalize_grads` (and, under a float16 loss scaler, after unscaling).
 Every rank gets the same norm, so every rank applies the same clip coefficient.
@@ -54,8 +55,8 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups, sharded: Distribut
         fsdp = is_fully_sharded(model)
         dense = [(n, local(p.grad)) for n, p in named if not is_expert_parameter(p)]
         experts = [(n, local(p.grad)) for n, p in named if is_expert_parameter(p)]
-        # + other EP ranks'; --zero 3 (ep 1): FSDP2's shards of the experts over their EDP group
-        parts = [((reduction_group(groups, ""),) if fsdp else (), dense), ((groups.edp,) if fsdp else (groups.ep,), experts)]
+        # + other EP ranks'; --zero 3: FSDP2's shards of the experts over their EDP group, then the other EP ranks'
+        parts = [((reduction_group(groups, ""),) if fsdp else (), dense), ((groups.edp, groups.ep) if fsdp else (groups.ep,), experts)]
     else:
         parts = sharded.grads_by_group()
     squares = torch.zeros((), dtype=acc, device=device)

@@ -36,6 +36,7 @@ from ..config import MiniMindConfig, ParallelConfig
 from ..data.batches import split_microbatches
 from ..data_parallel import is_expert_parameter, reduction_group, unwrap
 from ..distributed import comm
+from ..distributed.loaded_types import is_dtensor
 from ..distributed.ranges import span
 from ..groups import ProcessGroups
 from ..loss_normalisation import dp_loss_share, grad_divisor
@@ -68,7 +69,8 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups, optimizer=None) -> N
        `loss_normalisation.grad_divisor`); an expert's weights (never DDP's) over its EDP group
        (`data_parallel.reduction_group`), by the same divisor: every token of the DP x CP ranks
        reached its expert on one rank of that group. Under --zero 1/2 the distributed optimizer
-       does all of this over its buffers; under --zero 3 FSDP2 reduces over DP x CP."""
+       does all of this over its buffers; under --zero 3 FSDP2 reduces over DP x CP (and the experts
+       over their EDP mesh under expert parallelism)."""
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.reduce_grads()
         return
@@ -76,8 +78,8 @@ def finalize_grads(model: nn.Module, groups: ProcessGroups, optimizer=None) -> N
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
     _all_reduce_grads([p for p in params if getattr(p, "tp_partial_grad", False)], groups.tp)
     _all_reduce_grads([p for p in params if getattr(p, "shared_embedding", False)], groups.embed)
-    if is_fully_sharded(model):
-        return
+    if is_fully_sharded(model):   # FSDP2 reduced its DTensors; the experts it leaves alone (ep = dp x cp) below
+        params = [p for p in params if not is_dtensor(p)]
     ddp = isinstance(model, DistributedDataParallel)
     replicas = grad_divisor(groups.par)
     for p in params:  # in place, one grad at a time: no flat copy of every grad at the peak

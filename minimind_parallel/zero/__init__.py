@@ -10,7 +10,8 @@ parameters, as Megatron-LM's distributed optimizer does it:
                            reduce-scattered into the slices after backward, parameters
                            all-gathered after the step) and --zero 2 (grads kept only as slices,
                            reduce-scattered bucket by bucket from backward hooks)
-    fully_shard            --zero 3 with PyTorch's FSDP2 over the DP x CP mesh
+    fully_shard            --zero 3 with PyTorch's FSDP2 over the DP x CP mesh (the experts over
+                           their EDP mesh under expert parallelism)
 """
 from .buckets import DEFAULT_BUCKET_MB, Bucket, BufferLayout, Piece, bucket_numel, plan_buffer
 from .distributed_optimizer import DistributedOptimizer

@@ -25,13 +25,28 @@ library's own collectives.
 A MoE model at ep_size 1 shards its experts as any parameter: every expert runs on every rank
 (on no rows when no token reached it: moe/experts.py), so its grad exists on every rank and
 FSDP2's reduce-scatters match; the grad norm sums the experts' shards over their EDP group.
+Under expert parallelism (ep_size > 1) each MoE layer's experts are an FSDP2 group of their own,
+over the EDP mesh (the ranks that hold the same experts; torchtitan's apply_fsdp does the same),
+the block's other parameters over DP x CP: the experts are gathered inside the MoE layer, between
+the EP token all-to-all and the combine, and their grads reduce-scattered over EDP divided by
+D x C (`shard_experts`). Where the EDP group is one rank (ep = dp x cp) the experts are left out
+of FSDP2, whole on their rank and reduced by `finalize_grads` as under DDP. The grad norm sums
+the experts' shards over EDP, then over EP.
 
-What it does not compose with here (refused before launch, `config.check_zero`): pipeline
-parallelism (the schedule interleaves microbatches' forwards and backwards across stages, which
-FSDP2's per-block gathers and resharding are not wired for here), and expert parallelism
-(ep_size > 1, as every zero level).
+Under pipeline parallelism (any schedule: 1F1B, GPipe, interleaved, zb) a stage keeps its
+parameters gathered from its first forward to the end of the schedule (`reshard_after_forward`
+False), no microbatch's backward reduce-scatters, and every group reduce-scatters once after the
+last backward (`reduced_after_the_schedule`, as torch.distributed.pipelining's stage and
+torchtitan do): the schedule holds several microbatches between their forwards and backwards, and
+a zero-bubble W step makes weight grads after its B, which per-microbatch gathers and
+reduce-scatters would not follow. Between steps a stage holds 1/W of its parameters and of their
+AdamW states; within one it holds the parameters whole and their grads unsharded, as --zero 0
+does (memory/analytic/fsdp_pipeline.py).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +55,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..distributed import comm
 from ..distributed.loaded_types import is_dtensor, is_fsdp_module
 from ..groups import ProcessGroups
+from ..loss_normalisation import grad_divisor
+from ..moe.experts import GroupedExperts
 from .reduction_group import reduction_group
 
 # what the library marks on a Parameter (tensor_parallel.layers, parallel_model, data_parallel):
@@ -47,16 +64,29 @@ from .reduction_group import reduction_group
 MARKS = ("tp_partial_grad", "shared_embedding", "expert_parallel")
 
 
-def shard_fully(model: nn.Module, groups: ProcessGroups, mesh: DeviceMesh | None = None) -> nn.Module:
+class Meshes(NamedTuple):
+    """The device meshes FSDP2 shards over: the DP x CP group's, and under expert parallelism the
+    EDP group's for the experts (None: ep_size 1, the experts sharded with their block; or a
+    one-rank EDP group, ep = dp x cp, the experts left out of FSDP2)."""
+    dense: DeviceMesh
+    experts: DeviceMesh | None
+
+
+def shard_fully(model: nn.Module, groups: ProcessGroups, meshes: Meshes | None = None) -> nn.Module:
     """`model` with every block and then the root under `fully_shard` over the DP x CP mesh
-    (`mesh`: that mesh made beforehand, `sharding_mesh`; --estimate makes it outside its fake mode)."""
+    (`meshes`: made beforehand, `sharding_meshes`; --estimate makes them outside its fake mode).
+    Under expert parallelism each MoE layer's experts first, over their EDP mesh, or left out of
+    FSDP2 where the EDP group is one rank (`shard_experts`)."""
     from torch.distributed.fsdp import fully_shard  # here: slow to import (DTensor), needed to shard only
-    mesh = mesh or sharding_mesh(groups, next(model.parameters()).device.type)
+    meshes = meshes or sharding_meshes(groups, next(model.parameters()).device.type)
+    reshard = groups.par.pp == 1   # under PP a stage keeps its parameters gathered over the step's microbatches
     marks = {name: {k: v for k, v in vars(p).items() if k in MARKS} for name, p in model.named_parameters()}
     layers = model.model.layers
     for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        unsharded = shard_experts(block, groups, meshes.experts)
+        fully_shard(block, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=unsharded or None)
+    fully_shard(model, mesh=meshes.dense, reshard_after_forward=reshard,
+                ignored_params=set(unsharded_experts(model, groups)) or None)
     for module in model.modules():
         if is_fsdp_module(module):
             module.set_custom_all_gather(LibraryAllGather())
@@ -65,6 +95,74 @@ def shard_fully(model: nn.Module, groups: ProcessGroups, mesh: DeviceMesh | None
         for key, value in marks[name].items():
             setattr(p, key, value)
     return model
+
+
+def shard_experts(block: nn.Module, groups: ProcessGroups, mesh: DeviceMesh | None) -> set[nn.Parameter]:
+    """Under expert parallelism (ep_size > 1), the block's experts under their own `fully_shard`
+    over the EDP mesh (torchtitan's apply_fsdp does the same): the ranks that hold the same experts,
+    the DP x CP ranks strided by ep. Their grads are divided by D x C as the dense ones (every token of
+    the DP x CP ranks reached its expert on one rank of the EDP group: `grad_divisor`), not by the
+    EDP size FSDP2 would average over. Returns the expert parameters left out of FSDP2: all of
+    them where the EDP group is one rank (ep = dp x cp: nothing to shard over; reduced as under DDP
+    by `finalize_grads`). At ep_size 1 the experts are sharded with their block (nothing done here)."""
+    if groups.par.ep == 1:
+        return set()
+    from torch.distributed.fsdp import fully_shard  # loaded already by shard_fully
+    experts = [m for m in block.modules() if isinstance(m, GroupedExperts)]
+    if mesh is None:
+        return {p for m in experts for p in m.parameters()}
+    for module in experts:
+        fully_shard(module, mesh=mesh, reshard_after_forward=groups.par.pp == 1)
+        module.set_gradient_divide_factor(float(grad_divisor(groups.par)))
+        module.set_force_sum_reduction_for_comms(True)   # summed, then divided (gloo has no PREMUL_SUM)
+    return set()
+
+
+def unsharded_experts(model: nn.Module, groups: ProcessGroups) -> list[nn.Parameter]:
+    """The expert parameters FSDP2 leaves alone (ep = dp x cp: a one-rank EDP group)."""
+    if groups.par.ep == 1 or groups.edp is not None:
+        return []
+    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+
+
+@contextmanager
+def reduced_after_the_schedule(model: nn.Module, groups: ProcessGroups):
+    """Around a pipeline schedule's microbatches (pp_size > 1; nothing otherwise), as
+    torch.distributed.pipelining's stage does with FSDP2 (torchtitan's PP x FSDP): no microbatch's
+    backward reduce-scatters nor reshards (`set_requires_gradient_sync(False)`: the grads accumulate
+    on the gathered parameters, which `reshard_after_forward=False` kept since the first forward);
+    after the last one every FSDP2 group reduce-scatters its grads once and reshards, and FSDP2's
+    end-of-backward bookkeeping runs as after a last backward. Collective over each group's mesh,
+    the groups in the same order on every rank of the stage."""
+    if groups.par.pp == 1 or not is_fully_sharded(model):
+        yield
+        return
+    model.set_is_last_backward(False)
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)
+    yield
+    model.set_is_last_backward(True)
+    model.set_reshard_after_backward(True)
+    model.set_requires_gradient_sync(True)
+    from torch.distributed.fsdp import fully_shard  # loaded already: the model is sharded
+    state = fully_shard.state(model)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+@contextmanager
+def resharded_after_the_forwards(model: nn.Module, groups: ProcessGroups):
+    """Around a forward-only pass under PP (evaluation; nothing otherwise): `reshard_after_forward`
+    False keeps every group gathered after it, so each is resharded here, and a checkpoint or the
+    next optimizer step sees FSDP2's shards as after a training step."""
+    yield
+    if groups.par.pp == 1 or not is_fully_sharded(model):
+        return
+    for module in model.modules():
+        if is_fsdp_module(module):
+            module.reshard()
 
 
 class LibraryAllGather:
@@ -92,6 +190,14 @@ class LibraryReduceScatter(LibraryAllGather):
 def sharding_mesh(groups: ProcessGroups, device_type: str) -> DeviceMesh:
     """The 1-D device mesh of the DP x CP group (`reduction_group`'s) that FSDP2 shards over."""
     return DeviceMesh.from_group(reduction_group(groups, ""), device_type)
+
+
+def sharding_meshes(groups: ProcessGroups, device_type: str) -> Meshes:
+    """The DP x CP mesh, and under expert parallelism the EDP group's (the DP x CP ranks that hold
+    the same experts; none where that group is one rank)."""
+    experts = groups.edp is not None and groups.par.ep > 1
+    return Meshes(sharding_mesh(groups, device_type),
+                  DeviceMesh.from_group(groups.edp, device_type) if experts else None)
 
 
 def is_fully_sharded(model: nn.Module) -> bool:

@@ -129,7 +129,7 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
     yet under SP, --recompute, nor where a block's forward end does), and fewer `tokens` per
     microbatch on a rank than hidden_size, where a block's weight grads outweigh its activations
     and the peak can move to moments not modelled (the attention's q/k/v backward, every weight
-    grad of the block in). (PP and EP do not compose with --zero 3: check_layout refuses them.)"""
+    grad of the block in). (EP: fsdp_composition refuses it first; PP: fsdp_pipeline.py.)"""
     if c.use_moe:
         raise NotImplementedError("predict_memory: --zero 3 (FSDP2) with --use_moe is not modelled")
     if tokens < c.hidden_size:

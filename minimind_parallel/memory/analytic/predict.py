@@ -11,6 +11,8 @@ from ...pipeline_parallel.order import Schedule, check_schedule, posted
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
+from .fsdp_composition import check_composition
+from .fsdp_pipeline import pipelined_fully_sharded_moments
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .orders import stage_order, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, moe_report, moe_temporaries,
@@ -27,9 +29,10 @@ from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2
 
 # the schedules whose orders the model replays (zb: of the layouts zero_bubble_moments.unmodelled passes)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
-# the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers, but for
-# the layouts fsdp_replay.check_fully_sharded refuses, which the planner cuts through
-# space.check_candidate); the planner enumerates these two tuples' members
+# the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers --
+# under PP by fsdp_pipeline.py -- but for the layouts fsdp_replay.check_fully_sharded and
+# fsdp_composition.check_composition refuse, which the planner cuts through space.check_candidate);
+# the planner enumerates these two tuples' members
 MODELLED_ZERO_LEVELS = (0, 1, 2, 3)
 
 
@@ -71,7 +74,9 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     `routing`."""
     c = model_config
     if par.zero == 3:
-        check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
+        check_composition(par, schedule, num_microbatches)
+        if par.pp == 1:   # (under PP: fsdp_pipeline.py, over the replicated stage's replay)
+            check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
     elif par.zero not in MODELLED_ZERO_LEVELS:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled; "
                                   f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))}")
@@ -160,6 +165,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     if each is not None and (par.zero == 3 or posted(order)):
         raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
                                   f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
+    if par.zero == 3 and par.pp > 1:
+        return _predict_pipelined_fully_sharded(s, order, c, device)
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
@@ -225,6 +232,17 @@ def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, devic
     moments, in_flight, params, states = fully_sharded_moments(s, order, device)
     state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight)
     report = moe_report(c, last=True, f=s.f)
+    moments = {k: (g, a, t + state + (report if k == "optimizer" else step)) for k, (g, a, t) in moments.items()}
+    return _peak(s, moments, in_flight, params + rope, states)
+
+
+def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str
+                                     ) -> MemoryPrediction:
+    """--zero 3 (FSDP2) under PP: its moments and this rank's shards (fsdp_pipeline.py)."""
+    rope = 2 * s.b * c.max_position_embeddings * c.head_dim
+    moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device)
+    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+    report = moe_report(c, last=s.last, f=s.f)
     moments = {k: (g, a, t + state + (report if k == "optimizer" else step)) for k, (g, a, t) in moments.items()}
     return _peak(s, moments, in_flight, params + rope, states)
 
