@@ -79,7 +79,9 @@ def shard_fully(model: nn.Module, groups: ProcessGroups, meshes: Meshes | None =
     FSDP2 where the EDP group is one rank (`shard_experts`)."""
     from torch.distributed.fsdp import fully_shard  # here: slow to import (DTensor), needed to shard only
     meshes = meshes or sharding_meshes(groups, next(model.parameters()).device.type)
-    reshard = groups.par.pp == 1   # under PP a stage keeps its parameters gathered over the step's microbatches
+    # None: FSDP2's default (blocks resharded after forward, the root kept for the backward that follows
+    # at once); under PP a stage keeps its parameters gathered over the step's microbatches
+    reshard = None if groups.par.pp == 1 else False
     marks = {name: {k: v for k, v in vars(p).items() if k in MARKS} for name, p in model.named_parameters()}
     layers = model.model.layers
     for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
