@@ -816,3 +816,31 @@ def test_a_replay_remembered_for_one_zero_level_gives_the_others_their_own_predi
                 every, alone = predict_memory(WORK.model, par, **kw), predict_memory(WORK.model, par, worst_only=True, **kw)
                 assert {**asdict(alone), "candidates": None, "per_stage": None} == \
                     {**asdict(every), "candidates": None, "per_stage": None}, (k.describe(), z)
+
+
+def test_a_chunk_kind_shared_across_layouts_gives_each_chunk_its_own_terms():
+    """A model chunk's kind is remembered without the step's microbatches, and but on the virtual
+    stage that holds them without the loss's and the embedding's flags (remembered_sizes.chunk_kinds):
+    across a spread of interleaved and zb layouts, predicted in one process so that layouts differing
+    only there share kinds, every chunk's remembered terms are those of its own sizes (chunk_sizes)."""
+    from minimind_parallel.memory.analytic.posted_replay import unit_terms
+    from minimind_parallel.memory.analytic.remembered_sizes import chunk_kinds
+    from minimind_parallel.memory.analytic.stage_sizes import chunk_sizes
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
+    posted = [k for k in enumerate_layouts(work)[0][::3]
+              if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
+    owners: dict = {}
+    for k in posted:
+        kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
+                  dtype=torch.bfloat16)
+        zb, memo = k.pp_schedule is Schedule.ZERO_BUBBLE, {}
+        for stage in range(k.pp):
+            for r in range(1 if k.cp_load_balance else k.cp):
+                own = chunk_sizes(work.model, k.parallel, stage, cp_rank=r, **kw)
+                for kind, sizes in zip(chunk_kinds(work.model, k.parallel, stage, memo, cp_rank=r, **kw), own):
+                    assert kind.terms(zb) == unit_terms(sizes, zb), (k.describe(), stage, r)
+                    owners.setdefault(id(kind), set()).add((k.num_microbatches, k.loss_chunks, k.vocab_parallel))
+    # kinds shared across the microbatches, the loss chunks and --vocab_parallel, each
+    for field in range(3):
+        assert any(len({o[field] for o in v}) > 1 for v in owners.values()), field
