@@ -844,3 +844,27 @@ def test_a_chunk_kind_shared_across_layouts_gives_each_chunk_its_own_terms():
     # kinds shared across the microbatches, the loss chunks and --vocab_parallel, each
     for field in range(3):
         assert any(len({o[field] for o in v}) > 1 for v in owners.values()), field
+
+
+def test_the_jsons_rows_made_as_text_are_json_dumps_of_the_rows(tmp_path):
+    """write_json makes each layout's row as text from remembered pieces (the flags', the commands'
+    parts): the file is json.dumps of the whole result with layout_row's rows, to the byte, for the
+    dense and the MoE plans on 2 nodes; and a command's text is json.dumps of it for words that
+    JSON escapes (quotes, backslashes, a non-ASCII letter)."""
+    from minimind_parallel.tasks import plan as plan_task
+    for extra in ([], MOE_ARGS):
+        argv = ["--world_size", "4", "--nnodes", "2", "--device", "cuda", "--device_memory_gib", "24", *TINY_ARGS, *extra]
+        args = plan_task.parser().parse_args(argv)
+        hw = plan_task.hardware_of(args)
+        result = plan(plan_task.workload_of(args), hw, device="cuda", budget_bytes=2**40)
+        path = tmp_path / "plan.json"
+        plan_task.write_json(str(path), result, args, hw, 1.5, tuple(argv), {"spearman": 0.5})
+        out = {"command": [*plan_task.program_name().split(), *argv], "workload": None, "hardware": hw.to_json(),
+               "candidates": result.candidates, "seconds": 1.5,
+               "layouts": [plan_task.layout_row(e, args, hw) for e in result.fitting]}
+        written = json.loads(path.read_text())
+        out["workload"] = written["workload"]
+        out.update(cut=plan_task.cut_summary(result), notes=plan_task.notes(args), validation={"spearman": 0.5})
+        assert path.read_text() == json.dumps(out) and len(out["layouts"]) > 100
+    parts = (("python", "-m"), ("--name", 'say "hi"', "back\\slash", "caf\u00e9"), ())
+    assert plan_task.json_command(parts) == json.dumps(plan_task.shell_join_parts(*parts))

@@ -61,11 +61,13 @@ def workspace_bytes(hw: Hardware) -> int:
 def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_token: float,
              workspaces: int = 0, memo: dict | None = None) -> PlanEntry:
     """Layout `k`'s predicted peak and step; on CUDA at the allocator level (`workspaces` bytes of cuBLAS
-    workspaces, the estimated block rounding). `memo`: the time model's, across one plan's layouts."""
+    workspaces, the estimated block rounding). `k` is one of the space's (space.check_candidate passed
+    it: not checked again). `memo`: the time model's, across one plan's layouts."""
     par = k.parallel
     pred = predict_memory(w.model, par, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
                           dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
-                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True)
+                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True,
+                          checked=True)   # space.check_candidate's
     breakdown = dict(pred.breakdown)
     peak = pred.peak_bytes
     if device == "cuda":

@@ -55,7 +55,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
                    bucket_size_mb: float = DEFAULT_BUCKET_MB, worst_only: bool = False,
-                   routing: Routing = RoutingPolicy.BALANCED) -> MemoryPrediction:
+                   routing: Routing = RoutingPolicy.BALANCED, checked: bool = False) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
@@ -68,7 +68,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     first largest (of each backward its largest; of a posted order, interleaved or zb, its peak
     alone, posted_peak.py), which `candidates` then lists; the prediction is the same. MoE under
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
-    tokens per expert, then the worst EP rank's), said in `routing`."""
+    tokens per expert, then the worst EP rank's), said in `routing`. `checked`: the caller has run
+    check_layout and check_schedule on this layout already (the planner's space), not run again."""
     c = model_config
     if par.zero == 3:
         check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
@@ -77,8 +78,9 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
                                   f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))} and 3")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
-    check_layout(c, par, seq_len=seq_len)
-    check_schedule(schedule, par, num_microbatches)
+    if not checked:
+        check_layout(c, par, seq_len=seq_len)
+        check_schedule(schedule, par, num_microbatches)
     if par.pp > 1 and schedule not in MODELLED_SCHEDULES:
         raise NotImplementedError(f"predict_memory: the {schedule} schedule is not modelled "
                                   f"({', '.join(map(str, MODELLED_SCHEDULES))} are)")
@@ -146,7 +148,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     # the flat buffers: padding too
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
-    order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    order_key = (par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    order = stage_order(*order_key)
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
@@ -159,14 +162,13 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None:   # the first largest moment alone, by the total the peak is taken by
-            moments, in_flight = posted_peak(s, chunk_kinds(c, par, stage, memo, **kw),
-                                             (par.pp, stage, num_microbatches, schedule, par.virtual_stages),
+            moments, in_flight = posted_peak(s, chunk_kinds(c, par, stage, memo, **kw), order_key,
                                              grads_count=not layouts)
         else:
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
             moments, in_flight = replay_posted(s, chunk_sizes(c, par, stage, **kw), order, releases)
     else:
-        moments, in_flight = _replayed(kind, order, not layouts) if kind else replay_schedule(s, order)
+        moments, in_flight = _replayed(kind, order, order_key, not layouts) if kind else replay_schedule(s, order)
     state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
     if state + step:   # MoE's: a dense model has none
         moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
@@ -191,12 +193,12 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     return _peak(s, moments, in_flight, params, states)
 
 
-def _replayed(kind: SizesKind, order: tuple, grads_count: bool) -> tuple[dict, dict]:
+def _replayed(kind: SizesKind, order: tuple, order_key: tuple, grads_count: bool) -> tuple[dict, dict]:
     """replay_schedule of a kind's sizes with only each backward's largest moment (the planner's), once
     per order and grads_count: a kind is one for the zero levels that leave its sizes alone
     (remembered_sizes.stage_kind), and --zero 1 and 2 count no grads there. Its moments a copy: the
-    caller adds the optimizer's."""
-    key = ("replay", order, grads_count)
+    caller adds the optimizer's. `order_key`: what `order` is the stage_order of (a short key)."""
+    key = ("replay", order_key, grads_count)
     if key not in kind.derived:
         kind.derived[key] = replay_schedule(kind.sizes, order, grads_count=grads_count, backward=kind.backward)
     moments, in_flight = kind.derived[key]
