@@ -675,6 +675,7 @@ BAD = [
     (["--calibrate"], "--calibrate writes the rates it measures to --calibration FILE"),
     (["--world_size", "4", "--num_experts_per_tok", "2"], "mixture-of-experts fields need use_moe (--use_moe)"),
     (["--world_size", "4", "--use_moe", "--num_experts_per_tok", "8"], "num_experts_per_tok must be <= num_experts"),
+    (["--world_size", "4", "--processes", "0"], "processes must be >= 1; got processes=0"),
 ]
 
 
@@ -868,3 +869,52 @@ def test_the_jsons_rows_made_as_text_are_json_dumps_of_the_rows(tmp_path):
         assert path.read_text() == json.dumps(out) and len(out["layouts"]) > 100
     parts = (("python", "-m"), ("--name", 'say "hi"', "back\\slash", "caf\u00e9"), ())
     assert plan_task.json_command(parts) == json.dumps(plan_task.shell_join_parts(*parts))
+
+
+def test_a_plan_predicted_by_forked_processes_is_the_plan_of_one():
+    """plan(processes=3): the layouts cut in three contiguous parts, two predicted in forked children
+    (planning/forked.py); every entry, its order and the cuts are those of one process."""
+    hw = GPU_PROFILES["H100"]
+
+    def entries(result):
+        return [(e.candidate, e.peak_bytes, e.breakdown, vars(e.time), e.tokens_per_s, e.mfu)
+                for e in result.fitting + result.over_budget]
+
+    one, three = (plan(WORK, hw, device="cuda", budget_bytes=70_600_000, processes=n) for n in (1, 3))
+    assert entries(three) == entries(one) and three.cuts == one.cuts and one.fitting and one.over_budget
+
+
+def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
+    """A child's error is raised in the parent; an error of the parent's own part ends the children
+    still running (one sleeps); either way every child is reaped."""
+    import os
+    import time
+    from minimind_parallel.planning import forked
+    pids, fork = [], forked._fork
+
+    def recorded(fn, part):
+        pid, fd = fork(fn, part)
+        pids.append(pid)
+        return pid, fd
+    monkeypatch.setattr(forked, "_fork", recorded)
+
+    def child_fails(x):
+        if x == 5:
+            raise ValueError(f"item {x}")
+        return x * x
+    assert forked.forked_map(child_fails, range(4), [0, 2, 4]) == [0, 1, 4, 9]
+    with pytest.raises(ValueError, match="item 5"):
+        forked.forked_map(child_fails, range(8), [0, 4, 8])
+
+    def parent_fails(x):
+        if x >= 4:
+            time.sleep(60)
+        raise KeyError(x)
+    start = time.monotonic()
+    with pytest.raises(KeyError):
+        forked.forked_map(parent_fails, range(8), [0, 4, 8])
+    assert time.monotonic() - start < 30 and len(pids) == 3
+    for pid in pids:   # reaped: no child of that pid is left
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    assert forked.split([1, 1, 1, 1, 4], 2) == [0, 4, 5] and forked.split([1, 1], 3) == [0, 1, 2, 2]

@@ -11,6 +11,7 @@ from ..memory import predict_memory
 from ..memory.allocator import CudaSetup
 from ..pipeline_parallel.order import Schedule
 from .allocator_rounding import rounding_bytes
+from .forked import forked_map, split, usable_cpus
 from .hardware import Hardware
 from .space import Candidate, Cut, Workload, enumerate_layouts
 from .time_model import StepTime, expert_params, step_time
@@ -83,17 +84,38 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
     return PlanEntry(candidate=k, peak_bytes=peak, breakdown=breakdown, time=t, tokens_per_s=tokens_per_s, mfu=mfu)
 
 
-def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int) -> Plan:
+# a space of fewer layouts is predicted in this process alone (a fork and the pickled results cost
+# more than its share saves)
+FORK_FROM = 2000
+MAX_PROCESSES = 4   # each shares fewer remembered sizes with the others
+
+
+def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes: int | None = None) -> Plan:
     """Every layout of the space (space.enumerate_layouts), each that passes its constraints
-    predicted; the ones within `budget_bytes` per rank ranked by tokens/s."""
+    predicted; the ones within `budget_bytes` per rank ranked by tokens/s. `processes`: how many
+    processes predict them (forked.py; default: this machine's CPUs, up to MAX_PROCESSES, for a
+    space of FORK_FROM layouts or more), each a contiguous part of about equal cost."""
     valid, cuts = enumerate_layouts(w)
     result = Plan(workload=w, hardware=hw, budget_bytes=budget_bytes, cuts=cuts)
     flops = model_flops_per_token(w)
     workspaces = workspace_bytes(hw) if device == "cuda" else 0
-    memo: dict = {}   # step_time's: of this workload and hardware
-    for k in valid:
-        e = evaluate(k, w, hw, device, flops, workspaces, memo)
+    memo: dict = {}   # step_time's: of this workload and hardware (each process its own)
+    if processes is None:
+        processes = min(MAX_PROCESSES, usable_cpus()) if len(valid) >= FORK_FROM else 1
+    entries = forked_map(lambda k: evaluate(k, w, hw, device, flops, workspaces, memo), valid,
+                         split([_cost(k) for k in valid], processes))
+    for e in entries:
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
     result.over_budget.sort(key=lambda e: e.peak_bytes)
     return result
+
+
+def _cost(k: Candidate) -> int:
+    """About how long a layout's prediction takes: its stages predicted (predict.candidate_stages),
+    a posted schedule's (interleaved, zb) each over its chunks."""
+    if k.pp == 1:
+        return 2
+    if k.pp_schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        return 2 + min(k.pp, 3)
+    return 2 + 2 * k.pp

@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
                         "parameters cannot take AdamW steps)")
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--global_batch_size", type=int, default=16, help="rows per optimizer step over every replica")
+    p.add_argument("--processes", type=int, default=None,
+                   help="processes that predict the layouts (default: this machine's CPUs, up to 4, for a space of "
+                        "thousands; planning/forked.py)")
     p.add_argument("--top", type=int, default=10, help="fitting layouts printed (the JSON has all)")
     p.add_argument("--output_json", default=None, help="default results/plan_<time>.json")
     p.add_argument("--output_plot", default=None, help="default: beside the JSON (PNG)")
@@ -146,6 +149,8 @@ def check(job: Job) -> None:
     check_at_least(args, 1, ("world_size", "nnodes", "global_batch_size", "top", "num_hidden_layers", "validate_iters",
                              "validate_rounds"))
     check_at_least(args, 0, ("validate",))
+    if args.processes is not None:
+        check_at_least(args, 1, ("processes",))
     if args.validate and args.nnodes > 1:
         raise ConfigError(f"--validate runs its cells on this machine, one node; got --nnodes {args.nnodes}")
     if args.world_size % args.nnodes:
@@ -450,7 +455,8 @@ def launch_plan(job: Job) -> int:
         return 0
     t0 = time.perf_counter()
     hw = hardware_of(args)
-    result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB))
+    result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB),
+                  processes=args.processes)
     seconds = time.perf_counter() - t0
     print_plan(result, args, hw, seconds)
     validation = validate(result, args) if args.validate else None

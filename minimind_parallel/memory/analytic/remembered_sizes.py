@@ -13,7 +13,6 @@ of its kind, so each `StageSizes.par` is that layout's.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 from ...config import MiniMindConfig, ParallelConfig
 from ...memo import Frozen
@@ -50,7 +49,7 @@ def stage_kind(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *
     same (not --zero 3: its replay reads other sizes). `memo`: one layout's."""
     if "stage" not in memo:
         zero = 0 if par.pp > 1 else min(par.zero, 1)     # DDP's buckets: only one stage, without --zero
-        memo["stage"] = (model_key(c, memo), Frozen(par if par.zero == zero else replace(par, zero=zero)))
+        memo["stage"] = (model_key(c, memo), Frozen(par, zero=zero))
     model, shape = memo["stage"]
     return _stage_kind(model, shape, stage, tuple(sorted(kw.items())))
 
@@ -76,27 +75,28 @@ def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, 
     (--loss_chunks, --vocab_parallel: the head on the last) and the embedding's (--vocab_parallel:
     the first): so a kind is remembered without them (`chunk_shape`), and the layouts that differ
     only there share it."""
-    if "chunked" not in memo:   # each chunk a stage of the pipeline of P V stages
-        chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1, zero=0, dp=1)
-        memo["chunked"] = (model_key(c, memo), chunked, tuple(sorted({**kw, "num_microbatches": 1}.items())))
-    model, chunked, rest = memo["chunked"]
+    if "chunked" not in memo:
+        memo["chunked"] = (model_key(c, memo), tuple(sorted({**kw, "num_microbatches": 1}.items())))
+    model, rest = memo["chunked"]
     out = []
     for vs, kind in _virtual_stages(c.num_hidden_layers, par.pp, par.virtual_stages, stage):
         if (kind, cp_rank) not in memo:
             first, last, _ = kind
             if ("shape", first, last) not in memo:
-                memo["shape", first, last] = Frozen(chunk_shape(chunked, first, last))
+                memo["shape", first, last] = Frozen(par, **chunk_shape(par, first, last))
             memo[kind, cp_rank] = _stage_kind(model, memo["shape", first, last], vs, (("cp_rank", cp_rank), *rest))
         out.append(memo[kind, cp_rank])
     return out
 
 
-def chunk_shape(chunked: ParallelConfig, first: bool, last: bool) -> ParallelConfig:
-    """The layout a chunk's kind is remembered on: the loss's flags only on the last virtual stage,
-    --vocab_parallel on the first and the last (the embedding, the head)."""
+def chunk_shape(par: ParallelConfig, first: bool, last: bool) -> dict:
+    """What a chunk's kind is remembered on, as changes to its layout `par`: the chunk a stage of
+    the pipeline of P V stages (no DDP, no --zero), the loss's flags only on the last virtual
+    stage, --vocab_parallel on the first and the last (the embedding, the head)."""
+    chunked = dict(pp=par.pp * par.virtual_stages, virtual_stages=1, zero=0, dp=1)
     if last:
         return chunked
-    return replace(chunked, loss_chunks=1, vocab_parallel=chunked.vocab_parallel and first)
+    return {**chunked, "loss_chunks": 1, "vocab_parallel": par.vocab_parallel and first}
 
 
 @functools.lru_cache(maxsize=4096)
