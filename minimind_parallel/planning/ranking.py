@@ -4,6 +4,8 @@ rounding, estimated by allocator_rounding.py) and step time
 (time_model.py), the fitting ones ranked by predicted tokens/s, the others with why they were cut."""
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 
 from ..config import DTYPES
@@ -102,13 +104,28 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes
     memo: dict = {}   # step_time's: of this workload and hardware (each process its own)
     if processes is None:
         processes = min(MAX_PROCESSES, usable_cpus()) if len(valid) >= FORK_FROM else 1
-    entries = forked_map(lambda k: evaluate(k, w, hw, device, flops, workspaces, memo), valid,
-                         split([_cost(k) for k in valid], processes))
+    with paused_collector():
+        entries = forked_map(lambda k: evaluate(k, w, hw, device, flops, workspaces, memo), valid,
+                             split([_cost(k) for k in valid], processes))
     for e in entries:
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
     result.over_budget.sort(key=lambda e: e.peak_bytes)
     return result
+
+
+@contextlib.contextmanager
+def paused_collector():
+    """Python's cyclic garbage collector paused (and then as it was): the predictions make millions of
+    objects in no cycle (sizes, moments, entries), and each collection it would start walks every
+    object alive -- a sixth of the plan's time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _cost(k: Candidate) -> int:

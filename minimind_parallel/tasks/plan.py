@@ -34,6 +34,7 @@ from ..options import (PRESETS, Parser, add_moe_args, check_at_least, check_numb
 from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
+from ..planning.ranking import paused_collector
 from ..planning.space import DOMINATED, Candidate, flag_names
 from .benchmark.command import BatchPolicy, Kind
 from .benchmark.outputs import Status
@@ -374,7 +375,8 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
         out["validation"] = validation
     # dumps without indent (the C encoder), the layouts' rows made as text (layout_json) in their place
     head, tail = json.dumps(out).split(json.dumps(LAYOUTS))
-    rows = ", ".join(layout_json(e, args, hw, words) for e in result.fitting)
+    with paused_collector():   # tens of thousands of rows, no cycle among them
+        rows = ", ".join(layout_json(e, args, hw, words) for e in result.fitting)
     with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write(f"{head}[{rows}]{tail}")
 
