@@ -918,3 +918,17 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
     assert forked.split([1, 1, 1, 1, 4], 2) == [0, 4, 5] and forked.split([1, 1], 3) == [0, 1, 2, 2]
+
+
+def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeypatch):
+    """`python -m evaluation.parallel` exits with main()'s code after gc.freeze (the collector kept from
+    walking a plan's remembered objects at exit); plan() itself pauses it and leaves it as it was."""
+    import gc
+    monkeypatch.setattr(cli, "main", lambda: 7)
+    try:
+        assert cli.process_main() == 7 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert gc.isenabled()
+    plan(WORK, GPU_PROFILES["H100"], device="cpu", budget_bytes=2**40)
+    assert gc.isenabled()

@@ -375,8 +375,7 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
         out["validation"] = validation
     # dumps without indent (the C encoder), the layouts' rows made as text (layout_json) in their place
     head, tail = json.dumps(out).split(json.dumps(LAYOUTS))
-    with paused_collector():   # tens of thousands of rows, no cycle among them
-        rows = ", ".join(layout_json(e, args, hw, words) for e in result.fitting)
+    rows = ", ".join(layout_json(e, args, hw, words) for e in result.fitting)
     with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write(f"{head}[{rows}]{tail}")
 
@@ -462,8 +461,9 @@ def launch_plan(job: Job) -> int:
     seconds = time.perf_counter() - t0
     print_plan(result, args, hw, seconds)
     validation = validate(result, args) if args.validate else None
-    write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
-    write_plot(args.output_plot, result)
+    with paused_collector():   # the rows and the plot make no cycle worth a walk over the plan's millions of objects
+        write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
+        write_plot(args.output_plot, result)
     print(f"plan: wrote {args.output_json}, {args.output_plot}")
     return 0
 
