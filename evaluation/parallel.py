@@ -3,7 +3,7 @@
 Forwards to minimind_parallel's command line (also `python -m minimind_parallel`)."""
 import sys
 
-from minimind_parallel.cli import main
+from minimind_parallel.cli import process_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(process_main())

@@ -763,6 +763,7 @@ BAD = [
     (["--calibrate"], "--calibrate writes the rates it measures to --calibration FILE"),
     (["--world_size", "4", "--num_experts_per_tok", "2"], "mixture-of-experts fields need use_moe (--use_moe)"),
     (["--world_size", "4", "--use_moe", "--num_experts_per_tok", "8"], "num_experts_per_tok must be <= num_experts"),
+    (["--world_size", "4", "--processes", "0"], "processes must be >= 1; got processes=0"),
 ]
 
 
@@ -904,3 +905,118 @@ def test_a_replay_remembered_for_one_zero_level_gives_the_others_their_own_predi
                 every, alone = predict_memory(WORK.model, par, **kw), predict_memory(WORK.model, par, worst_only=True, **kw)
                 assert {**asdict(alone), "candidates": None, "per_stage": None} == \
                     {**asdict(every), "candidates": None, "per_stage": None}, (k.describe(), z)
+
+
+def test_a_chunk_kind_shared_across_layouts_gives_each_chunk_its_own_terms():
+    """A model chunk's kind is remembered without the step's microbatches, and but on the virtual
+    stage that holds them without the loss's and the embedding's flags (remembered_sizes.chunk_kinds):
+    across a spread of interleaved and zb layouts, predicted in one process so that layouts differing
+    only there share kinds, every chunk's remembered terms are those of its own sizes (chunk_sizes)."""
+    from minimind_parallel.memory.analytic.posted_replay import unit_terms
+    from minimind_parallel.memory.analytic.remembered_sizes import chunk_kinds
+    from minimind_parallel.memory.analytic.stage_sizes import chunk_sizes
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
+    posted = [k for k in enumerate_layouts(work)[0][::3]
+              if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
+    owners: dict = {}
+    for k in posted:
+        kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
+                  dtype=torch.bfloat16)
+        zb, memo = k.pp_schedule is Schedule.ZERO_BUBBLE, {}
+        for stage in range(k.pp):
+            for r in range(1 if k.cp_load_balance else k.cp):
+                own = chunk_sizes(work.model, k.parallel, stage, cp_rank=r, **kw)
+                for kind, sizes in zip(chunk_kinds(work.model, k.parallel, stage, memo, cp_rank=r, **kw), own):
+                    assert kind.terms(zb) == unit_terms(sizes, zb), (k.describe(), stage, r)
+                    owners.setdefault(id(kind), set()).add((k.num_microbatches, k.loss_chunks, k.vocab_parallel))
+    # kinds shared across the microbatches, the loss chunks and --vocab_parallel, each
+    for field in range(3):
+        assert any(len({o[field] for o in v}) > 1 for v in owners.values()), field
+
+
+def test_the_jsons_rows_made_as_text_are_json_dumps_of_the_rows(tmp_path):
+    """write_json makes each layout's row as text from remembered pieces (the flags', the commands'
+    parts): the file is json.dumps of the whole result with layout_row's rows, to the byte, for the
+    dense and the MoE plans on 2 nodes; and a command's text is json.dumps of it for words that
+    JSON escapes (quotes, backslashes, a non-ASCII letter)."""
+    from minimind_parallel.tasks import plan as plan_task
+    for extra in ([], MOE_ARGS):
+        argv = ["--world_size", "4", "--nnodes", "2", "--device", "cuda", "--device_memory_gib", "24", *TINY_ARGS, *extra]
+        args = plan_task.parser().parse_args(argv)
+        hw = plan_task.hardware_of(args)
+        result = plan(plan_task.workload_of(args), hw, device="cuda", budget_bytes=2**40)
+        path = tmp_path / "plan.json"
+        plan_task.write_json(str(path), result, args, hw, 1.5, tuple(argv), {"spearman": 0.5})
+        out = {"command": [*plan_task.program_name().split(), *argv], "workload": None, "hardware": hw.to_json(),
+               "candidates": result.candidates, "seconds": 1.5,
+               "layouts": [plan_task.layout_row(e, args, hw) for e in result.fitting]}
+        written = json.loads(path.read_text())
+        out["workload"] = written["workload"]
+        out.update(cut=plan_task.cut_summary(result), notes=plan_task.notes(args), validation={"spearman": 0.5})
+        assert path.read_text() == json.dumps(out) and len(out["layouts"]) > 100
+    parts = (("python", "-m"), ("--name", 'say "hi"', "back\\slash", "caf\u00e9"), ())
+    assert plan_task.json_command(parts) == json.dumps(plan_task.shell_join_parts(*parts))
+
+
+def test_a_plan_predicted_by_forked_processes_is_the_plan_of_one():
+    """plan(processes=3): the layouts cut in three contiguous parts, two predicted in forked children
+    (planning/forked.py); every entry, its order and the cuts are those of one process."""
+    hw = GPU_PROFILES["H100"]
+
+    def entries(result):
+        return [(e.candidate, e.peak_bytes, e.breakdown, vars(e.time), e.tokens_per_s, e.mfu)
+                for e in result.fitting + result.over_budget]
+
+    one, three = (plan(WORK, hw, device="cuda", budget_bytes=70_600_000, processes=n) for n in (1, 3))
+    assert entries(three) == entries(one) and three.cuts == one.cuts and one.fitting and one.over_budget
+
+
+def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
+    """A child's error is raised in the parent; an error of the parent's own part ends the children
+    still running (one sleeps); either way every child is reaped."""
+    import os
+    import time
+    from minimind_parallel.planning import forked
+    pids, fork = [], forked._fork
+
+    def recorded(fn, part):
+        pid, fd = fork(fn, part)
+        pids.append(pid)
+        return pid, fd
+    monkeypatch.setattr(forked, "_fork", recorded)
+
+    def child_fails(x):
+        if x == 5:
+            raise ValueError(f"item {x}")
+        return x * x
+    assert forked.forked_map(child_fails, range(4), [0, 2, 4]) == [0, 1, 4, 9]
+    with pytest.raises(ValueError, match="item 5"):
+        forked.forked_map(child_fails, range(8), [0, 4, 8])
+
+    def parent_fails(x):
+        if x >= 4:
+            time.sleep(60)
+        raise KeyError(x)
+    start = time.monotonic()
+    with pytest.raises(KeyError):
+        forked.forked_map(parent_fails, range(8), [0, 4, 8])
+    assert time.monotonic() - start < 30 and len(pids) == 3
+    for pid in pids:   # reaped: no child of that pid is left
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    assert forked.split([1, 1, 1, 1, 4], 2) == [0, 4, 5] and forked.split([1, 1], 3) == [0, 1, 2, 2]
+
+
+def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeypatch):
+    """`python -m evaluation.parallel` exits with main()'s code after gc.freeze (the collector kept from
+    walking a plan's remembered objects at exit); plan() itself pauses it and leaves it as it was."""
+    import gc
+    monkeypatch.setattr(cli, "main", lambda: 7)
+    try:
+        assert cli.process_main() == 7 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert gc.isenabled()
+    plan(WORK, GPU_PROFILES["H100"], device="cpu", budget_bytes=2**40)
+    assert gc.isenabled()

@@ -16,6 +16,7 @@ calibrated time model, ranked by predicted tokens/s (docs/planning.md).
     op_count.py     `OpCount`: a step's dispatched ops by what the time model costs (GEMM FLOPs,
                     memory-bound bytes, attention, views, collectives); calibrate's and the tests'
     agreement.py    predicted against measured: MAPE, Spearman's rank correlation
+    forked.py       `forked_map`: the layouts' predictions in forked processes, the results in order
 """
 from .hardware import GPU_PROFILES, Hardware, Link
 from .ranking import Plan, PlanEntry, plan

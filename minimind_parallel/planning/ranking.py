@@ -4,6 +4,8 @@ rounding, estimated by allocator_rounding.py) and step time
 (time_model.py), the fitting ones ranked by predicted tokens/s, the others with why they were cut."""
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 
 from ..config import DTYPES
@@ -13,6 +15,7 @@ from ..memory.analytic.stage_sizes import stage_parameter_counts
 from ..moe.placement import local_experts
 from ..pipeline_parallel.order import Schedule
 from .allocator_rounding import rounding_bytes
+from .forked import forked_map, split, usable_cpus
 from .hardware import Hardware
 from .space import Candidate, Cut, Workload, enumerate_layouts
 from .time_model import StepTime, expert_params, step_time
@@ -63,11 +66,13 @@ def workspace_bytes(hw: Hardware) -> int:
 def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_token: float,
              workspaces: int = 0, memo: dict | None = None) -> PlanEntry:
     """Layout `k`'s predicted peak and step; on CUDA at the allocator level (`workspaces` bytes of cuBLAS
-    workspaces, the estimated block rounding). `memo`: the time model's, across one plan's layouts."""
+    workspaces, the estimated block rounding). `k` is one of the space's (space.check_candidate passed
+    it: not checked again). `memo`: the time model's, across one plan's layouts."""
     par = k.parallel
     pred = predict_memory(w.model, par, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
                           dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
-                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True)
+                          schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True,
+                          checked=True)   # space.check_candidate's
     breakdown = dict(pred.breakdown)
     peak = pred.peak_bytes
     if device == "cuda":
@@ -95,17 +100,53 @@ def stage_parameters(pred: MemoryPrediction, k: Candidate, w: Workload) -> tuple
     return pred.breakdown["params"] // DTYPES[w.dtype].itemsize - rope, 0
 
 
-def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int) -> Plan:
+# a space of fewer layouts is predicted in this process alone (a fork and the pickled results cost
+# more than its share saves)
+FORK_FROM = 2000
+MAX_PROCESSES = 4   # each shares fewer remembered sizes with the others
+
+
+def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes: int | None = None) -> Plan:
     """Every layout of the space (space.enumerate_layouts), each that passes its constraints
-    predicted; the ones within `budget_bytes` per rank ranked by tokens/s."""
+    predicted; the ones within `budget_bytes` per rank ranked by tokens/s. `processes`: how many
+    processes predict them (forked.py; default: this machine's CPUs, up to MAX_PROCESSES, for a
+    space of FORK_FROM layouts or more), each a contiguous part of about equal cost."""
     valid, cuts = enumerate_layouts(w)
     result = Plan(workload=w, hardware=hw, budget_bytes=budget_bytes, cuts=cuts)
     flops = model_flops_per_token(w)
     workspaces = workspace_bytes(hw) if device == "cuda" else 0
-    memo: dict = {}   # step_time's: of this workload and hardware
-    for k in valid:
-        e = evaluate(k, w, hw, device, flops, workspaces, memo)
+    memo: dict = {}   # step_time's: of this workload and hardware (each process its own)
+    if processes is None:
+        processes = min(MAX_PROCESSES, usable_cpus()) if len(valid) >= FORK_FROM else 1
+    with paused_collector():
+        entries = forked_map(lambda k: evaluate(k, w, hw, device, flops, workspaces, memo), valid,
+                             split([_cost(k) for k in valid], processes))
+    for e in entries:
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
     result.over_budget.sort(key=lambda e: e.peak_bytes)
     return result
+
+
+@contextlib.contextmanager
+def paused_collector():
+    """Python's cyclic garbage collector paused (and then as it was): the predictions make millions of
+    objects in no cycle (sizes, moments, entries), and each collection it would start walks every
+    object alive -- a sixth of the plan's time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _cost(k: Candidate) -> int:
+    """About how long a layout's prediction takes: its stages predicted (predict.candidate_stages),
+    a posted schedule's (interleaved, zb) each over its chunks."""
+    if k.pp == 1:
+        return 2
+    if k.pp_schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        return 2 + min(k.pp, 3)
+    return 2 + 2 * k.pp

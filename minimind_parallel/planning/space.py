@@ -78,7 +78,7 @@ class Candidate:
     @property
     def flags(self) -> dict:
         """Everything but the grid, as the command line names it."""
-        return {name: getattr(self, name) for name in _flag_names()}
+        return {name: getattr(self, name) for name in flag_names()}
 
     def describe(self) -> str:
         on = [name for name in ("sequence_parallel", "async_communication", "shared_sp_gather", "vocab_parallel",
@@ -102,7 +102,7 @@ class Candidate:
 
 
 @functools.cache
-def _flag_names() -> tuple[str, ...]:
+def flag_names() -> tuple[str, ...]:
     """Candidate's fields but the grid, in order (read for every layout of a plan)."""
     return tuple(f.name for f in fields(Candidate) if f.name not in Candidate.GRID)
 

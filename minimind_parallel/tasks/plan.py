@@ -34,7 +34,8 @@ from ..options import (PRESETS, Parser, add_moe_args, check_at_least, check_numb
 from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
-from ..planning.space import DOMINATED, Candidate
+from ..planning.ranking import paused_collector
+from ..planning.space import DOMINATED, Candidate, flag_names
 from .benchmark.command import BatchPolicy, Kind
 from .benchmark.outputs import Status
 from .export import check_single_process
@@ -45,6 +46,8 @@ GIB, MIB = 2**30, 2**20
 PROGRAM = ("python", "-m", "evaluation.parallel")
 # the corpus and tokenizer of README's Train section, which a train command reads
 TRAIN_DATA = ("--data_path", "data/stdlib.jsonl", "--tokenizer_path", "data/tokenizer")
+# where write_json puts the layouts' rows (no other string of the JSON holds a NUL)
+LAYOUTS = "\0layouts\0"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
                         "parameters cannot take AdamW steps)")
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--global_batch_size", type=int, default=16, help="rows per optimizer step over every replica")
+    p.add_argument("--processes", type=int, default=None,
+                   help="processes that predict the layouts (default: this machine's CPUs, up to 4, for a space of "
+                        "thousands; planning/forked.py)")
     p.add_argument("--top", type=int, default=10, help="fitting layouts printed (the JSON has all)")
     p.add_argument("--output_json", default=None, help="default results/plan_<time>.json")
     p.add_argument("--output_plot", default=None, help="default: beside the JSON (PNG)")
@@ -144,6 +150,8 @@ def check(job: Job) -> None:
     check_at_least(args, 1, ("world_size", "nnodes", "global_batch_size", "top", "num_hidden_layers", "validate_iters",
                              "validate_rounds"))
     check_at_least(args, 0, ("validate",))
+    if args.processes is not None:
+        check_at_least(args, 1, ("processes",))
     if args.validate and args.nnodes > 1:
         raise ConfigError(f"--validate runs its cells on this machine, one node; got --nnodes {args.nnodes}")
     if args.world_size % args.nnodes:
@@ -227,21 +235,28 @@ def benchmark_mode(k: Candidate) -> str:
 
 def train_command(k: Candidate, args, model: list[str] | None = None) -> str:
     """`model`: model_argv(args), if made already (the plan's thousands of commands share it)."""
-    return shell_join_parts((*PROGRAM, "train", *launcher_argv(k, args.device, args.nnodes)),
-                            ("--", *TRAIN_DATA, *(model or model_argv(args)), "--max_seq_len", str(args.seq_len)),
-                            ("--batch_size", str(k.micro_batch_size), "--accumulation_steps", str(k.num_microbatches),
-                             "--dtype", args.dtype, "--precision", "pure"),
-                            tuple(flag_argv(k)))
+    return shell_join_parts(*train_parts(k, args, model))
 
 
-def cell_parts(k: Candidate, args, *, kind: Kind, device: str, model: list[str] | None = None) -> tuple[tuple, ...]:
+def train_parts(k: Candidate, args, model: list[str] | None = None,
+                flags: tuple[str, ...] | None = None) -> tuple[tuple, ...]:
+    """train_command's words in parts that many layouts share; `flags`: tuple(flag_argv(k)), if made."""
+    return ((*PROGRAM, "train", *launcher_argv(k, args.device, args.nnodes)),
+            ("--", *TRAIN_DATA, *(model or model_argv(args)), "--max_seq_len", str(args.seq_len)),
+            ("--batch_size", str(k.micro_batch_size), "--accumulation_steps", str(k.num_microbatches),
+             "--dtype", args.dtype, "--precision", "pure"),
+            flags if flags is not None else tuple(flag_argv(k)))
+
+
+def cell_parts(k: Candidate, args, *, kind: Kind, device: str, model: list[str] | None = None,
+               flags: tuple[str, ...] | None = None) -> tuple[tuple, ...]:
     """The benchmark cell of layout `k` (its preset, sizes and flags; one row per DP replica's microbatch),
-    its words in parts that many layouts share."""
+    its words in parts that many layouts share; `flags`: tuple(flag_argv(k)), if made already."""
     return (("benchmark", "--kind", str(kind), *launcher_argv(k, device, 1)),
             ("--", "--modes", benchmark_mode(k), *(model or model_argv(args)), "--seq_len", str(args.seq_len)),
             ("--micro_batch_size", str(k.micro_batch_size), "--num_microbatches", str(k.num_microbatches),
              *(["--batch_policy", str(BatchPolicy.FIXED_PER_RANK)] if kind == Kind.MEMORY else []), "--dtype", args.dtype),
-            tuple(flag_argv(k)))
+            flags if flags is not None else tuple(flag_argv(k)))
 
 
 def cell_argv(k: Candidate, args, *, kind: Kind, device: str, model: list[str] | None = None) -> list[str]:
@@ -250,9 +265,15 @@ def cell_argv(k: Candidate, args, *, kind: Kind, device: str, model: list[str] |
 
 
 def estimate_command(k: Candidate, args, hw, model: list[str] | None = None) -> str:
+    return shell_join_parts(*estimate_parts(k, args, hw, model))
+
+
+def estimate_parts(k: Candidate, args, hw, model: list[str] | None = None,
+                   flags: tuple[str, ...] | None = None) -> tuple[tuple, ...]:
+    """estimate_command's words in parts (cell_parts')."""
     cap = hw.cuda_capability or (9, 0)
-    return shell_join_parts(PROGRAM, *cell_parts(k, args, kind=Kind.MEMORY, device="cuda", model=model),
-                            ("--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"))
+    return (PROGRAM, *cell_parts(k, args, kind=Kind.MEMORY, device="cuda", model=model, flags=flags),
+            ("--estimate", "--cuda_capability", f"{cap[0]}.{cap[1]}"))
 
 
 def shell_join(argv: list[str]) -> str:
@@ -271,6 +292,17 @@ def _joined(part: tuple[str, ...]) -> str:
     return shell_join(part)
 
 
+def json_command(parts: tuple[tuple[str, ...], ...]) -> str:
+    """json.dumps(shell_join_parts(*parts)): JSON escapes each character alone, so the command's
+    text is its parts' texts joined, each part's remembered."""
+    return '"' + " ".join(_json_joined(part) for part in parts if part) + '"'
+
+
+@functools.lru_cache(maxsize=4096)
+def _json_joined(part: tuple[str, ...]) -> str:
+    return json.dumps(shell_join(part))[1:-1]
+
+
 @functools.lru_cache(maxsize=4096)
 def _quoted(word: str) -> str:
     return shlex.quote(word)
@@ -280,12 +312,38 @@ def _quoted(word: str) -> str:
 
 def layout_row(e, args, hw, model: list[str] | None = None) -> dict:
     k = e.candidate
-    return {"tp": k.tp, "pp": k.pp, "cp": k.cp, "dp": k.dp, "ep": k.ep, "zero": k.zero,
-            "flags": {n: (str(v) if not isinstance(v, (bool, int)) else v) for n, v in k.flags.items()},
-            "predicted_peak_mib": e.peak_bytes / MIB, "predicted_step_ms": e.step_ms,
+    return {"tp": k.tp, "pp": k.pp, "cp": k.cp, "dp": k.dp, "ep": k.ep, "zero": k.zero, "flags": _flag_values(k.flags),
+            **_predicted(e), "train_command": train_command(k, args, model),
+            "estimate_command": estimate_command(k, args, hw, model)}
+
+
+def _flag_values(flags: dict) -> dict:
+    return {n: (str(v) if not isinstance(v, (bool, int)) else v) for n, v in flags.items()}
+
+
+def _predicted(e) -> dict:
+    return {"predicted_peak_mib": e.peak_bytes / MIB, "predicted_step_ms": e.step_ms,
             "predicted_tokens_per_s": e.tokens_per_s, "predicted_mfu": e.mfu,
-            "breakdown_mib": {c: v / MIB for c, v in e.breakdown.items()}, "time_ms": e.time.as_ms(),
-            "train_command": train_command(k, args, model), "estimate_command": estimate_command(k, args, hw, model)}
+            "breakdown_mib": {c: v / MIB for c, v in e.breakdown.items()}, "time_ms": e.time.as_ms()}
+
+
+def layout_json(e, args, hw, model: list[str] | None = None) -> str:
+    """json.dumps(layout_row(e, ...)), made from remembered texts: the flags' (layouts share them)
+    and the two commands' parts (the JSON's tens of megabytes are mostly these commands)."""
+    k = e.candidate
+    values = tuple(getattr(k, name) for name in flag_names())
+    flags = tuple(flag_argv(k))
+    return (f'{{"tp": {k.tp:d}, "pp": {k.pp:d}, "cp": {k.cp:d}, "dp": {k.dp:d}, "ep": {k.ep:d}, "zero": {k.zero:d}, '
+            f'"flags": {_flags_json(values, tuple(map(type, values)))}, {json.dumps(_predicted(e))[1:-1]}, '
+            f'"train_command": {json_command(train_parts(k, args, model, flags))}, '
+            f'"estimate_command": {json_command(estimate_parts(k, args, hw, model, flags))}}}')
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _flags_json(values: tuple, types: tuple) -> str:
+    """The JSON text of a layout's flags (`values` of Candidate's flag fields in order; `types`
+    theirs, so that True and 1 are two keys)."""
+    return json.dumps(_flag_values(dict(zip(flag_names(), values))))
 
 
 def cut_summary(result) -> list[dict]:
@@ -312,12 +370,14 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
                         "global_batch_size": args.global_batch_size, "dtype": args.dtype,
                         "model": model_argv(args)},
            "hardware": hw.to_json(), "candidates": result.candidates, "seconds": seconds,
-           "layouts": [layout_row(e, args, hw, words) for e in result.fitting], "cut": cut_summary(result),
-           "notes": notes(args)}
+           "layouts": LAYOUTS, "cut": cut_summary(result), "notes": notes(args)}
     if validation is not None:
         out["validation"] = validation
+    # dumps without indent (the C encoder), the layouts' rows made as text (layout_json) in their place
+    head, tail = json.dumps(out).split(json.dumps(LAYOUTS))
+    rows = ", ".join(layout_json(e, args, hw, words) for e in result.fitting)
     with atomic_path(path) as tmp, open(tmp, "w") as f:
-        f.write(json.dumps(out))   # dumps without indent: the C encoder (thousands of layouts)
+        f.write(f"{head}[{rows}]{tail}")
 
 
 def write_plot(path: str, result) -> None:
@@ -396,12 +456,14 @@ def launch_plan(job: Job) -> int:
         return 0
     t0 = time.perf_counter()
     hw = hardware_of(args)
-    result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB))
+    result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB),
+                  processes=args.processes)
     seconds = time.perf_counter() - t0
     print_plan(result, args, hw, seconds)
     validation = validate(result, args) if args.validate else None
-    write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
-    write_plot(args.output_plot, result)
+    with paused_collector():   # the rows and the plot make no cycle worth a walk over the plan's millions of objects
+        write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
+        write_plot(args.output_plot, result)
     print(f"plan: wrote {args.output_json}, {args.output_plot}")
     return 0
 

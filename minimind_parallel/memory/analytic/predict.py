@@ -57,7 +57,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
                    bucket_size_mb: float = DEFAULT_BUCKET_MB, worst_only: bool = False,
-                   routing: Routing = RoutingPolicy.BALANCED) -> MemoryPrediction:
+                   routing: Routing = RoutingPolicy.BALANCED, checked: bool = False) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
@@ -71,7 +71,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     alone, posted_peak.py), which `candidates` then lists; the prediction is the same. MoE under
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
     tokens per expert, or a list of them, one per microbatch; then the worst EP rank's), said in
-    `routing`."""
+    `routing`. `checked`: the caller has run check_layout and check_schedule on this layout already
+    (the planner's space), not run again."""
     c = model_config
     if par.zero == 3:
         check_composition(par, schedule, num_microbatches)
@@ -82,8 +83,9 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
                                   f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))}")
     if not c.flash_attn:
         raise NotImplementedError("predict_memory: only the flash (scaled_dot_product_attention) path is modelled")
-    check_layout(c, par, seq_len=seq_len)
-    check_schedule(schedule, par, num_microbatches)
+    if not checked:
+        check_layout(c, par, seq_len=seq_len)
+        check_schedule(schedule, par, num_microbatches)
     if par.pp > 1 and schedule not in MODELLED_SCHEDULES:
         raise NotImplementedError(f"predict_memory: the {schedule} schedule is not modelled "
                                   f"({', '.join(map(str, MODELLED_SCHEDULES))} are)")
@@ -161,7 +163,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     # the flat buffers: padding too
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
-    order = stage_order(par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    order_key = (par.pp, stage, num_microbatches, schedule, par.virtual_stages)
+    order = stage_order(*order_key)
     if each is not None and (par.zero == 3 or posted(order)):
         raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
                                   f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
@@ -177,7 +180,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None:   # the first largest moment alone, by the total the peak is taken by
             kinds = chunk_kinds(c, par, stage, memo, **kw)
-            moments, in_flight = posted_peak(s, kinds, (par.pp, stage, num_microbatches, schedule, par.virtual_stages),
+            moments, in_flight = posted_peak(s, kinds, order_key,
                                              grads_count=not layouts)
             chunks = [k.sizes for k in kinds]
         else:
@@ -185,7 +188,8 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
             chunks = chunk_sizes(c, par, stage, **kw)
             moments, in_flight = replay_posted(s, chunks, order, releases)
     else:
-        moments, in_flight = _replayed(kind, order, not layouts) if kind else replay_schedule(s, order, each=each)
+        moments, in_flight = (_replayed(kind, order, order_key, not layouts) if kind
+                              else replay_schedule(s, order, each=each))
         chunks = [each[order[-1].microbatch] if each else s]
     # MoE: each chunk's last received input, past its backward to the step's end (moe_lingering)
     linger = [sum(x) for x in zip((0, 0), *(moe_lingering(cs) for cs in chunks))]
@@ -214,12 +218,12 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     return _peak(s, moments, in_flight, params, states)
 
 
-def _replayed(kind: SizesKind, order: tuple, grads_count: bool) -> tuple[dict, dict]:
+def _replayed(kind: SizesKind, order: tuple, order_key: tuple, grads_count: bool) -> tuple[dict, dict]:
     """replay_schedule of a kind's sizes with only each backward's largest moment (the planner's), once
     per order and grads_count: a kind is one for the zero levels that leave its sizes alone
     (remembered_sizes.stage_kind), and --zero 1 and 2 count no grads there. Its moments a copy: the
-    caller adds the optimizer's."""
-    key = ("replay", order, grads_count)
+    caller adds the optimizer's. `order_key`: what `order` is the stage_order of (a short key)."""
+    key = ("replay", order_key, grads_count)
     if key not in kind.derived:
         kind.derived[key] = replay_schedule(kind.sizes, order, grads_count=grads_count, backward=kind.backward)
     moments, in_flight = kind.derived[key]

@@ -13,7 +13,6 @@ of its kind, so each `StageSizes.par` is that layout's.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 from ...config import MiniMindConfig, ParallelConfig
 from ...memo import Frozen
@@ -50,7 +49,7 @@ def stage_kind(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *
     same (not --zero 3: its replay reads other sizes). `memo`: one layout's."""
     if "stage" not in memo:
         zero = 0 if par.pp > 1 else min(par.zero, 1)     # DDP's buckets: only one stage, without --zero
-        memo["stage"] = (model_key(c, memo), Frozen(par if par.zero == zero else replace(par, zero=zero)))
+        memo["stage"] = (model_key(c, memo), Frozen(par, zero=zero))
     model, shape = memo["stage"]
     return _stage_kind(model, shape, stage, tuple(sorted(kw.items())))
 
@@ -70,22 +69,41 @@ def _stage_kind(model: Frozen, par: Frozen, stage: int, kw: tuple) -> SizesKind:
 def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *, cp_rank: int = 0,
                 **kw) -> list[SizesKind]:
     """stage_sizes.chunk_sizes of stage `stage`, one object per kind of virtual stage (first, last,
-    its layers). `memo`: one layout's, kept across its stages."""
-    if "chunked" not in memo:   # each chunk a stage of the pipeline of P V stages
-        chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1, zero=0, dp=1)
-        memo["chunked"] = (model_key(c, memo), Frozen(chunked), tuple(sorted(kw.items())))
-    model, shape, rest = memo["chunked"]
+    its layers). `memo`: one layout's, kept across its stages. A chunk is read only through its
+    terms (posted_replay.unit_terms), which read neither the step's microbatches (only the stage's
+    own terms do: the batch) nor, but on the virtual stage that holds them, the loss's
+    (--loss_chunks, --vocab_parallel: the head on the last) and the embedding's (--vocab_parallel:
+    the first): so a kind is remembered without them (`chunk_shape`), and the layouts that differ
+    only there share it."""
+    if "chunked" not in memo:
+        memo["chunked"] = (model_key(c, memo), tuple(sorted({**kw, "num_microbatches": 1}.items())))
+    model, rest = memo["chunked"]
     out = []
     for vs, kind in _virtual_stages(c.num_hidden_layers, par.pp, par.virtual_stages, stage):
         if (kind, cp_rank) not in memo:
-            memo[kind, cp_rank] = _stage_kind(model, shape, vs, (("cp_rank", cp_rank), *rest))
+            first, last, _ = kind
+            if ("shape", first, last) not in memo:
+                memo["shape", first, last] = Frozen(par, **chunk_shape(par, first, last))
+            memo[kind, cp_rank] = _stage_kind(model, memo["shape", first, last], vs, (("cp_rank", cp_rank), *rest))
         out.append(memo[kind, cp_rank])
     return out
 
 
+def chunk_shape(par: ParallelConfig, first: bool, last: bool) -> dict:
+    """What a chunk's kind is remembered on, as changes to its layout `par`: the chunk a stage of
+    the pipeline of P V stages (no DDP, no --zero), the loss's flags only on the last virtual
+    stage, --vocab_parallel on the first and the last (the embedding, the head)."""
+    chunked = dict(pp=par.pp * par.virtual_stages, virtual_stages=1, zero=0, dp=1)
+    if last:
+        return chunked
+    return {**chunked, "loss_chunks": 1, "vocab_parallel": par.vocab_parallel and first}
+
+
 @functools.lru_cache(maxsize=4096)
 def _virtual_stages(layers: int, pp: int, virtual_stages: int, stage: int) -> tuple:
-    """Each chunk's virtual stage of `stage` and its kind: (first, last, its layers)."""
+    """Each chunk's virtual stage of `stage` and its kind: (first, last, its layers); a middle one
+    (neither first nor last) as the first middle virtual stage of as many layers, whose sizes are
+    its own (their parameters' names aside)."""
     total = pp * virtual_stages
-    return tuple((vs, (vs == 0, vs == total - 1, len(stage_layers(layers, total, vs))))
-                 for vs in (v * pp + stage for v in range(virtual_stages)))
+    kinds = [(vs == 0, vs == total - 1, len(stage_layers(layers, total, vs))) for vs in range(total)]
+    return tuple((kinds.index(kinds[vs]), kinds[vs]) for vs in (v * pp + stage for v in range(virtual_stages)))
