@@ -148,9 +148,10 @@ def main() -> int:
             sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))
             if par.zero == 2 and par.pp > 1 and sizes["schedule"] in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE):
                 continue   # runs, but predict_memory refuses it (its buckets fill across chunks and microbatches)
-            if par.zero == 3 and (par.pp > 1 or c.use_moe
-                                  or sizes["seq_len"] // par.cp * sizes["micro_batch_size"] < c.hidden_size):
-                continue   # PP: check_layout refuses it; MoE, few tokens: predict_memory (fsdp_replay.check_fully_sharded)
+            if par.zero == 3 and par.pp > 1:
+                continue   # check_layout refuses it
+            if par.zero == 3:
+                par = replace(par, ep=1)   # FSDP2 shards the experts over DP x CP at ep 1 only (check_layout)
             if refused(par, sizes):
                 continue
         try:
