@@ -161,19 +161,23 @@ MOE_FULLY_SHARDED = [
     (dict(num_experts_per_tok=2, moe_intermediate_size=32), torch.bfloat16, 2, 2, "weighting_backward"),
     (dict(num_experts=8, moe_intermediate_size=64), torch.float32, 2, 3, "expert_gather_backward(block 1)"),
     (dict(), torch.bfloat16, 2, 2, "post_norm_backward"),      # the aux loss's saved N and load once
+    # (seq_len, vocab): 8 tokens, a later forward's copy-out of block 0 with the root gathered again
+    (dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=64), torch.float32, 2, 1,
+     "pre_forward(block 0)[1]", 8, 8192),
 ]
 
 
-def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte(monkeypatch):
-    """MiniMind's MoE model under --zero 3 at ep 1 (refused by default: check_fully_sharded): the
-    first block's pre-backward copy-out, the weighting's backward, the tokens' gather backward and
-    the norm after the MoE layer, each at the peak; the same bytes as the tracker on fake tensors."""
-    from minimind_parallel.memory.analytic import predict
-    monkeypatch.setattr(predict, "check_fully_sharded", lambda *args: None)
-    for moe, dtype, microbatches, layers, moment in MOE_FULLY_SHARDED:
-        config = replace(_config(layers, 128, False), use_moe=True, **moe)
+def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte():
+    """MiniMind's MoE model under --zero 3 at ep 1 (without SP, --recompute and CP; once refused):
+    the first block's pre-backward copy-out, the weighting's backward, the tokens' gather backward,
+    the norm after the MoE layer and, with few tokens, a later forward's copy-out (the step's aux
+    tensors of this microbatch not made yet), each at the peak; the same bytes as the tracker on
+    fake tensors."""
+    for moe, dtype, microbatches, layers, moment, *sized in MOE_FULLY_SHARDED:
+        seq_len, vocab = sized or (64, 128)
+        config = replace(_config(layers, vocab, False), use_moe=True, **moe)
         par = ParallelConfig(dp=2, zero=3)
-        kw = dict(seq_len=64, micro_batch_size=1, dtype=dtype, num_microbatches=microbatches)
+        kw = dict(seq_len=seq_len, micro_batch_size=1, dtype=dtype, num_microbatches=microbatches)
         estimate = estimate_step_memory(config, par, iters=1, **kw)
         model = predict_memory(config, par, **kw)
         assert model.peak_at.startswith(moment), (moe, model.peak_at)
@@ -181,7 +185,9 @@ def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte(monkeypa
 
 
 @pytest.mark.parametrize("layout, seq_len, moe, message", [
-    (dict(dp=2, zero=3), 32, True, "--zero 3 (FSDP2) with --use_moe is not modelled"),
+    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 32, True,
+     "--zero 3 (FSDP2) with --use_moe is modelled without --sequence_parallel, --recompute and context "
+     "parallelism; got sequence_parallel=True, recompute=none, cp_size=1"),
     (dict(dp=2, zero=3, recompute="selective"), 32, False,
      "under --recompute selective is modelled at 2 x hidden_size tokens per microbatch on a rank or more; "
      "got seq_len / cp_size * micro_batch_size = 64 < 128"),

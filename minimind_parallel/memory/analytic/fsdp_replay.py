@@ -25,7 +25,7 @@ from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .fsdp_moments import fsdp_block_moments
 from .fsdp_sizes import FsdpSizes, fsdp_sizes
-from .schedule_replay import _moe_per_microbatch, batch_saved, forward_moment, optimizer_step, targets_saved
+from .schedule_replay import _moe_per_microbatch, _not_made_inside_the_loss, batch_saved, forward_moment, optimizer_step, targets_saved
 from .stage_sizes import StageSizes, top_block_acts
 
 
@@ -95,17 +95,19 @@ def _copy_out_moments(s: StageSizes) -> dict:
     return out
 
 
-def _forward_moments(s: StageSizes, z: FsdpSizes, *, fresh_root: bool, seen: bool) -> dict:
+def _forward_moments(s: StageSizes, z: FsdpSizes, *, fresh_root: bool, seen: bool, unmade_state: int = 0) -> dict:
     """The moments FSDP2 adds to a forward: each block's copy-out, the top block's last residual
     add and (--recompute selective, full) its lean SwiGLU. `fresh_root`: the root was gathered for
     this forward (the first, or one after a backward resharded it); `seen`: the blocks' parameters
     were saved by an earlier forward (the tracker files their storage under activations from then
-    on; --recompute full saves none). -> name: (activations, temporaries) beyond what every
-    moment of the forward holds."""
+    on; --recompute full saves none); `unmade_state`: what each MoE layer keeps all step, made by
+    its first forward (not yet at a copy-out before it). -> name: (activations, temporaries)
+    beyond what every moment of the forward holds."""
     # saved before the blocks: CP's RoPE tables of this rank's positions, VP's local ids and mask
     model = s.kinds["model.rope"] + (9 * s.n if s.first and s.par.vocab_parallel else 0)
     full = s.par.recompute == Recompute.FULL
     out = _pre_forward(s, z, model, fresh_root=fresh_root, saved_params=seen and not full)
+    out = {name: (a, t - (s.layers - int(name.split()[-1][:-1])) * unmade_state) for name, (a, t) in out.items()}
     params = (0, z.block) if full else (z.block, 0)    # saved by the block's ops by its end
     acts, temps = _block_forward_end(s)
     out[f"block_forward_end(block {s.layers - 1})"] = (model + acts + params[0], temps + z.block + params[1])
@@ -157,9 +159,12 @@ def _swiglu_forward(s: StageSizes, z: FsdpSizes, *, first_forward: bool) -> tupl
     return s.blocks - gate_up - down, 2 * s.b * s.nn * s.hid + 4 * s.mlp_out + down
 
 
-def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tuple[dict, dict]:
+def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action], moe_step: int = 0,
+                         moe_layer_state: int = 0) -> tuple[dict, dict]:
     """Every moment of the stage's `order` -> (grads, activations, temporaries) under FSDP2, and
-    how many microbatches each finds in flight."""
+    how many microbatches each finds in flight. `moe_step`, `moe_layer_state`: the MoE tensors
+    alive until the step's end and each layer's alive all step, which the caller adds to every
+    moment (moe_sizes.moe_temporaries)."""
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
     last_was_backward = False
     inner, batch = {**_copy_out_moments(s), **_block_moments(s, _backward(s))}, batch_saved(s)
@@ -174,14 +179,19 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tu
             # before the first loss neither the head's weights nor the targets are saved
             root = (z.root - z.root_unsaved, z.root_unsaved) if n_fwd else (0, z.root)
             unsaved = 0 if n_fwd else targets_saved(s)
-            for name, (a, t) in _forward_moments(s, z, fresh_root=fresh, seen=n_fwd > 0).items():
+            # MoE: of the step's aux and objective tensors (moe_sizes.moe_temporaries) this microbatch's
+            # summed aux loss and objective not made yet (nor, in the first forward, its aux share)
+            before_loss = moe_step - (s.f if n_fwd and moe_step else 0)
+            for name, (a, t) in _forward_moments(s, z, fresh_root=fresh, seen=n_fwd > 0,
+                                                 unmade_state=0 if n_fwd else moe_layer_state).items():
                 moments[f"{name}[{i}]"] = (every if n_bwd else 0,
                                            saved - unsaved + n_held * s.held - n_held * s.held_temps + root[0] + a,
-                                           extra + unsaved + n_held * s.held_temps + root[1] + t
+                                           extra + unsaved + n_held * s.held_temps + root[1] + t - before_loss
                                            + _moe_per_microbatch(s, n_fwd, n_held))
                 in_flight[f"{name}[{i}]"] = n_held
             last_was_backward = False
-            _, a, t = forward_moment(s, n_held, 0, saved, extra + _moe_per_microbatch(s, n_fwd, n_held + 1))
+            inside = _not_made_inside_the_loss(s, n_fwd)
+            _, a, t = forward_moment(s, n_held, 0, saved, extra + _moe_per_microbatch(s, n_fwd, n_held + 1) - inside)
             # the top block's all-gather output, kept by FSDP2 until its next all-gather
             moments[f"forward_end[{i}]"] = (every if n_bwd else 0, a + z.root - z.root_unsaved,
                                             t + z.root_unsaved + z.block)
@@ -201,12 +211,13 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tu
     return moments, in_flight
 
 
-def fully_sharded_moments(s: StageSizes, order: list[Action], device: str) -> tuple[dict, dict, int, int]:
+def fully_sharded_moments(s: StageSizes, order: list[Action], device: str,
+                          moe_step: int = 0, moe_layer_state: int = 0) -> tuple[dict, dict, int, int]:
     """The step's moments under FSDP2, the optimizer step's last (AdamW over this rank's shards),
     how many microbatches each finds in flight, this rank's parameter shards and AdamW's states
     (two per shard, and a float32 step counter per parameter on the CPU)."""
     z = fsdp_sizes(s)
-    moments, in_flight = replay_fully_sharded(s, z, order)
+    moments, in_flight = replay_fully_sharded(s, z, order, moe_step, moe_layer_state)
     moments["optimizer"] = optimizer_step(s, list(z.shards), grads=z.params)
     states = 2 * z.params + (4 * len(z.shards) if device == "cpu" else 0)
     return moments, in_flight, z.params, states
@@ -221,8 +232,10 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
     (the attention's q/k/v backward, below hidden_size tokens), --recompute selective (the lean
     pieces' backward, below 2 hidden_size tokens) and full (the re-run block, below hidden_size
     tokens). (PP and EP do not compose with --zero 3: check_layout refuses them.)"""
-    if c.use_moe:
-        raise NotImplementedError("predict_memory: --zero 3 (FSDP2) with --use_moe is not modelled")
+    if c.use_moe and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe is modelled without "
+                                  f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="
+                                  f"{par.sequence_parallel}, recompute={par.recompute}, cp_size={par.cp}")
     if par.sequence_parallel and not par.async_communication and tokens < c.hidden_size:
         raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --sequence_parallel (without "
                                   f"--async_communication) is modelled at hidden_size tokens per microbatch on a rank "
