@@ -14,7 +14,8 @@ if any differs.
 
 --min_tokens_per_hidden keeps at least that many tokens per microbatch per unit of hidden size
 (S*B >= k*H): the model's domain. 0 also draws the few-token layouts where a block's weights
-outweigh its activations and the peak can fall in a moment the model does not list.
+outweigh its activations and the peak can fall in a moment the model does not list (under
+--zero 3 it lists FSDP2's, and refuses in one line the few-token layouts it does not follow).
 """
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def main() -> int:
     ap.add_argument("--cp", action="store_true", help="draw context-parallel layouts (and --recompute, --loss_chunks)")
     ap.add_argument("--zero", type=int, nargs="+", choices=[1, 2, 3], default=[],
                     help="draw these --zero levels (over dp x cp > 1: dp 2 when the draw has dp x cp = 1) and "
-                         "--bucket_size_mb 0.01 / 0.05 / 25 (3: the draws it runs and predict_memory models only)")
+                         "--bucket_size_mb 0.01 / 0.05 / 25 (3: not under PP, which check_layout refuses; MoE at ep 1)")
     ap.add_argument("--moe", action="store_true", help="draw MiniMind's MoE model, with expert parallelism")
     args = ap.parse_args()
     rng, done, bad = random.Random(args.seed), 0, 0
