@@ -225,10 +225,10 @@ def fully_sharded_moments(s: StageSizes, order: list[Action], device: str,
 
 def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> None:
     """The --zero 3 layouts the model follows exactly, at any number of `tokens` per microbatch on
-    a rank; the others refused in one line: MoE (exact where the copy-out, the weighting's, the
-    gather's or the norm's backward holds the peak, not yet under SP, --recompute, nor where a
-    block's forward end does), and few tokens, where a block's weights outweigh its activations
-    and the peak moves to moments not modelled: SP's gathered linears without the async one
+    a rank; the others refused in one line: the MoE model (ep 1) under SP, --recompute or CP
+    (its router's, experts' and aux loss's tensors there not followed), and few tokens, where a
+    block's weights outweigh its activations and the peak moves to moments not modelled: SP's
+    gathered linears without the async one
     (the attention's q/k/v backward, below hidden_size tokens), --recompute selective (the lean
     pieces' backward, below 2 hidden_size tokens) and full (the re-run block, below hidden_size
     tokens). (PP and EP do not compose with --zero 3: check_layout refuses them.)"""
