@@ -14,7 +14,8 @@ if any differs.
 
 --min_tokens_per_hidden keeps at least that many tokens per microbatch per unit of hidden size
 (S*B >= k*H): the model's domain. 0 also draws the few-token layouts where a block's weights
-outweigh its activations and the peak can fall in a moment the model does not list.
+outweigh its activations and the peak can fall in a moment the model does not list (under
+--zero 3 it lists FSDP2's, and refuses in one line the few-token layouts it does not follow).
 """
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def main() -> int:
     ap.add_argument("--cp", action="store_true", help="draw context-parallel layouts (and --recompute, --loss_chunks)")
     ap.add_argument("--zero", type=int, nargs="+", choices=[1, 2, 3], default=[],
                     help="draw these --zero levels (over dp x cp > 1: dp 2 when the draw has dp x cp = 1) and "
-                         "--bucket_size_mb 0.01 / 0.05 / 25 (3: the draws it runs and predict_memory models only)")
+                         "--bucket_size_mb 0.01 / 0.05 / 25 (3: not under PP, which check_layout refuses; MoE at ep 1)")
     ap.add_argument("--moe", action="store_true", help="draw MiniMind's MoE model, with expert parallelism")
     ap.add_argument("--zero3_pipeline", action="store_true",
                     help="with --zero 3, keep the pipeline draws too (fsdp_pipeline.py; the draws it refuses are skipped)")
@@ -152,9 +153,8 @@ def main() -> int:
                 continue   # runs, but predict_memory refuses it (its buckets fill across chunks and microbatches)
             if par.zero == 3 and par.pp > 1 and not args.zero3_pipeline:
                 continue   # modelled by fsdp_pipeline (--zero3_pipeline draws it)
-            if par.zero == 3 and par.pp == 1 and (c.use_moe
-                                                  or sizes["seq_len"] // par.cp * sizes["micro_batch_size"] < c.hidden_size):
-                continue   # MoE, few tokens: refused (fsdp_replay.check_fully_sharded)
+            if par.zero == 3 and par.pp == 1:
+                par = replace(par, ep=1)   # predict_memory refuses --zero 3 at ep > 1 (fsdp_composition)
             if refused(par, sizes):
                 continue
         try:

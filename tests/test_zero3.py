@@ -59,6 +59,7 @@ def _config(layers: int, vocab: int, tied: bool) -> MiniMindConfig:
 
 
 SP_ASYNC = dict(tp=2, sequence_parallel=True, async_communication=True)
+SP_ASYNC_ONLY = dict(sequence_parallel=True, async_communication=True)
 # (layout, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied, cp_rank): where each holds its peak
 FULLY_SHARDED = [
     (dict(dp=2), torch.float32, 1, 2, 32, 2, 128, False, 0),   # the top block's MLP backward, the block below prefetched
@@ -97,13 +98,10 @@ def test_the_memory_model_of_zero3_is_the_estimate_to_the_byte():
             (layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, model.peak_at)
 
 
-def test_zero3_middle_blocks_are_exact_where_they_hold_the_peak(monkeypatch):
-    """Half hidden_size tokens per microbatch (refused by default: a little fewer and the peak moves
-    to moments not modelled): a middle block's backward holds the peak, the grads of the block
-    above reduce-scattered (their shard a .grad), its reduce-scatter input kept, the block below
-    prefetched. The same bytes as the tracker on fake tensors."""
-    from minimind_parallel.memory.analytic import predict
-    monkeypatch.setattr(predict, "check_fully_sharded", lambda *args: None)
+def test_zero3_middle_blocks_are_exact_where_they_hold_the_peak():
+    """Half hidden_size tokens per microbatch: a middle block's backward holds the peak, the grads
+    of the block above reduce-scattered (their shard a .grad), its reduce-scatter input kept, the
+    block below prefetched. The same bytes as the tracker on fake tensors."""
     for layers, tied, block in ((3, True, 1), (4, False, 2)):
         config, par = _config(layers, 128, tied), ParallelConfig(dp=2, zero=3)
         kw = dict(seq_len=32, micro_batch_size=1, dtype=torch.float32)
@@ -113,21 +111,48 @@ def test_zero3_middle_blocks_are_exact_where_they_hold_the_peak(monkeypatch):
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), layers
 
 
-def test_zero3_few_tokens_moments_are_exact(monkeypatch):
-    """A quarter and an eighth of hidden_size tokens per microbatch (refused by default): a middle
-    block's gate_proj input grad (the three MLP weight grads in, beside the prefetched and the kept
-    buffers), and the first block's pre-backward copy-out (its gather copied into the parameters'
-    storages while the all-gather output is alive). The same bytes as the tracker on fake tensors."""
-    from minimind_parallel.memory.analytic import predict
-    monkeypatch.setattr(predict, "check_fully_sharded", lambda *args: None)
-    for layers, tied, seq_len, moment in ((3, False, 16, "mlp_input_backward(block 1)"),
-                                          (2, False, 8, "pre_backward(block 0)")):
-        config, par = _config(layers, 128, tied), ParallelConfig(dp=2, zero=3)
-        kw = dict(seq_len=seq_len, micro_batch_size=1, dtype=torch.float32)
+def _sized(hidden: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> MiniMindConfig:
+    return MiniMindConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied,
+                          max_position_embeddings=256)
+
+
+# (model, layout, dtype, microbatches, seq_len, micro_batch_size, the moment of the peak): few tokens
+# per microbatch against a block's weights, where FSDP2's own moments hold the peak
+FEW_TOKENS = [
+    # a block's forward copy-out: the root's all-gather output still alive beside the block's
+    (_sized(128, 1, 8, 2, 2048, False), dict(dp=2), torch.float32, 1, 64, 1, "pre_forward(block 0)"),
+    # the attention's q/k/v backward: every weight grad of the block in (an eighth of H tokens)
+    (_sized(128, 2, 8, 4, 512, True), dict(dp=2), torch.float32, 2, 8, 2, "qkv_backward"),
+    # the top block's last residual add, its gathered parameters and all-gather output alive;
+    # under SP + async before it, down_proj's output reduce-scattered
+    (_sized(128, 1, 8, 2, 128, False), dict(dp=2), torch.bfloat16, 1, 64, 2, "block_forward_end"),
+    (_sized(128, 1, 8, 4, 128, False), dict(dp=2, tp=4, **SP_ASYNC_ONLY), torch.bfloat16, 2, 64, 2,
+     "block_forward_end"),
+    # SP + async: gate_proj's weight grad, both linears' scattered input grads alive
+    (_sized(64, 2, 8, 8, 512, False), dict(dp=2, **SP_ASYNC), torch.bfloat16, 3, 16, 1, "mlp_input_backward"),
+    # --recompute selective: inside the lean SwiGLU's forward
+    (_sized(64, 1, 8, 2, 128, False), dict(dp=2, recompute="selective", loss_chunks=3, cp_load_balance=False),
+     torch.float32, 2, 128, 1, "swiglu_forward"),
+    # a quarter and an eighth of H tokens: gate_proj's input grad in a middle block, the first
+    # block's pre-backward copy-out
+    (_config(3, 128, False), dict(dp=2), torch.float32, 1, 16, 1, "mlp_input_backward(block 1)"),
+    (_config(2, 128, False), dict(dp=2), torch.float32, 1, 8, 1, "pre_backward(block 0)"),
+]
+
+
+def test_zero3_is_the_estimate_to_the_byte_at_any_token_count():
+    """Fewer tokens per microbatch than hidden_size (once refused), and hidden_size tokens where a
+    block's weights still hold the peak: the moments FSDP2 adds in the forward (a block's copy-out,
+    its last residual add, the lean SwiGLU) and the backward (q/k/v, SP + async's MLP input),
+    each at the peak, the same bytes as the tracker on fake tensors on every category."""
+    for config, layout, dtype, microbatches, seq_len, mbs, moment in FEW_TOKENS:
+        par = ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches)
         estimate = estimate_step_memory(config, par, iters=1, **kw)
         model = predict_memory(config, par, **kw)
-        assert model.peak_at.startswith(moment), model.peak_at
-        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), layers
+        assert model.peak_at.startswith(moment), (layout, moment, model.peak_at)
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (layout, moment)
 
 
 # (MoE config, dtype, microbatches, layers, the moment of the peak) at dp2 ep1
@@ -136,19 +161,23 @@ MOE_FULLY_SHARDED = [
     (dict(num_experts_per_tok=2, moe_intermediate_size=32), torch.bfloat16, 2, 2, "weighting_backward"),
     (dict(num_experts=8, moe_intermediate_size=64), torch.float32, 2, 3, "expert_gather_backward(block 1)"),
     (dict(), torch.bfloat16, 2, 2, "post_norm_backward"),      # the aux loss's saved N and load once
+    # (seq_len, vocab): 8 tokens, a later forward's copy-out of block 0 with the root gathered again
+    (dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=64), torch.float32, 2, 1,
+     "pre_forward(block 0)[1]", 8, 8192),
 ]
 
 
-def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte(monkeypatch):
-    """MiniMind's MoE model under --zero 3 at ep 1 (refused by default: check_fully_sharded): the
-    first block's pre-backward copy-out, the weighting's backward, the tokens' gather backward and
-    the norm after the MoE layer, each at the peak; the same bytes as the tracker on fake tensors."""
-    from minimind_parallel.memory.analytic import predict
-    monkeypatch.setattr(predict, "check_fully_sharded", lambda *args: None)
-    for moe, dtype, microbatches, layers, moment in MOE_FULLY_SHARDED:
-        config = replace(_config(layers, 128, False), use_moe=True, **moe)
+def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte():
+    """MiniMind's MoE model under --zero 3 at ep 1 (without SP, --recompute and CP; once refused):
+    the first block's pre-backward copy-out, the weighting's backward, the tokens' gather backward,
+    the norm after the MoE layer and, with few tokens, a later forward's copy-out (the step's aux
+    tensors of this microbatch not made yet), each at the peak; the same bytes as the tracker on
+    fake tensors."""
+    for moe, dtype, microbatches, layers, moment, *sized in MOE_FULLY_SHARDED:
+        seq_len, vocab = sized or (64, 128)
+        config = replace(_config(layers, vocab, False), use_moe=True, **moe)
         par = ParallelConfig(dp=2, zero=3)
-        kw = dict(seq_len=64, micro_batch_size=1, dtype=dtype, num_microbatches=microbatches)
+        kw = dict(seq_len=seq_len, micro_batch_size=1, dtype=dtype, num_microbatches=microbatches)
         estimate = estimate_step_memory(config, par, iters=1, **kw)
         model = predict_memory(config, par, **kw)
         assert model.peak_at.startswith(moment), (moe, model.peak_at)
@@ -156,9 +185,18 @@ def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte(monkeypa
 
 
 @pytest.mark.parametrize("layout, seq_len, moe, message", [
-    (dict(dp=2, zero=3), 32, True, "--zero 3 (FSDP2) with --use_moe is not modelled"),
-    (dict(dp=2, zero=3), 16, False, "got seq_len / cp_size * micro_batch_size = 32 < hidden_size = 64"),
-    (dict(dp=2, cp=2, zero=3), 32, False, "got seq_len / cp_size * micro_batch_size = 32 < hidden_size = 64"),
+    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 32, True,
+     "--zero 3 (FSDP2) with --use_moe is modelled without --sequence_parallel, --recompute and context "
+     "parallelism; got sequence_parallel=True, recompute=none, cp_size=1"),
+    (dict(dp=2, zero=3, recompute="selective"), 32, False,
+     "under --recompute selective is modelled at 2 x hidden_size tokens per microbatch on a rank or more; "
+     "got seq_len / cp_size * micro_batch_size = 64 < 128"),
+    (dict(dp=2, cp=2, zero=3, recompute="full"), 32, False,
+     "under --recompute full is modelled at 1 x hidden_size tokens per microbatch on a rank or more; "
+     "got seq_len / cp_size * micro_batch_size = 32 < 64"),
+    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 8, False,
+     "with --sequence_parallel (without --async_communication) is modelled at hidden_size tokens per microbatch "
+     "on a rank or more; got seq_len / cp_size * micro_batch_size = 16 < 64"),
 ])
 def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(layout, seq_len, moe, message):
     config = replace(_config(2, 128, False), use_moe=moe)

@@ -2,9 +2,14 @@
 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py; sizes: fsdp_sizes.py).
 
     root        the root group (embedding, final norm, head) is gathered at the first forward
-                and kept to the end of the backward (the root does not reshard after forward)
+                and kept to the end of the backward (the root does not reshard after forward;
+                after a backward resharded it, the next forward gathers it again)
     a block     gathered at its forward and freed after it (the all-gather output stays until the
-                next all-gather: the top block's at the forward's end); gathered again at its backward,
+                next group's copy-out: the top block's at the forward's end); its copy-out into
+                the parameters' storages happens while the previous group's all-gather output
+                still lives (`pre_forward`), its last residual add while its own does
+                (`block_forward_end`; --recompute selective: inside the lean SwiGLU,
+                `swiglu_forward`); gathered again at its backward,
                 while FSDP2 prefetches the block below (its all-gather output waits, a
                 temporary, for that block's own pre-backward); freed at its post-backward
     its grads   unsharded (temporaries, not a registered parameter's .grad) until the block's
@@ -18,8 +23,9 @@ from __future__ import annotations
 from ...config import MiniMindConfig, ParallelConfig, Recompute
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
+from .fsdp_moments import fsdp_block_moments
 from .fsdp_sizes import FsdpSizes, fsdp_sizes
-from .schedule_replay import _moe_per_microbatch, batch_saved, forward_moment, optimizer_step
+from .schedule_replay import _moe_per_microbatch, _not_made_inside_the_loss, batch_saved, forward_moment, optimizer_step, targets_saved
 from .stage_sizes import StageSizes, top_block_acts
 
 
@@ -43,6 +49,14 @@ def _backward_state(s: StageSizes, z: FsdpSizes, name: str, block: int) -> tuple
         return above, above * s.block_params, root_saved + saved, root_unsaved + unsaved + z.block + kept
     prefetched = z.block if block > 0 else 0      # the all-gather of the block below, waiting
     return above, above * s.block_params, root_saved + saved, root_unsaved + unsaved + prefetched + kept
+
+
+def _backward(s: StageSizes) -> dict:
+    """The dense model's backward moments with FSDP2's own (fsdp_moments.py) after the top block's
+    and the first block's (the embedding's and the tied grads' sum last)."""
+    dense, own = backward_moments(s), fsdp_block_moments(s)
+    tail = {k: dense.pop(k) for k in ("embedding_backward", "tied_grad_sum") if k in dense}
+    return {**dense, **own, **tail}
 
 
 def _block_moments(s: StageSizes, inner: dict) -> dict:
@@ -81,11 +95,79 @@ def _copy_out_moments(s: StageSizes) -> dict:
     return out
 
 
-def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tuple[dict, dict]:
+def _forward_moments(s: StageSizes, z: FsdpSizes, *, fresh_root: bool, seen: bool, unmade_state: int = 0) -> dict:
+    """The moments FSDP2 adds to a forward: each block's copy-out, the top block's last residual
+    add and (--recompute selective, full) its lean SwiGLU. `fresh_root`: the root was gathered for
+    this forward (the first, or one after a backward resharded it); `seen`: the blocks' parameters
+    were saved by an earlier forward (the tracker files their storage under activations from then
+    on; --recompute full saves none); `unmade_state`: what each MoE layer keeps all step, made by
+    its first forward (not yet at a copy-out before it). -> name: (activations, temporaries)
+    beyond what every moment of the forward holds."""
+    # saved before the blocks: CP's RoPE tables of this rank's positions, VP's local ids and mask
+    model = s.kinds["model.rope"] + (9 * s.n if s.first and s.par.vocab_parallel else 0)
+    full = s.par.recompute == Recompute.FULL
+    out = _pre_forward(s, z, model, fresh_root=fresh_root, saved_params=seen and not full)
+    out = {name: (a, t - (s.layers - int(name.split()[-1][:-1])) * unmade_state) for name, (a, t) in out.items()}
+    params = (0, z.block) if full else (z.block, 0)    # saved by the block's ops by its end
+    acts, temps = _block_forward_end(s)
+    out[f"block_forward_end(block {s.layers - 1})"] = (model + acts + params[0], temps + z.block + params[1])
+    if s.par.recompute.lean and not s.expert_rows:
+        acts, temps = _swiglu_forward(s, z, first_forward=not seen and not full)
+        out[f"swiglu_forward(block {s.layers - 1})"] = (model + acts + params[0], temps + z.block + params[1])
+    return out
+
+
+def _pre_forward(s: StageSizes, z: FsdpSizes, model: int, *, fresh_root: bool, saved_params: bool) -> dict:
+    """A block's pre-forward copy-out (FSDP2's `wait_for_unshard`: its all-gather output copied
+    into the parameters' storages before the previous group's all-gather output is freed), at the
+    stage's first block and its top one (between them a moment gains a block's activations):
+    this microbatch's blocks below saved, the block's input [Nn, H], its all-gather output and
+    parameters, and the previous group's all-gather output (the root's, when gathered for this
+    forward, or the block below's; at block 0 of a later forward without a backward between
+    them, the top block's of the forward before)."""
+    out = {}
+    for k in sorted({0, s.layers - 1}):
+        previous = z.root if fresh_root and k == 0 else z.block
+        acts = model + k * s.block + (sum(s.routed[:k]) if s.routed and s.par.recompute != Recompute.FULL else 0)
+        params = (z.block, 0) if saved_params else (0, z.block)
+        out[f"pre_forward(block {k})"] = (acts + params[0], s.b * s.nn * s.hid + z.block + params[1] + previous)
+    return out
+
+
+def _block_forward_end(s: StageSizes) -> tuple[int, int]:
+    """The top block's last residual add (its parameters and all-gather output alive: the
+    caller's): this microbatch's blocks saved; down_proj's output and the sum, and in half
+    precision the block's input and middle residual stream (the norms save their fp32 copies);
+    under SP before it, down_proj's output [N, H] reduce-scattered into [Nn, H] (basic SP: the
+    post-attention norm's output shard, which the MLP's gathers do not save, still bound)."""
+    par, row = s.par, s.b * s.nn * s.hid
+    pair = 0 if s.b == s.f else 2 * row
+    normed = row if par.sequence_parallel and not par.async_communication else 0
+    last = s.b * s.n * s.hid + row + normed if par.sequence_parallel else 2 * row
+    return s.blocks, pair + last
+
+
+def _swiglu_forward(s: StageSizes, z: FsdpSizes, *, first_forward: bool) -> tuple[int, int]:
+    """Inside the top block's lean SwiGLU forward (`recompute.swiglu`), silu(gate) * up made: gate
+    and up (not saved yet: its own ctx), silu(gate) and the product [N, I/T], the attention's
+    output and the post-attention norm's output [Nn, H] still bound (the lean norm saves its
+    input); in the first forward down_proj's gathered weight (dim 0 padded to W rows) not yet
+    saved. (--recompute full: under the block's checkpoint nothing of it is saved.)"""
+    w = s.par.dp * s.par.cp
+    down = -(-s.hid // w) * w * s.inter * s.b if first_forward else 0
+    gate_up = 0 if s.par.recompute == Recompute.FULL else s.kinds["block.mlp"]
+    return s.blocks - gate_up - down, 2 * s.b * s.nn * s.hid + 4 * s.mlp_out + down
+
+
+def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action], moe_step: int = 0,
+                         moe_layer_state: int = 0) -> tuple[dict, dict]:
     """Every moment of the stage's `order` -> (grads, activations, temporaries) under FSDP2, and
-    how many microbatches each finds in flight."""
+    how many microbatches each finds in flight. `moe_step`, `moe_layer_state`: the MoE tensors
+    alive until the step's end and each layer's alive all step, which the caller adds to every
+    moment (moe_sizes.moe_temporaries)."""
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
-    inner, batch = {**_copy_out_moments(s), **_block_moments(s, backward_moments(s))}, batch_saved(s)
+    last_was_backward = False
+    inner, batch = {**_copy_out_moments(s), **_block_moments(s, _backward(s))}, batch_saved(s)
     every = z.params   # every group's sharded grads, after the first backward
     for action in order:
         i = action.microbatch
@@ -93,7 +175,23 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tu
         extra = s.batch - saved + (n_fwd * s.loss_scalar if s.last else 0)
         extra += s.loss_scalar if action.step is Step.BACKWARD and s.last else 0
         if action.step is Step.FORWARD:
-            _, a, t = forward_moment(s, n_held, 0, saved, extra + _moe_per_microbatch(s, n_fwd, n_held + 1))
+            fresh = not moments or n_bwd > 0 and last_was_backward
+            # before the first loss neither the head's weights nor the targets are saved
+            root = (z.root - z.root_unsaved, z.root_unsaved) if n_fwd else (0, z.root)
+            unsaved = 0 if n_fwd else targets_saved(s)
+            # MoE: of the step's aux and objective tensors (moe_sizes.moe_temporaries) this microbatch's
+            # summed aux loss and objective not made yet (nor, in the first forward, its aux share)
+            before_loss = moe_step - (s.f if n_fwd and moe_step else 0)
+            for name, (a, t) in _forward_moments(s, z, fresh_root=fresh, seen=n_fwd > 0,
+                                                 unmade_state=0 if n_fwd else moe_layer_state).items():
+                moments[f"{name}[{i}]"] = (every if n_bwd else 0,
+                                           saved - unsaved + n_held * s.held - n_held * s.held_temps + root[0] + a,
+                                           extra + unsaved + n_held * s.held_temps + root[1] + t - before_loss
+                                           + _moe_per_microbatch(s, n_fwd, n_held))
+                in_flight[f"{name}[{i}]"] = n_held
+            last_was_backward = False
+            inside = _not_made_inside_the_loss(s, n_fwd)
+            _, a, t = forward_moment(s, n_held, 0, saved, extra + _moe_per_microbatch(s, n_fwd, n_held + 1) - inside)
             # the top block's all-gather output, kept by FSDP2 until its next all-gather
             moments[f"forward_end[{i}]"] = (every if n_bwd else 0, a + z.root - z.root_unsaved,
                                             t + z.root_unsaved + z.block)
@@ -109,30 +207,41 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action]) -> tu
                                        extra + temp + moved + temps + new_grads - reduced_dense)
             in_flight[f"{name}[{i}]"] = n_held
         n_held, n_bwd = n_held - 1, n_bwd + 1
+        last_was_backward = True
     return moments, in_flight
 
 
-def fully_sharded_moments(s: StageSizes, order: list[Action], device: str) -> tuple[dict, dict, int, int]:
+def fully_sharded_moments(s: StageSizes, order: list[Action], device: str,
+                          moe_step: int = 0, moe_layer_state: int = 0) -> tuple[dict, dict, int, int]:
     """The step's moments under FSDP2, the optimizer step's last (AdamW over this rank's shards),
     how many microbatches each finds in flight, this rank's parameter shards and AdamW's states
     (two per shard, and a float32 step counter per parameter on the CPU)."""
     z = fsdp_sizes(s)
-    moments, in_flight = replay_fully_sharded(s, z, order)
+    moments, in_flight = replay_fully_sharded(s, z, order, moe_step, moe_layer_state)
     moments["optimizer"] = optimizer_step(s, list(z.shards), grads=z.params)
     states = 2 * z.params + (4 * len(z.shards) if device == "cpu" else 0)
     return moments, in_flight, z.params, states
 
 
 def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> None:
-    """The --zero 3 layouts the model follows exactly; the others refused in one line: MoE (exact
-    where the copy-out, the weighting's, the gather's or the norm's backward holds the peak, not
-    yet under SP, --recompute, nor where a block's forward end does), and fewer `tokens` per
-    microbatch on a rank than hidden_size, where a block's weight grads outweigh its activations
-    and the peak can move to moments not modelled (the attention's q/k/v backward, every weight
-    grad of the block in). (EP: fsdp_composition refuses it first; PP: fsdp_pipeline.py.)"""
-    if c.use_moe:
-        raise NotImplementedError("predict_memory: --zero 3 (FSDP2) with --use_moe is not modelled")
-    if tokens < c.hidden_size:
-        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) is modelled at hidden_size tokens per "
-                                  f"microbatch on a rank or more; got seq_len / cp_size * micro_batch_size = "
-                                  f"{tokens} < hidden_size = {c.hidden_size}")
+    """The --zero 3 layouts the model follows exactly, at any number of `tokens` per microbatch on
+    a rank; the others refused in one line: the MoE model (ep 1) under SP, --recompute or CP
+    (its router's, experts' and aux loss's tensors there not followed), and few tokens, where a
+    block's weights outweigh its activations and the peak moves to moments not modelled: SP's
+    gathered linears without the async one
+    (the attention's q/k/v backward, below hidden_size tokens), --recompute selective (the lean
+    pieces' backward, below 2 hidden_size tokens) and full (the re-run block, below hidden_size
+    tokens). (EP: fsdp_composition refuses it first; PP: fsdp_pipeline.py.)"""
+    if c.use_moe and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe is modelled without "
+                                  f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="
+                                  f"{par.sequence_parallel}, recompute={par.recompute}, cp_size={par.cp}")
+    if par.sequence_parallel and not par.async_communication and tokens < c.hidden_size:
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --sequence_parallel (without "
+                                  f"--async_communication) is modelled at hidden_size tokens per microbatch on a rank "
+                                  f"or more; got seq_len / cp_size * micro_batch_size = {tokens} < {c.hidden_size}")
+    least = {Recompute.SELECTIVE: 2 * c.hidden_size, Recompute.FULL: c.hidden_size}.get(par.recompute, 0)
+    if tokens < least:
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) under --recompute {par.recompute} is modelled at "
+                                  f"{least // c.hidden_size} x hidden_size tokens per microbatch on a rank or more; "
+                                  f"got seq_len / cp_size * micro_batch_size = {tokens} < {least}")

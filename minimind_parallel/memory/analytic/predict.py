@@ -233,8 +233,8 @@ def _replayed(kind: SizesKind, order: tuple, order_key: tuple, grads_count: bool
 def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str) -> MemoryPrediction:
     """--zero 3 (FSDP2): its moments and this rank's shards (fsdp_replay.py)."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
-    moments, in_flight, params, states = fully_sharded_moments(s, order, device)
     state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight)
+    moments, in_flight, params, states = fully_sharded_moments(s, order, device, step, state // s.layers)
     report = moe_report(c, last=True, f=s.f)
     moments = {k: (g, a, t + state + (report if k == "optimizer" else step)) for k, (g, a, t) in moments.items()}
     return _peak(s, moments, in_flight, params + rope, states)
