@@ -276,12 +276,15 @@ def test_the_space_plans_every_schedule_and_zero_level_the_memory_model_declares
 
 def test_the_space_plans_zero_3_where_its_replay_is_exact_and_cuts_the_rest_in_its_line():
     """--zero 3 layouts are planned where predict_memory follows FSDP2 (fsdp_replay.check_fully_sharded),
-    the others cut with its one-line reason (check_candidate): fewer tokens per microbatch than
-    hidden_size (dp4: one 32-token row per rank, H 64), and the MoE model while it refuses that."""
+    the others cut with its one-line reason (check_candidate): few tokens per microbatch (dp4: one
+    32-token row per rank, H 64) planned where it follows them, cut under SP without the async linear
+    or --recompute, and the MoE model while it refuses that."""
     few = replace(WORK, global_batch_size=4)
     valid, cuts = enumerate_layouts(few)
     sharded = [k for k in valid if k.zero == 3]
-    assert sharded and all(few.seq_len // k.cp * k.micro_batch_size >= TINY.hidden_size for k in sharded)
+    tokens = {k: few.seq_len // k.cp * k.micro_batch_size for k in sharded}
+    assert sharded and not any(_refused(lambda k=k: check_fully_sharded(TINY, k.parallel, tokens[k])) for k in sharded)
+    assert any(n < TINY.hidden_size for n in tokens.values())
     refused = [c for c in cuts if c.candidate.zero == 3 and c.candidate.pp == 1 and _runs(few, c.candidate)]
     assert refused and all(len(c.reason.splitlines()) == 1 for c in refused)
     for cut in refused:
