@@ -36,7 +36,7 @@ LAYOUTS = [
 
 def _real_steps(layouts):
     """Per layout: the third training step's collectives on this rank (CollectiveLog) and its
-    parameter elements."""
+    parameter elements; then what the calibration's in-step link measures on this rank."""
     from minimind_parallel.context_parallel import ContextLayout
     from minimind_parallel.data.batches import broadcast_batch, cp_tokens, dp_rows
     from minimind_parallel.groups import ProcessGroups
@@ -59,7 +59,8 @@ def _real_steps(layouts):
         with CollectiveLog() as log:
             train_step(model, optimizer, groups, ids, targets, num_microbatches=m)
         out.append((log.calls, sum(p.numel() for p in model.parameters())))
-    return out
+    from minimind_parallel.planning.calibrate import Shapes, in_step_all_reduces
+    return out, in_step_all_reduces(Shapes(model=config, seq=SEQ))
 
 
 def _as_logged(k: Candidate, x: Collective) -> list[tuple[str, int]]:
@@ -73,9 +74,19 @@ def _as_logged(k: Candidate, x: Collective) -> list[tuple[str, int]]:
 
 
 def test_the_time_models_collectives_are_the_real_steps_with_their_bytes():
+    """And the calibration's in-step link times every all-reduce of its TP steps: the model's count
+    of them, with their bytes, on both ranks."""
+    from minimind_parallel.planning.calibrate import IN_STEP_LAYERS, IN_STEP_ROWS, IN_STEP_STEPS
     ranks = run_ranks(_real_steps, 2, LAYOUTS, timeout=600)
+    tp_step = Candidate(tp=2, vocab_parallel=True, micro_batch_size=IN_STEP_ROWS)
+    w = Workload(model=MiniMindConfig(**{**CONFIG, "num_hidden_layers": IN_STEP_LAYERS}), seq_len=SEQ,
+                 global_batch_size=IN_STEP_ROWS, world_size=2, dtype="float32")
+    each = Counter(int(x.nbytes) for x in collectives_of_step(tp_step, w, stage_params=0) if x.kind == Op.ALL_REDUCE)
+    for _, in_step in ranks:
+        assert Counter(n for n, _ in in_step) == Counter({n: IN_STEP_STEPS * c for n, c in each.items()})
+        assert all(t >= 0 for _, t in in_step)
     for i, k in enumerate(LAYOUTS):
-        calls, params = ranks[1 if k.pp > 1 else 0][i]        # the last stage's rank
+        calls, params = ranks[1 if k.pp > 1 else 0][0][i]        # the last stage's rank
         real = Counter(("p2p", n) if kind in ("send", "recv") else (kind, n) for kind, n in calls)
         w = Workload(model=MiniMindConfig(**CONFIG), seq_len=SEQ, global_batch_size=ROWS * k.num_microbatches * k.dp,
                      world_size=2, dtype="float32")
