@@ -3,13 +3,7 @@
 `CollectiveLog` is a dispatch mode that sees every `c10d` operator the process issues (the
 operators `torch.distributed` runs for every backend, point-to-point included, which
 `CommDebugMode` does not count) and records its kind and the bytes of the buffer this rank hands
-it:
-
-    all_gather      the local shard sent to every peer          ([S/C, ...])
-    reduce_scatter  the full buffer reduced                     ([S, ...])
-    all_reduce      the buffer reduced
-    all_to_all      the buffer split among the ranks            (its part c goes to rank c)
-    send / recv     the tensor sent / received
+it (`distributed.c10d_ops`: an all-gather's local shard, a reduce-scatter's full buffer, ...):
 
     with CollectiveLog() as log:
         y = block(x, cos, sin, layout)
