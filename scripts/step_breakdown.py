@@ -133,7 +133,9 @@ def collective_report(ranks: list[dict]) -> None:
     of it the wait for the later rank's arrival (skew) and the rest after both arrived (copies and the
     link)."""
     calls = [[Call(*c) for c in x["collectives"]] for x in ranks]
-    if len(calls[0]) != len(calls[1]) or any(a.kind != b.kind for a, b in zip(*calls)):
+    def kind(c: Call) -> str:                 # a pipeline's transfer is a send on one rank, a receive on the other
+        return "p2p" if c.kind in ("send", "recv") else c.kind
+    if len(calls[0]) != len(calls[1]) or any(kind(a) != kind(b) for a, b in zip(*calls)):
         print(f"  collectives: {len(calls[0])} / {len(calls[1])} calls, not in the same order on both ranks")
         return
     for r, mine in enumerate(calls):
