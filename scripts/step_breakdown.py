@@ -8,11 +8,19 @@ optimizer's step.
     OMP_NUM_THREADS=1 python scripts/step_breakdown.py --layout dp2 --calibration results/cpu_calibration.json
 
 Layouts (world 2, the validation model of docs/planning.md: H 128, L 4, 8 heads, 4 kv heads,
-V 1024, S 256, global batch 4): dp2, pp2, cp2_ring_full, cp2_all_gather_full, cp2_ring_selective.
+V 1024, S 256, global batch 4): dp2, pp2, cp2_*, tp2_* (see LAYOUTS).
+
+`--collectives`: every collective of one (otherwise untimed) step timed on both ranks by
+`planning.collective_clock.CollectiveClock` (issue and return on the system-wide monotonic clock,
+the waits of async ones too), paired across the ranks by order: of each one's wall time, the share
+spent waiting for the other rank to arrive (skew: the other's compute, not the link) and the share
+after both had arrived (the copies in and out, the backend's threads and the link). DDP's own
+all-reduce does not go through the library's collectives and is not among them.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -29,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minimind_parallel.config import MiniMindConfig, ParallelConfig  # noqa: E402
 from minimind_parallel.planning.op_count import category  # noqa: E402
+from minimind_parallel.planning.collective_clock import Call, CollectiveClock, after_all_arrived  # noqa: E402
 
 MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=1024,
              tie_word_embeddings=False)
@@ -40,6 +49,11 @@ LAYOUTS = {
     "cp2_ring_full": (dict(cp=2, cp_comm_type="ring", recompute="full", zero=1), 4, 1),
     "cp2_all_gather_full": (dict(cp=2, cp_comm_type="all_gather", recompute="full"), 4, 1),
     "cp2_ring_selective": (dict(cp=2, cp_comm_type="ring", recompute="selective", zero=2, loss_chunks=8), 4, 1),
+    "cp2_a2a": (dict(cp=2, cp_comm_type="a2a", zero=1, loss_chunks=8), 4, 1),
+    "tp2_async": (dict(tp=2, async_communication=True, recompute="selective", loss_chunks=8), 4, 1),
+    "tp2_sp_shared_vp": (dict(tp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True,
+                              recompute="selective", loss_chunks=8), 4, 1),
+    "tp2_vp": (dict(tp=2, vocab_parallel=True, recompute="selective", loss_chunks=8), 4, 1),
 }
 
 
@@ -102,11 +116,43 @@ def _rank(rank: int, store: str, name: str, out_dir: str) -> None:
             plain.append((time.perf_counter() - t0, time.thread_time() - c0))
         with mode:
             step()
+        with CollectiveClock() as clock:
+            t0 = time.monotonic()
+            step()
+            t1 = time.monotonic()
         torch.save({"wall": statistics.median(p[0] for p in plain), "cpu": statistics.median(p[1] for p in plain),
-                    "seconds": dict(mode.seconds), "ops": dict(mode.ops), "bytes": dict(mode.bytes)},
+                    "seconds": dict(mode.seconds), "ops": dict(mode.ops), "bytes": dict(mode.bytes),
+                    "collectives": [dataclasses.astuple(c) for c in clock.calls], "timed_step": (t0, t1)},
                    os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def collective_report(ranks: list[dict]) -> None:
+    """Each kind's calls (by their bytes) paired across the two ranks by order: wall time in the call,
+    of it the wait for the later rank's arrival (skew) and the rest after both arrived (copies and the
+    link)."""
+    calls = [[Call(*c) for c in x["collectives"]] for x in ranks]
+    def kind(c: Call) -> str:                 # a pipeline's transfer is a send on one rank, a receive on the other
+        return "p2p" if c.kind in ("send", "recv") else c.kind
+    if len(calls[0]) != len(calls[1]) or any(kind(a) != kind(b) for a, b in zip(*calls)):
+        print(f"  collectives: {len(calls[0])} / {len(calls[1])} calls, not in the same order on both ranks")
+        return
+    for r, mine in enumerate(calls):
+        step = ranks[r]["timed_step"][1] - ranks[r]["timed_step"][0]
+        total, after, count = defaultdict(float), defaultdict(float), defaultdict(int)
+        for c, a in zip(mine, after_all_arrived(mine, [calls[1 - r]])):
+            kind = f"{c.kind} {c.nbytes / 1e3:.1f} KB" if c.nbytes else c.kind
+            total[kind] += c.end - c.start
+            after[kind] += a
+            count[kind] += 1
+        skew = sum(total.values()) - sum(after.values())
+        print(f"  rank {r}: timed step {1e3 * step:.1f} ms; in collectives {1e3 * sum(total.values()):.1f} ms "
+              f"(waiting for the other rank {1e3 * skew:.1f}, after both arrived {1e3 * sum(after.values()):.1f})")
+        for kind in sorted(total, key=lambda k: -total[k]):
+            print(f"    {kind:<22} {count[kind]:>4} calls {1e3 * total[kind]:8.2f} ms: skew "
+                  f"{1e3 * (total[kind] - after[kind]):7.2f}, after both arrived {1e3 * after[kind]:7.2f} "
+                  f"({1e6 * after[kind] / count[kind]:.0f} us each)")
 
 
 def predicted(name: str, calibration: str | None) -> dict:
@@ -124,6 +170,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layout", choices=sorted(LAYOUTS), action="append", help="default: every one")
     p.add_argument("--calibration", default=None, help="plan --calibrate's file (the predicted terms' rates)")
+    p.add_argument("--collectives", action="store_true", help="each collective's wait for the other rank and the rest")
     args = p.parse_args()
     for name in args.layout or LAYOUTS:
         with tempfile.TemporaryDirectory() as tmp:
@@ -135,6 +182,8 @@ def main() -> None:
             for key in sorted(x["seconds"], key=lambda k: -x["seconds"][k]):
                 extra = f", {x['bytes'][key] / 1e6:.1f} MB" if key in x["bytes"] else ""
                 print(f"    {key[0]:<9} {key[1]:<11} {x['ops'][key]:>5} ops {1e3 * x['seconds'][key]:8.2f} ms{extra}")
+        if args.collectives:
+            collective_report(ranks)
         print("  predicted (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in predicted(name, args.calibration).items() if v))
 
 

@@ -538,23 +538,33 @@ def test_cp_attention_costs_its_busiest_ranks_chunk_pairs(cp, load_balance):
 
 def test_on_a_cpu_every_collective_is_exposed_and_full_recompute_reruns_the_forwards():
     """overlaps_communication False (a CPU: gloo on the rank's own cores): ring CP's K/V passes and
-    async TP's backward collectives add in full; --recompute full runs the forward's collectives twice."""
-    from minimind_parallel.planning.time_model import context_collectives, seconds, tensor_collectives
+    async TP's backward collectives add in full; --recompute full runs the forward's collectives
+    again, but for the block's last (the MLP's row-parallel reduce, whose output no op saves)."""
+    from minimind_parallel.planning.time_model import (context_collectives, head_collectives, seconds,
+                                                       step_collectives, tensor_collectives)
     from minimind_parallel.config import CPCommType, Recompute
     cpu = replace(SLOW, overlaps_communication=False)
     layers = TINY.num_hidden_layers
     ring = Candidate(cp=2, dp=2, micro_batch_size=2, cp_comm_type=CPCommType.RING)
     fwd, bwd = context_collectives(TINY, ring, WORK)
     assert (len(fwd), len(bwd)) == (1, 3)                    # K/V forward; K/V and twice dK/dV backward
+    _, per_step, _ = step_collectives(TINY, ring, WORK)       # the loss normalisation's two scalars
     gpu_t, cpu_t = (step_time(ring, WORK, hw, stage_params=1000) for hw in (SLOW, cpu))
-    assert cpu_t.cp_exposed == pytest.approx(layers * (seconds(fwd, LINK) + seconds(bwd, LINK)))
+    assert cpu_t.cp_exposed == pytest.approx(layers * (seconds(fwd, LINK) + seconds(bwd, LINK))
+                                             + seconds(per_step, LINK))
     assert gpu_t.cp_exposed < cpu_t.cp_exposed
     full = step_time(replace(ring, recompute=Recompute.FULL), WORK, cpu, stage_params=1000)
-    assert full.cp_exposed == pytest.approx(layers * (2 * seconds(fwd, LINK) + seconds(bwd, LINK)))
+    assert full.cp_exposed == pytest.approx(layers * (2 * seconds(fwd, LINK) + seconds(bwd, LINK))
+                                            + seconds(per_step, LINK))
     tp = Candidate(tp=2, dp=2, micro_batch_size=2, sequence_parallel=True, async_communication=True)
     tf, overlap, rest = tensor_collectives(TINY, tp, WORK)
+    head = sum(head_collectives(TINY, tp, WORK), [])
+    partial, _, _ = step_collectives(TINY, tp, WORK)
     assert step_time(tp, WORK, cpu, stage_params=1000).tp_exposed == pytest.approx(
-        layers * (seconds(tf, LINK) + seconds(overlap, LINK) + seconds(rest, LINK)))
+        layers * (seconds(tf, LINK) + seconds(overlap, LINK) + seconds(rest, LINK)) + seconds(head + partial, LINK))
+    again = step_time(replace(tp, recompute=Recompute.FULL), WORK, cpu, stage_params=1000).tp_exposed
+    assert again == pytest.approx(step_time(tp, WORK, cpu, stage_params=1000).tp_exposed
+                                  + layers * seconds(tf[:-1], LINK))
 
 
 def test_zero_3_gathers_each_block_twice_and_scatters_its_grads_per_microbatch():

@@ -4,9 +4,19 @@ its MLP's width, causal SDPA of its heads (no CP), CP's blockwise attention, the
 its block (bytes counted by `OpCount`), a step of a model too small to compute anything (what each
 dispatched op costs beyond its work), and the all-reduce's latency and bandwidth between two ranks
 (gloo on CPU, NCCL on GPUs; two processes on one node, a FileStore rendezvous, both joined before it
-returns). One rank's threads: one on CPU, as the launcher gives each rank."""
+returns). One rank's threads: one on CPU, as the launcher gives each rank.
+
+On a CPU the link is measured inside a real step (`in_step_link`): a gloo collective issued between
+a step's ops costs several times the same collective issued back to back (on this machine a 1 KB
+all-reduce about 1 ms against 0.05-0.1 ms, a 512 KB one 1-3 ms against 0.4-0.5 ms; scripts/
+step_breakdown.py --collectives), so the calibration runs training steps of the workload's block
+under TP 2 with the vocab-parallel loss (its [S, H] all-reduces and its loss's [S] ones), takes
+each all-reduce's time after both ranks had issued it (`collective_clock`: the wait for the other
+rank is its compute, not the link), and keeps what it costs beyond the same all-reduce back to back
+as the link's per-call cost (`Link.call_s`)."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import tempfile
@@ -24,6 +34,7 @@ from .op_count import OpCount
 from .time_model import OPS_PER_BLOCK, blockwise_attention_flops, causal_attention_flops
 
 SMALL, LARGE = 1, 4 * 2**20      # all-reduce elements (float32): the latency's, the bandwidth's
+IN_STEP_ROWS, IN_STEP_LAYERS, IN_STEP_STEPS = 2, 2, 3   # the in-step link's TP steps: rows of S, blocks, timed steps
 
 
 def _timed(fn, *, reps: int, device: str) -> float:
@@ -142,7 +153,7 @@ def op_overhead(device: str, dtype: torch.dtype, layers: int = 4) -> float:
     return _timed(step, reps=5, device=device) / (layers * OPS_PER_BLOCK)
 
 
-def _link_rank(rank: int, store_path: str, backend: str, out: str) -> None:
+def _link_rank(rank: int, store_path: str, backend: str, out: str, shapes: Shapes) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
     device = "cuda" if backend == "nccl" else "cpu"
@@ -154,27 +165,84 @@ def _link_rank(rank: int, store_path: str, backend: str, out: str) -> None:
         large = torch.ones(LARGE, device=device)
         t_small = _timed(lambda: dist.all_reduce(small), reps=50, device=device)
         t_large = _timed(lambda: dist.all_reduce(large), reps=5, device=device)
-        if rank == 0:
-            with open(out, "w") as f:
-                f.write(f"{t_small} {t_large}")
+        in_step = in_step_all_reduces(shapes) if device == "cpu" else []
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(dict(standalone=(t_small, t_large), in_step=in_step), f)
     finally:
         dist.destroy_process_group()
 
 
-def link_rates(device: str) -> Link:
-    """The all-reduce between two ranks: 2 (g-1) (a + n / (g w)) with g = 2 -> latency a from a
-    one-element all-reduce, bandwidth w from a 16 MiB one."""
+def in_step_model(shapes: Shapes) -> MiniMindConfig:
+    """The in-step link's model: the workload's block, IN_STEP_LAYERS of them, dense, with kv heads TP 2
+    can split."""
+    c = replace(shapes.model, num_hidden_layers=IN_STEP_LAYERS, use_moe=False)
+    if c.num_key_value_heads % 2 or c.num_attention_heads % 2:
+        c = replace(c, num_attention_heads=2, num_key_value_heads=2, head_dim=c.hidden_size // 2)
+    return c
+
+
+def in_step_all_reduces(shapes: Shapes) -> list[tuple[int, float]]:
+    """(bytes, seconds after both ranks had issued it) of every all-reduce of IN_STEP_STEPS training
+    steps of the workload's block under TP 2 with the vocab-parallel loss, as the benchmark runs them
+    (after one warm-up step); on this process's rank of a two-rank world."""
+    from ..config import ParallelConfig
+    from ..groups import ProcessGroups
+    from ..model import MiniMindForCausalLM
+    from ..training import build_parallel_model, make_optimizer, train_step
+    from .collective_clock import CollectiveClock, after_all_arrived
+    c, par = in_step_model(shapes), ParallelConfig(tp=2, vocab_parallel=True)
+    groups = ProcessGroups.build(par)
+    torch.manual_seed(0)                                       # the same model and rows on both ranks
+    model = build_parallel_model(c, par, groups, MiniMindForCausalLM(c).state_dict())
+    optimizer = make_optimizer(model, 1e-4, groups)
+    ids = torch.randint(0, c.vocab_size, (IN_STEP_ROWS, shapes.seq))
+    targets = ids.roll(-1, dims=1)
+    train_step(model, optimizer, groups, ids, targets)
+    with CollectiveClock() as clock:
+        for _ in range(IN_STEP_STEPS):
+            train_step(model, optimizer, groups, ids, targets)
+    starts = torch.tensor([call.start for call in clock.calls], dtype=torch.float64)
+    both = [torch.empty_like(starts) for _ in range(2)]
+    dist.all_gather(both, starts)
+    others = [[replace(call, start=float(t)) for call, t in zip(clock.calls, both[1 - dist.get_rank()])]]
+    after = after_all_arrived(clock.calls, others)
+    return [(call.nbytes, s) for call, s in zip(clock.calls, after) if call.kind == "all_reduce"]
+
+
+def per_call_overhead(times: list[tuple[int, float]], link: Link) -> float:
+    """What a collective costs inside a step beyond the same one back to back on `link`: the median
+    over the measured all-reduces (bytes, seconds) of their time less 2 (a + n / (2 w)), at least 0.
+    One value per call, whatever its size: on this CPU a 256 B and a 256 KB all-reduce of a TP step
+    both take about 1 ms more than back to back (the backend's threads woken after the step's ops, not
+    the bytes), and so do its all-gathers and reduce-scatters (scripts/step_breakdown.py --collectives)."""
+    return max(0.0, statistics.median(t - 2 * (link.latency_s + n / (2 * link.bandwidth)) for n, t in times))
+
+
+def link_rates(device: str, shapes: Shapes = Shapes()) -> tuple[Link, dict]:
+    """The all-reduce between two ranks, 2 (g-1) (a + n / (g w)) with g = 2, and what it was fitted
+    from. Back to back (a GPU's: NCCL queues its kernels on the stream): latency a from a one-element
+    all-reduce, bandwidth w from a 16 MiB one. On a CPU each call's overhead inside real steps
+    (`in_step_all_reduces`, `per_call_overhead`) too."""
     backend = "nccl" if device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link")
         # daemonic: ended with this process on any ending (an interrupted calibration leaves nothing)
-        mp.spawn(_link_rank, args=(os.path.join(tmp, "store"), backend, out), nprocs=2, join=True, daemon=True)
-        with open(out) as f:
-            t_small, t_large = (float(v) for v in f.read().split())
+        mp.spawn(_link_rank, args=(os.path.join(tmp, "store"), backend, out, shapes), nprocs=2, join=True,
+                 daemon=True)
+        ranks = []
+        for r in range(2):
+            with open(f"{out}.{r}") as f:
+                ranks.append(json.load(f))
+    t_small, t_large = ranks[0]["standalone"]
     latency = t_small / 2
     nbytes = LARGE * 4
-    bandwidth = nbytes / (2 * max(t_large / 2 - latency, 1e-9))
-    return Link(latency_s=latency, bandwidth=bandwidth)
+    standalone = Link(latency_s=latency, bandwidth=nbytes / (2 * max(t_large / 2 - latency, 1e-9)))
+    if device == "cuda":
+        return standalone, {}
+    in_step = [tuple(x) for r in ranks for x in r["in_step"]]
+    link = replace(standalone, call_s=per_call_overhead(in_step, standalone))
+    return link, dict(in_step_all_reduce_ms={str(n): round(1e3 * statistics.median(t for m, t in in_step if m == n), 3)
+                                             for n in sorted({n for n, _ in in_step})})
 
 
 def calibrate(device: str, dtype: str = "float32", shapes: Shapes = Shapes()) -> Hardware:
@@ -186,7 +254,7 @@ def calibrate(device: str, dtype: str = "float32", shapes: Shapes = Shapes()) ->
         rates = compute_rates(device, DTYPES[dtype], shapes)
     finally:
         torch.set_num_threads(threads)
-    link = link_rates(device)
+    link, measured = link_rates(device, shapes)
     name = f"calibrated {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
     # the MFU's peak: the CPU default of training/metrics.py unless this core's GEMM is faster; a GPU's reached GEMM rate
     peak = max(CPU_DEFAULT.peak_flops, rates["gemm_flops"]) if device == "cpu" else rates["gemm_flops"]
@@ -194,4 +262,5 @@ def calibrate(device: str, dtype: str = "float32", shapes: Shapes = Shapes()) ->
                     f"{dtype}, {shapes.describe()}", peak_flops=peak, intra=link, inter=link,
                     async_dispatch=device == "cuda", overlaps_communication=device == "cuda",
                     memory_gib=(torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else None),
-                    cuda_capability=(torch.cuda.get_device_capability() if device == "cuda" else None), **rates)
+                    cuda_capability=(torch.cuda.get_device_capability() if device == "cuda" else None), extra=measured,
+                    **rates)

@@ -13,10 +13,13 @@ from ..files import atomic_path
 @dataclass(frozen=True, kw_only=True)
 class Link:
     """One collective's cost over this link: latency per message step + bytes / bandwidth
-    (bytes per second one rank moves, the ring algorithm's bus bandwidth)."""
+    (bytes per second one rank moves, the ring algorithm's bus bandwidth), and `call_s` per call
+    issued inside a step beyond the same call back to back (a CPU's gloo: its threads woken after the
+    step's ops; measured by plan --calibrate; 0 on a GPU's stream-queued NCCL)."""
 
     latency_s: float
     bandwidth: float   # bytes / s
+    call_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

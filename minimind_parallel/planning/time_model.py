@@ -11,9 +11,14 @@
     tensor       per block: the row-parallel outputs' all-reduce (reduce-scatter under SP) and the
                  column-parallel inputs' copy / all-gather (one per linear, one per region with
                  --shared_sp_gather), forward and backward; --async_communication overlaps the
-                 backward's with the weight-grad GEMM (and re-gathers the input under SP)
-    context      all_gather: K/V gathered forward, their grads reduce-scattered backward; a2a: four
-                 all-to-alls each way; ring: cp - 1 K/V block passes forward, cp - 1 and cp dK/dV
+                 backward's with the weight-grad GEMM (and re-gathers the input under SP); outside
+                 the blocks the embedding's and the head's (--vocab_parallel, SP) and the vocab-
+                 parallel loss's three [tokens] all-reduces per loss chunk, and once a step the TP-
+                 partial grads' all-reduce; --recompute full re-runs each block's forward collectives
+                 but its last (the MLP's row-parallel reduce: torch.utils.checkpoint stops early)
+    context      all_gather: K/V gathered forward, their grads reduce-scattered backward; a2a: two
+                 all-to-alls each way (q, k, v together; the output); the loss normalisation's two
+                 scalars once a step; ring: cp - 1 K/V block passes forward, cp - 1 and cp dK/dV
                  passes backward, each overlapped with one block of attention (on a GPU); the
                  attention itself blockwise (matmuls and an explicit softmax per chunk pair)
     pipeline     M microbatches and the bubble of the schedule: (P - 1) x the slowest stage's microbatch
@@ -39,9 +44,12 @@
     optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
                  one tensor per bucket)
 
-A collective of `n` bytes over `g` ranks on a link (latency a, bandwidth w): all-reduce
-2 (g-1) (a + n / (g w)), all-gather / reduce-scatter (g-1) (a + n / (g w)), all-to-all
-(g-1) (a + n / (g w)), a p2p send a + n / w. Which link: a group whose ranks span more than one
+A collective of `n` bytes over `g` ranks on a link (latency a, bandwidth w, per-call cost c):
+all-reduce c + 2 (g-1) (a + n / (g w)), all-gather / reduce-scatter / all-to-all
+c + (g-1) (a + n / (g w)), a p2p send c + a + n / w. c is what a call costs inside a step beyond
+the same call back to back (`Link.call_s`: a CPU's gloo, measured by plan --calibrate; 0 on GPUs).
+`collectives_of_step` lists a step's collectives as costed (tests/test_collective_counts.py checks
+them against the real calls). Which link: a group whose ranks span more than one
 node's (the grid dp x pp x cp x tp, TP fastest) crosses nodes.
 """
 from __future__ import annotations
@@ -97,11 +105,11 @@ class Collective:
         if self.nbytes <= 0:        # nothing to move: never issued
             return 0.0
         if self.kind == Op.P2P:
-            return link.latency_s + self.nbytes / link.bandwidth
+            return link.call_s + link.latency_s + self.nbytes / link.bandwidth
         if g <= 1:
             return 0.0
         steps = 2 * (g - 1) if self.kind == Op.ALL_REDUCE else g - 1
-        return steps * (link.latency_s + self.nbytes / (g * link.bandwidth))
+        return link.call_s + steps * (link.latency_s + self.nbytes / (g * link.bandwidth))
 
 
 @dataclass
@@ -266,6 +274,59 @@ def tensor_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[li
     return fwd, overlap, rest
 
 
+def recomputed_forward(tensor_fwd: list, context_fwd: list) -> list:
+    """The forward collectives `--recompute full` runs again in backward: every one of the block but
+    its last, the MLP's row-parallel reduce, whose output no op of the block saves
+    (torch.utils.checkpoint stops the re-run once every saved tensor is made again)."""
+    return tensor_fwd[:-1] + context_fwd
+
+
+def head_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[list, list]:
+    """The TP collectives outside the blocks of one microbatch on the last stage (its embedding too at
+    pp 1): (forward, backward). --vocab_parallel: the embedding's partial rows all-reduced (reduce-
+    scattered under SP), the head's column input copied in (gathered under SP), and the loss's three
+    all-reduces of [tokens] (max, target logit, sum of exps; float32 at least) per loss chunk; SP
+    alone: the embedding's output split (its grad gathered) and the final norm's output gathered for
+    the replicated head."""
+    if k.tp == 1:
+        return [], []
+    b = DTYPES[w.dtype].itemsize
+    tokens = k.micro_batch_size * w.seq_len / k.cp
+    n = tokens * c.hidden_size * b
+    gather, scatter, reduce = (Collective(op, n, k.tp) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE))
+    sp, fwd, bwd = k.sequence_parallel, [], []
+    if k.pp == 1 and k.vocab_parallel:
+        fwd, bwd = ([scatter], [gather]) if sp else ([reduce], [])
+    elif k.pp == 1 and sp:
+        bwd = [gather]
+    if k.vocab_parallel:
+        fwd, bwd = fwd + ([gather] if sp else []), bwd + [scatter if sp else reduce]
+        fwd += [Collective(Op.ALL_REDUCE, tokens / k.loss_chunks * max(b, 4), k.tp)] * (3 * k.loss_chunks)
+    elif sp:
+        fwd = fwd + [gather]
+    return fwd, bwd
+
+
+def step_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[list, list, list]:
+    """The collectives of a step outside its microbatches on the last stage, (tensor, context,
+    pipeline): under TP the grads of the parameters each rank holds whole but sees a part of (the q/k
+    norms on its heads; under SP the norms on its tokens too) all-reduced in one buffer; under CP the
+    loss normalisation's two scalars (the targets' count, the replica's loss); under PP the tied
+    embedding's grad summed with the first stage's copy."""
+    b = DTYPES[w.dtype].itemsize
+    layers = c.num_hidden_layers // k.pp
+    tensor, context, pipeline = [], [], []
+    if k.tp > 1:
+        partial = layers * 2 * c.head_dim + ((2 * layers + 1) * c.hidden_size if k.sequence_parallel else 0)
+        tensor = [Collective(Op.ALL_REDUCE, partial * b, k.tp)]
+    if k.cp > 1:
+        context = [Collective(Op.ALL_REDUCE, 4, k.cp)] * 2
+    if k.pp > 1 and c.tie_word_embeddings:
+        vocab = c.vocab_size / k.tp if k.vocab_parallel else c.vocab_size
+        pipeline = [Collective(Op.ALL_REDUCE, vocab * c.hidden_size * b, 2)]
+    return tensor, context, pipeline
+
+
 def context_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[list, list]:
     """One block's CP collectives of one microbatch: (forward, backward)."""
     if k.cp == 1:
@@ -276,9 +337,8 @@ def context_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[l
     q = tokens * c.num_attention_heads * c.head_dim / k.tp * b
     if k.cp_comm_type == CPCommType.ALL_GATHER:
         return [Collective(Op.ALL_GATHER, kv * k.cp, k.cp)], [Collective(Op.REDUCE_SCATTER, kv * k.cp, k.cp)]
-    if k.cp_comm_type == CPCommType.A2A:
-        each = [Collective(Op.ALL_TO_ALL, q, k.cp), Collective(Op.ALL_TO_ALL, kv / 2, k.cp),
-                Collective(Op.ALL_TO_ALL, kv / 2, k.cp), Collective(Op.ALL_TO_ALL, q, k.cp)]
+    if k.cp_comm_type == CPCommType.A2A:   # q, k, v to heads in one all-to-all, the output back in another
+        each = [Collective(Op.ALL_TO_ALL, q + kv, k.cp), Collective(Op.ALL_TO_ALL, q, k.cp)]
         return each, each
     # ring (context_parallel/ring.py): forward C - 1 K/V passes; backward C - 1 K/V passes and C passes
     # of the dK/dV accumulators (home after C steps), each the K/V's size
@@ -299,6 +359,30 @@ def expert_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[li
     counts = Collective(Op.ALL_TO_ALL, 8 * c.num_experts, k.ep)
     tokens = Collective(Op.ALL_TO_ALL, rows, k.ep)
     return [counts, tokens, tokens, *stats], [tokens, tokens]
+
+
+def collectives_of_step(k: Candidate, w: Workload, *, stage_params: int) -> list[Collective]:
+    """Every collective one rank of the last stage issues in a step of layout `k`, as the time model
+    costs them (dense model; DDP's grads in one bucket, ZeRO's in its buckets): the counts a test
+    compares with the real calls (profiling.collectives.CollectiveLog)."""
+    c, b, m = w.model, DTYPES[w.dtype].itemsize, k.num_microbatches
+    layers = c.num_hidden_layers // k.pp
+    tf, to, tr = tensor_collectives(c, k, w)
+    cf, cb = context_collectives(c, k, w)
+    again = recomputed_forward(tf, cf) if k.recompute == Recompute.FULL else []
+    hf, hb = head_collectives(c, k, w)
+    act = k.micro_batch_size * w.seq_len / k.cp * c.hidden_size * b / (k.tp if k.sequence_parallel else 1)
+    p2p = [Collective(Op.P2P, act, 2)] * (2 * k.virtual_stages) if k.pp > 1 else []
+    per_mb = layers * (tf + to + tr + cf + cb + again) + hf + hb + p2p
+    st, sc, sp = step_collectives(c, k, w)
+    g = k.dp * k.cp
+    if k.zero == 0:
+        grads = [Collective(Op.ALL_REDUCE, stage_params * b, g)]
+    else:
+        buckets = max(1, -(-stage_params * b // int(DEFAULT_BUCKET_MB * 2**20)))
+        each = stage_params * b / buckets
+        grads = [Collective(Op.REDUCE_SCATTER, each, g), Collective(Op.ALL_GATHER, each, g)] * buckets
+    return [x for x in m * per_mb + st + sc + sp + grads if x.nbytes > 0 and (x.ranks > 1 or x.kind == Op.P2P)]
 
 
 def data_parallel_seconds(k: Candidate, w: Workload, hw: Hardware, link: Link, *, stage_params: int,
@@ -396,18 +480,20 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     dp_link = hw.link(crosses_nodes(w.world_size, w))
     # tensor parallelism, per microbatch
     tf, to, tr = tensor_collectives(c, k, w)
+    cf, cb = context_collectives(c, k, w)
     wgrad = bwd / 2 / max(layers, 1)                          # one block's weight-grad GEMMs
     overlap = seconds(to, tp_link)
     tp_bwd = hw.hidden(overlap, wgrad) if k.async_communication else overlap
-    refwd = 2 if k.recompute == Recompute.FULL else 1          # full recompute re-runs the forward's collectives
-    tp = layers * (refwd * seconds(tf, tp_link) + tp_bwd + seconds(tr, tp_link))
+    full = k.recompute == Recompute.FULL                      # full recompute re-runs the forward's collectives
+    tp_again, cp_again = (recomputed_forward(tf, []), recomputed_forward([], cf)) if full else ([], [])
+    hf, hb = head_collectives(c, k, w)
+    tp = layers * (seconds(tf + tp_again, tp_link) + tp_bwd + seconds(tr, tp_link)) + seconds(hf + hb, tp_link)
     # context parallelism, per microbatch
-    cf, cb = context_collectives(c, k, w)
     if k.cp > 1 and k.cp_comm_type == CPCommType.RING:
         attn_step = fwd / max(layers, 1) / k.cp / 3           # one K/V block's share of a block's attention
-        cp = layers * sum(hw.hidden(x.seconds(cp_link), attn_step) for x in refwd * cf + cb)
+        cp = layers * sum(hw.hidden(x.seconds(cp_link), attn_step) for x in cf + cp_again + cb)
     else:
-        cp = layers * (refwd * seconds(cf, cp_link) + seconds(cb, cp_link))
+        cp = layers * seconds(cf + cp_again + cb, cp_link)
     # mixture of experts: the EP all-to-alls (over the DP link where the EP group leaves the CP one's)
     ef, eb = expert_collectives(c, k, w)
     ep_link = cp_link if k.ep <= k.cp else dp_link
@@ -417,7 +503,9 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     p2p = 2 * k.virtual_stages * Collective(Op.P2P, act, 2).seconds(pp_link) if k.pp > 1 else 0.0
     per_mb = fwd + bwd + tp + cp + ep + p2p
     m, p = k.num_microbatches, k.pp
-    t.compute, t.tp_exposed, t.cp_exposed, t.pp_p2p = m * (fwd + bwd), m * tp, m * cp, m * p2p
+    st, sc, sp = step_collectives(c, k, w)
+    t.compute, t.tp_exposed = m * (fwd + bwd), m * tp + seconds(st, tp_link)
+    t.cp_exposed, t.pp_p2p = m * cp + seconds(sc, cp_link), m * p2p + seconds(sp, pp_link)
     t.ep_exposed = m * ep
     t.bubble = pipeline_bubble(k, per_mb, bwd)
     t.dp_exposed, buckets = data_parallel_seconds(k, w, hw, dp_link, stage_params=stage_params,

@@ -3,13 +3,7 @@
 `CollectiveLog` is a dispatch mode that sees every `c10d` operator the process issues (the
 operators `torch.distributed` runs for every backend, point-to-point included, which
 `CommDebugMode` does not count) and records its kind and the bytes of the buffer this rank hands
-it:
-
-    all_gather      the local shard sent to every peer          ([S/C, ...])
-    reduce_scatter  the full buffer reduced                     ([S, ...])
-    all_reduce      the buffer reduced
-    all_to_all      the buffer split among the ranks            (its part c goes to rank c)
-    send / recv     the tensor sent / received
+it (`distributed.c10d_ops`: an all-gather's local shard, a reduce-scatter's full buffer, ...):
 
     with CollectiveLog() as log:
         y = block(x, cos, sin, layout)
@@ -21,21 +15,7 @@ from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# c10d operator name (without overload) -> kind; its argument holding this rank's buffer
-_OPS = {
-    "_allgather_base_": ("all_gather", 1),
-    "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "allreduce_": ("all_reduce", 0),
-    "alltoall_base_": ("all_to_all", 1),
-    "send": ("send", 0),
-    "recv_": ("recv", 0),
-    "broadcast_": ("broadcast", 0),
-}
-
-
-def _nbytes(x) -> int:
-    tensors = x if isinstance(x, (list, tuple)) else [x]
-    return sum(t.numel() * t.element_size() for t in tensors)
+from ..distributed.c10d_ops import kind_and_bytes
 
 
 class CollectiveLog(TorchDispatchMode):
@@ -47,9 +27,7 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            name = func.__name__.split(".")[0]
-            kind, arg = _OPS.get(name, (name, None))
-            self.calls.append((kind, _nbytes(args[arg]) if arg is not None else 0))
+            self.calls.append(kind_and_bytes(func, args))
         return func(*args, **(kwargs or {}))
 
     def counts(self) -> dict[str, int]:
