@@ -34,7 +34,8 @@ from ..options import (PRESETS, Parser, add_moe_args, check_at_least, check_numb
 from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
-from ..planning.ranking import paused_collector
+from ..planning.forked import forked_map, split, usable_cpus
+from ..planning.ranking import FORK_FROM, MAX_PROCESSES, paused_collector
 from ..planning.space import DOMINATED, Candidate, flag_names
 from .benchmark.command import BatchPolicy, Kind
 from .benchmark.outputs import Status
@@ -375,9 +376,17 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
         out["validation"] = validation
     # dumps without indent (the C encoder), the layouts' rows made as text (layout_json) in their place
     head, tail = json.dumps(out).split(json.dumps(LAYOUTS))
-    rows = ", ".join(layout_json(e, args, hw, words) for e in result.fitting)
+    rows = ", ".join(json_rows(result.fitting, args, hw, words))
     with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write(f"{head}[{rows}]{tail}")
+
+
+def json_rows(fitting: list, args, hw, words: list[str]) -> list[str]:
+    """Each fitting layout's JSON row (layout_json), in order; a space of FORK_FROM layouts or more
+    made by --processes forked processes (as the predictions), each a contiguous part."""
+    n = len(fitting)
+    parts = args.processes or (min(MAX_PROCESSES, usable_cpus()) if n >= FORK_FROM else 1)
+    return forked_map(lambda e: layout_json(e, args, hw, words), fitting, split([1] * n, parts))
 
 
 def write_plot(path: str, result) -> None:
