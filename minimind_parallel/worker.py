@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from . import processes, tasks
 from .config import ConfigError
+from .distributed.teardown import destroy_process_groups
 from .job import read_job
 from .options import collective_timeout, resolve_device
 
@@ -93,8 +94,7 @@ def run(argv: list[str]) -> int:
                 f"{launch.collective_timeout:g} s (a peer stopped or is gone): {str(e).splitlines()[0][:200]}") from e
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
 
 
 if __name__ == "__main__":
