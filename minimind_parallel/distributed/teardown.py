@@ -5,7 +5,9 @@ interpreter is still whole.
 gloo group is destroyed -- its worker threads joined -- only when its last reference goes. A
 reference that outlives the call, such as one held in a cycle of the task's objects that the
 collector has not reached yet, leaves the group and its threads alive into the interpreter's
-finalization, when the collector destroys it at last. A gloo worker thread that still has a
+finalization, which destroys it at last. (Objects should not hold a group in a cycle at all: a
+cycle through a tensor's hooks, which torch keeps on its C++ side, is one the collector cannot
+even see -- zero/distributed_optimizer.py's hooks hold their buffer weakly.) A gloo worker thread that still has a
 finished collective to drop (it lets go of its work after `wait()` returns, see comm._Release) and
 with it the last reference to a tensor of Python's, needs the GIL for that; a finalizing
 interpreter ends a thread that asks for the GIL (pthread_exit), and that unwinding through a
