@@ -386,7 +386,8 @@ def test_a_rank_whose_group_a_cycle_holds_ends_cleanly_when_a_collective_finishe
     ranks exit 0. (Without its collection, rank 0 aborts here every time.)"""
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", _LATE_COLLECTIVE, str(r), port], env=env,
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # this checkout's package
+    ranks = [subprocess.Popen([sys.executable, "-c", _LATE_COLLECTIVE, str(r), port], env=env, cwd=root,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     try:
         outputs = [p.communicate(timeout=120)[0] for p in ranks]

@@ -14,6 +14,10 @@ interpreter ends a thread that asks for the GIL (pthread_exit), and that unwindi
 noexcept C++ destructor aborts the process: "terminate called without an active exception",
 SIGABRT, after the rank's work is done. So the task's garbage is collected before the groups are
 destroyed, and the groups go, with their threads, inside `destroy_process_group`.
+
+One group this cannot reach: once a `torch.optim` optimizer has been made, torch 2.13 itself keeps
+the default group alive past `destroy_process_group` from its C++ side (no Python referrer), so
+the default group's gloo threads still end with the process.
 """
 from __future__ import annotations
 
