@@ -14,6 +14,8 @@ import signal
 import sys
 
 import torch
+import torch._dynamo  # noqa: F401  before the default group exists: imported after it (as the first
+# optimizer does), it keeps that group alive past destroy_process_group (distributed/teardown.py)
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 

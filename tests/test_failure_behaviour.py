@@ -397,3 +397,30 @@ def test_a_rank_whose_group_a_cycle_holds_ends_cleanly_when_a_collective_finishe
                 p.kill()
                 p.wait()
     assert [p.returncode for p in ranks] == [0, 0], outputs
+
+
+_RANK_WITH_AN_OPTIMIZER = """
+import datetime, sys
+sys.path.insert(0, "tests")
+import torch
+from helpers import gloo_threads
+from minimind_parallel import worker
+from minimind_parallel.distributed.teardown import destroy_process_groups
+worker.init_distributed("cpu", datetime.timedelta(seconds=60))
+torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1e-3)   # torch._dynamo's first use
+destroy_process_groups()
+print(gloo_threads())
+"""
+
+
+def test_a_rank_with_an_optimizer_destroys_its_default_group_with_its_threads():
+    """torch._dynamo imported after the default group exists (an optimizer's first use imports it)
+    keeps that group alive past destroy_process_group, its gloo threads into the interpreter's
+    finalization; the worker imports it first, so a rank's teardown leaves no gloo thread."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", _RANK_WITH_AN_OPTIMIZER], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "0", done.stdout

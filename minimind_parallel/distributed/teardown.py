@@ -15,9 +15,10 @@ noexcept C++ destructor aborts the process: "terminate called without an active 
 SIGABRT, after the rank's work is done. So the task's garbage is collected before the groups are
 destroyed, and the groups go, with their threads, inside `destroy_process_group`.
 
-One group this cannot reach: once a `torch.optim` optimizer has been made, torch 2.13 itself keeps
-the default group alive past `destroy_process_group` from its C++ side (no Python referrer), so
-the default group's gloo threads still end with the process.
+torch itself holds one group past the call in a way no collection reaches: `torch._dynamo` (which
+an optimizer's first use imports), imported after the default group exists, keeps that group
+alive from its C++ side. The worker imports it before it creates the group. (FSDP2 at --zero 3
+still keeps one group past the call: its device mesh's.)
 """
 from __future__ import annotations
 
