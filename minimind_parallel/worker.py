@@ -14,11 +14,14 @@ import signal
 import sys
 
 import torch
+import torch._dynamo  # noqa: F401  before the default group exists: imported after it (as the first
+# optimizer does), it keeps that group alive past destroy_process_group (distributed/teardown.py)
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from . import processes, tasks
 from .config import ConfigError
+from .distributed.teardown import destroy_process_groups
 from .job import read_job
 from .options import collective_timeout, resolve_device
 
@@ -93,8 +96,7 @@ def run(argv: list[str]) -> int:
                 f"{launch.collective_timeout:g} s (a peer stopped or is gone): {str(e).splitlines()[0][:200]}") from e
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,27 @@
 """Helpers shared by the test files: the relative-L2 error of the numeric checks, the one-line
 refusal check, and the stdlib corpus the data and train tests start from (conftest.py's
-`stdlib_corpus` fixture writes it once per session)."""
+`stdlib_corpus` fixture writes it once per session), and the count of gloo's threads in this
+process (a process group not destroyed keeps its threads)."""
+import os
 import subprocess
 import sys
 
 import torch
 
 MAX_DOCS = 200  # documents of the stdlib corpus the tests train and tokenise on
+
+
+def gloo_threads() -> int:
+    """Threads of gloo in this process (its worker loops `pt_gloo_runloop`, its transport's
+    `gloo_tcp_loop`), read from /proc: a gloo group's go only when the group is destroyed."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:   # ended meanwhile
+            continue
+    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

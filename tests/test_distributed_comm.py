@@ -120,3 +120,33 @@ def test_a_tensor_dropped_right_after_a_collective_is_freed_at_once():
     for rank_late in run_ranks(_late_frees, 2, KINDS, 200):
         assert rank_late["release waits that timed out"] == 0, rank_late
         assert all(rank_late[kind] <= 2 for kind in KINDS), rank_late
+
+
+def test_a_ranks_teardown_destroys_a_group_that_only_a_garbage_cycle_still_holds():
+    """`destroy_process_groups` (what every rank runs last): a group referenced only from an
+    object cycle not yet collected is destroyed there, its gloo threads joined, rather than
+    left to the interpreter's finalization (where a rank aborted: distributed/teardown.py)."""
+    import gc
+
+    from torch.distributed import HashStore
+
+    from helpers import gloo_threads
+    from minimind_parallel.distributed.teardown import destroy_process_groups
+
+    gc.collect()
+    before, collecting = gloo_threads(), gc.isenabled()
+    gc.disable()   # no collection of its own between the cycle's making and the teardown
+    try:
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+        cycle = [dist.new_group([0])]
+        cycle.append(cycle)
+        dist.all_reduce(torch.ones(8), group=cycle[0])
+        del cycle
+        destroy_process_groups()
+        assert gloo_threads() == before
+        destroy_process_groups()   # nothing initialised: nothing to do
+    finally:
+        if collecting:
+            gc.enable()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -348,3 +348,79 @@ def test_a_child_forked_before_its_exec_ignores_the_launchers_ctrl_c():
             os._exit(0)
         _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+# Two ranks that end normally (the interpreter finalizes). Rank 0's group is held only by a
+# reference cycle; a collective on it is still in flight when rank 0 tears down, and finishes while
+# rank 0's Python keeps the GIL (a long switch interval: what a loaded machine's scheduler can do
+# to a backend thread by chance), so rank 0's gloo thread, dropping the tensor Python let go of,
+# asks for the GIL just before the interpreter finalizes.
+_LATE_COLLECTIVE = """
+import sys, time, torch, torch.distributed as dist
+from minimind_parallel.distributed.teardown import destroy_process_groups
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+cycle = [dist.new_group([0, 1])]
+cycle.append(cycle)
+x = torch.ones(1 << 16)
+dist.barrier(group=cycle[0])
+if rank == 1:
+    time.sleep(0.5)
+    dist.all_reduce(x, group=cycle[0])
+else:
+    sys.setswitchinterval(100.0)
+    work = dist.all_reduce(x, group=cycle[0], async_op=True)
+    del x, work, cycle
+destroy_process_groups()
+t0 = time.monotonic()
+while time.monotonic() - t0 < 1.5:   # no I/O, no sleep: nothing lets go of the GIL
+    pass
+"""
+
+
+def test_a_rank_whose_group_a_cycle_holds_ends_cleanly_when_a_collective_finishes_at_exit():
+    """What a --zero 2 rank met at exit under load (its buffer's hooks held the DP x CP group in a
+    cycle): the group destroyed only in the interpreter's finalization, its gloo thread ended there
+    while dropping a finished collective's work -- `terminate called without an active exception`,
+    SIGABRT. `destroy_process_groups` destroys the group while the interpreter is whole: both
+    ranks exit 0. (Without its collection, rank 0 aborts here every time.)"""
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # this checkout's package
+    ranks = [subprocess.Popen([sys.executable, "-c", _LATE_COLLECTIVE, str(r), port], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in ranks] == [0, 0], outputs
+
+
+_RANK_WITH_AN_OPTIMIZER = """
+import datetime, sys
+sys.path.insert(0, "tests")
+import torch
+from helpers import gloo_threads
+from minimind_parallel import worker
+from minimind_parallel.distributed.teardown import destroy_process_groups
+worker.init_distributed("cpu", datetime.timedelta(seconds=60))
+torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1e-3)   # torch._dynamo's first use
+destroy_process_groups()
+print(gloo_threads())
+"""
+
+
+def test_a_rank_with_an_optimizer_destroys_its_default_group_with_its_threads():
+    """torch._dynamo imported after the default group exists (an optimizer's first use imports it)
+    keeps that group alive past destroy_process_group, its gloo threads into the interpreter's
+    finalization; the worker imports it first, so a rank's teardown leaves no gloo thread."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", _RANK_WITH_AN_OPTIMIZER], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "0", done.stdout

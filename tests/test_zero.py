@@ -528,3 +528,45 @@ def test_zero2_refuses_a_bucket_some_of_whose_parameters_got_no_grad():
             optimizer.reduce_grads()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_dropped_zero2_optimizer_frees_its_buffers_and_group_without_the_collector():
+    """--zero 2's grad hooks on the parameters hold their buffer weakly: dropping the optimizer and
+    the model frees the buffers, and with them their process group, at once (no reference cycle
+    through the hooks), so `destroy_process_group` destroys the group and joins its gloo threads
+    -- a group left alive past it was torn down in the interpreter's finalization, where a rank
+    aborted at exit (distributed/teardown.py). The buffer's group is a real one-rank gloo group."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed import HashStore
+
+    from helpers import gloo_threads
+
+    gc.collect()
+    before, collecting = gloo_threads(), gc.isenabled()
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    gc.disable()
+    try:
+        c = MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=64, intermediate_size=64)
+        par = ParallelConfig(zero=2)
+        groups = ProcessGroups.build(par)
+        groups.dp_cp = groups.edp = dist.new_group([0])   # what the buffers reduce over
+        model = build_parallel_model(c, par, groups, MiniMindForCausalLM(c).state_dict())
+        optimizer = make_optimizer(model, 1e-3, groups=groups, bucket_size_mb=25.0)
+        ids = torch.randint(0, 64, (2, 8))
+        train_step(model, optimizer, groups, ids, ids, num_microbatches=1)   # the hooks fill, reduce, step
+        (buffer,) = optimizer.buffers
+        assert buffer.group is groups.dp_cp and not buffer._pending and not buffer._filling
+        dropped = weakref.ref(buffer)
+        del model, optimizer, groups, buffer
+        assert dropped() is None
+        dist.destroy_process_group()
+        assert gloo_threads() == before
+    finally:
+        if collecting:
+            gc.enable()
+        if dist.is_initialized():
+            dist.destroy_process_group()

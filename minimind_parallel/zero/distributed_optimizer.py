@@ -34,6 +34,8 @@ all-gathered in place, so every parameter is whole again for the next forward.
 """
 from __future__ import annotations
 
+import weakref
+
 from collections import deque
 
 import torch
@@ -132,28 +134,39 @@ class FlatBuffer:
                 p.grad = None
 
     def _grad_ready(self, name: str):
+        """Parameter `name`'s post-accumulate-grad hook. It holds the buffer weakly: the parameters
+        must not keep it (and its process group) alive in a reference cycle, else the group
+        outlives the rank's `destroy_process_group` and its backend's threads are torn down
+        during the interpreter's finalization (see distributed/teardown.py)."""
+        owner = weakref.ref(self)
+
         def hook(param: nn.Parameter) -> None:
-            if param.grad is None:   # a zb B step's deferred weight: autograd runs the hook with no grad made
-                return
-            i = self._bucket_of[name]
-            b = self.layout.buckets[i]
-            staging = self._filling[i][1] if i in self._filling else self._open(i)
-            start = self._offsets[name] - b.start
-            rows = staging[start:start + param.numel()]
-            arrived = self._arrived[i]
-            self._came[i].add(name)
-            # a grad that comes again before its bucket is complete (a later microbatch's, under an
-            # order whose chunks or W steps interleave microbatches) adds to the one already there
-            if name in arrived:
-                rows.add_(param.grad.reshape(-1))
-            else:
-                rows.copy_(param.grad.reshape(-1))
-                arrived.add(name)
-            param.grad = None
-            if len(arrived) == len(b.names):
-                arrived.clear()
-                self._start_reduce(i)
+            buffer = owner()
+            if buffer is not None and param.grad is not None:   # None: a zb B step's deferred weight
+                buffer._take_grad(name, param)
         return hook
+
+    def _take_grad(self, name: str, param: nn.Parameter) -> None:
+        """--zero 2: parameter `name`'s grad copied (added) into its bucket's staging buffer and
+        freed; the bucket's reduce-scatter started once all its parameters' grads have come."""
+        i = self._bucket_of[name]
+        b = self.layout.buckets[i]
+        staging = self._filling[i][1] if i in self._filling else self._open(i)
+        start = self._offsets[name] - b.start
+        rows = staging[start:start + param.numel()]
+        arrived = self._arrived[i]
+        self._came[i].add(name)
+        # a grad that comes again before its bucket is complete (a later microbatch's, under an
+        # order whose chunks or W steps interleave microbatches) adds to the one already there
+        if name in arrived:
+            rows.add_(param.grad.reshape(-1))
+        else:
+            rows.copy_(param.grad.reshape(-1))
+            arrived.add(name)
+        param.grad = None
+        if len(arrived) == len(b.names):
+            arrived.clear()
+            self._start_reduce(i)
 
     def _open(self, i: int) -> torch.Tensor:
         """--zero 2: a staging buffer for bucket i (the oldest reduce-scatter waited for if none is
