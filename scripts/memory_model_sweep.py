@@ -114,6 +114,14 @@ def with_moe(rng: random.Random, case):
     return c, replace(par, ep=ep), sizes
 
 
+def with_expert_data_parallel(rng: random.Random, c: MiniMindConfig, par: ParallelConfig) -> ParallelConfig:
+    """--zero 3 with MoE: DP 2 or 4 and the experts over 1, 2 or 4 of the DP x CP ranks, so that the
+    experts' own FSDP2 group spans one EDP rank (ep = dp x cp: the experts whole) or more."""
+    dp = rng.choice([2, 4])
+    ep = rng.choice([e for e in (1, 2, 4) if (dp * par.cp) % e == 0 and c.num_experts % e == 0])
+    return replace(par, dp=dp, ep=ep)
+
+
 def refused(par: ParallelConfig, sizes: dict) -> bool:
     """Whether the schedule refuses the layout before launch (check_schedule), as the command
     line would: not a case."""
@@ -132,7 +140,8 @@ def main() -> int:
     ap.add_argument("--cp", action="store_true", help="draw context-parallel layouts (and --recompute, --loss_chunks)")
     ap.add_argument("--zero", type=int, nargs="+", choices=[1, 2, 3], default=[],
                     help="draw these --zero levels (over dp x cp > 1: dp 2 when the draw has dp x cp = 1) and "
-                         "--bucket_size_mb 0.01 / 0.05 / 25 (3: not under PP, which check_layout refuses; MoE at ep 1)")
+                         "--bucket_size_mb 0.01 / 0.05 / 25 (3: not under PP unless --zero3_pipeline; with --moe DP 2 or 4, "
+                         "the experts over 1, 2 or 4 of the DP x CP ranks)")
     ap.add_argument("--moe", action="store_true", help="draw MiniMind's MoE model, with expert parallelism")
     ap.add_argument("--zero3_pipeline", action="store_true",
                     help="with --zero 3, keep the pipeline draws too (fsdp_pipeline.py; the draws it refuses are skipped)")
@@ -153,8 +162,8 @@ def main() -> int:
                 continue   # runs, but predict_memory refuses it (its buckets fill across chunks and microbatches)
             if par.zero == 3 and par.pp > 1 and not args.zero3_pipeline:
                 continue   # modelled by fsdp_pipeline (--zero3_pipeline draws it)
-            if par.zero == 3 and par.pp == 1:
-                par = replace(par, ep=1)   # predict_memory refuses --zero 3 at ep > 1 (fsdp_composition)
+            if par.zero == 3 and par.pp == 1 and c.use_moe:
+                par = with_expert_data_parallel(rng, c, par)
             if refused(par, sizes):
                 continue
         try:

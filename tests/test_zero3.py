@@ -12,6 +12,7 @@ import torch
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, cli, tasks
 from minimind_parallel.memory import estimate_step_memory, predict_memory
+from minimind_parallel.memory.analytic.moe_sizes import RoutingPolicy
 from minimind_parallel.job import read_job, write_job
 from minimind_parallel.tasks.benchmark.cells import cell_job
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
@@ -269,29 +270,52 @@ def test_zero3_under_pipeline_parallelism_runs_where_its_memory_is_refused_in_on
     assert "does not cost --zero 3 with pp_size > 1" in one_line_error(ConfigError, check_candidate, work, modelled)
 
 
-def test_zero3_under_expert_parallelism_runs_but_its_memory_is_refused_in_one_line():
-    """--zero 3 at ep_size > 1 passes check_layout (the experts' own FSDP2 group over their EDP mesh:
-    test_zero.py's rows equal the dense model) and --estimate runs it on fake tensors; predict_memory
-    does not replay the experts' second group and says so in one line, and the planner cuts it there."""
-    from helpers import one_line_error
-    from minimind_parallel.config import ConfigError, check_layout
+# (layout, dtype, microbatches, routing, the moment at the peak): zero 3 under expert parallelism; a
+# routing as one EP group's tokens per expert per MoE layer: EP rank 0 (experts 0 and 1) receives the most
+SKEWED = {"model.layers.0.mlp": [100, 60, 60, 36], "model.layers.1.mlp": [30, 130, 20, 76]}
+EXPERT_SHARDED = [
+    (dict(dp=2, ep=2), torch.float32, 1, RoutingPolicy.BALANCED, "expert_swiglu_backward"),   # experts whole
+    (dict(dp=2, ep=2), torch.bfloat16, 2, SKEWED, "expert_swiglu_backward"),
+    (dict(dp=4, ep=2), torch.float32, 2, RoutingPolicy.BALANCED, "expert_pre_backward"),  # their copy-out
+    (dict(dp=4, ep=2), torch.bfloat16, 1, RoutingPolicy.BALANCED, "expert_forward_end"),  # gathered in forward
+    (dict(dp=4, ep=2), torch.float32, 1, SKEWED, "expert_pre_backward"),
+    (dict(dp=4, ep=4), torch.bfloat16, 2, RoutingPolicy.BALANCED, "expert_swiglu_backward"),
+]
+
+
+def test_the_memory_model_of_zero3_under_expert_parallelism_is_the_estimate_to_the_byte():
+    """--zero 3 at ep_size > 1 (fsdp_experts.py: each MoE layer's experts an FSDP2 group of their own
+    over the EDP ranks, gathered between the dispatch and the experts, prefetched by the block's
+    pre-backward, copied out at the grad of their output, reduce-scattered before the dispatch's
+    backward; whole, outside FSDP2, where the EDP group is one rank): predict_memory equals the
+    tracker on fake tensors on the worst EP rank (rank 0, under SKEWED too), fp32 and bf16, balanced
+    and a measured routing, dp2 ep2, dp4 ep2 and dp4 ep4; the planner plans it."""
     from minimind_parallel.planning import Candidate, Workload
     from minimind_parallel.planning.space import check_candidate
     config = replace(_config(2, 128, False), use_moe=True, num_experts=4, num_experts_per_tok=2)
-    for par in (ParallelConfig(dp=2, ep=2, zero=3), ParallelConfig(dp=4, ep=2, zero=3)):
-        check_layout(config, par, seq_len=32)
-        kw = dict(seq_len=32, micro_batch_size=2, dtype=torch.float32)
-        message = one_line_error(NotImplementedError, predict_memory, config, par, **kw)
-        assert message.startswith("predict_memory: --zero 3 with --ep_size > 1 is not modelled") and \
-            message.endswith(f"got ep_size={par.ep}"), message
-        cut = one_line_error(ConfigError, check_candidate, Workload(model=config, seq_len=32, global_batch_size=8,
-                                                                    world_size=par.world_size),
-                             Candidate(dp=par.dp, ep=par.ep, zero=3, micro_batch_size=8 // par.dp))
-        assert "--zero 3 with --ep_size > 1 is not modelled" in cut, cut
+    estimates = {}
+    for layout, dtype, microbatches, routing, moment in EXPERT_SHARDED:
+        par = ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=32, micro_batch_size=2, dtype=dtype, num_microbatches=microbatches, routing=routing)
+        model = predict_memory(config, par, **kw)
+        estimates[str(par), dtype] = estimate = estimate_step_memory(config, par, iters=1, **kw)
+        assert model.peak_at.startswith(moment), (layout, dtype, model.peak_at)
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (layout, dtype)
+    work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=4)
+    for ep in (2, 4):
+        check_candidate(work, Candidate(dp=4, ep=ep, zero=3, micro_batch_size=2))   # not cut
+    # under PP (the experts' groups over a stage gathered through the schedule): refused in one line, cut
+    from helpers import one_line_error
+    from minimind_parallel.config import ConfigError
+    staged = Candidate(dp=2, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2)
+    refused = one_line_error(NotImplementedError, predict_memory, config, staged.parallel, seq_len=32,
+                             micro_batch_size=2, num_microbatches=2)
+    assert "--zero 3 with --ep_size > 1 is modelled without pipeline parallelism" in refused, refused
+    assert refused.split("predict_memory: ")[1] in one_line_error(ConfigError, check_candidate, work, staged)
     # dp4 ep2: rank 0 holds experts 0 and 1 of each layer, sharded over its EDP group (ranks 0, 2), the
     # rest over the 4 DP ranks; AdamW's two states of rank 0's Shard(0) rows and a float32 step per parameter
     from minimind_parallel.moe.placement import expert_of
-    estimate = estimate_step_memory(config, ParallelConfig(dp=4, ep=2, zero=3), iters=1, **kw)
+    estimate = estimates[str(ParallelConfig(dp=4, ep=2, zero=3)), torch.float32]
     mine = [(n, p) for n, p in MiniMindForCausalLM(config).named_parameters() if expert_of(n) in (None, 0, 1)]
     rows = sum(-(-p.shape[0] // (4 if expert_of(n) is None else 2)) * (p.numel() // p.shape[0]) for n, p in mine)
     assert estimate.breakdown["optimizer"] == 2 * 4 * rows + 4 * len(mine)

@@ -3,11 +3,10 @@
 fsdp_replay.py follows one FSDP2 group per block (and the root's): its all-gather before the
 block's forward and backward, the copy-out, the free, the reduce-scatter. Under expert parallelism
 (ep_size > 1, zero/fully_shard.py) each MoE layer's experts are a second FSDP2 group of the block,
-over the EDP mesh: gathered inside the MoE layer between the token dispatch and the combine, freed
-after the experts' forward, gathered again in backward by the block's pre-backward prefetch (FSDP2
-prefetches in the reverse of the forward's order: the block's dense group, then its experts, so
-both gathers are alive over the block's attention backward), and reduce-scattered over EDP before
-the dispatch's backward all-to-all. That timeline is not replayed.
+over the EDP mesh, or whole outside FSDP2 on one EDP rank: fsdp_experts.py replays that timeline
+(their gather between the dispatch and the experts, the block's pre-backward prefetch of them, their
+copy-out at the grad of their output, their reduce-scatter before the dispatch's backward), not
+under pipeline parallelism (refused).
 
 Under pipeline parallelism fsdp_pipeline.py replays gpipe and 1f1b with two microbatches or more;
 refused: the posted schedules (interleaved, zb: their replays, posted_replay.py, are not composed
@@ -23,12 +22,11 @@ from ...pipeline_parallel.order import Schedule
 
 def composition_refusal(par: ParallelConfig, schedule: Schedule, num_microbatches: int) -> str | None:
     """Why the --zero 3 layout `par` (under `schedule`, `num_microbatches`) is not modelled; None where it is."""
-    if par.ep > 1:
-        return (f"--zero 3 with --ep_size > 1 is not modelled (the experts' FSDP2 group over the expert-data-parallel "
-                f"mesh, gathered between the dispatch and the combine and prefetched by the block's backward, is not "
-                f"replayed); got ep_size={par.ep}")
     if par.pp == 1:
         return None
+    if par.ep > 1:
+        return (f"--zero 3 with --ep_size > 1 is modelled without pipeline parallelism (the experts' FSDP2 groups "
+                f"over a stage gathered through the schedule are not replayed); got pp_size={par.pp}, ep_size={par.ep}")
     if Schedule(schedule) not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         return (f"--zero 3 with --pp_size > 1 is modelled under gpipe and 1f1b (a stage gathered over the schedule); "
                 f"got pp_schedule={schedule}")

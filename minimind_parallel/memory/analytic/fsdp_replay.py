@@ -23,6 +23,7 @@ from __future__ import annotations
 from ...config import MiniMindConfig, ParallelConfig, Recompute
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
+from .fsdp_experts import expert_forward_end, expert_forward_shift, expert_group_shift, with_expert_group_moments
 from .fsdp_moments import fsdp_block_moments
 from .fsdp_sizes import FsdpSizes, fsdp_sizes
 from .schedule_replay import _moe_per_microbatch, _not_made_inside_the_loss, batch_saved, forward_moment, optimizer_step, targets_saved
@@ -111,6 +112,7 @@ def _forward_moments(s: StageSizes, z: FsdpSizes, *, fresh_root: bool, seen: boo
     params = (0, z.block) if full else (z.block, 0)    # saved by the block's ops by its end
     acts, temps = _block_forward_end(s)
     out[f"block_forward_end(block {s.layers - 1})"] = (model + acts + params[0], temps + z.block + params[1])
+    out.update(expert_forward_end(s, z, out[f"block_forward_end(block {s.layers - 1})"], first_forward=not seen))
     if s.par.recompute.lean and not s.expert_rows:
         acts, temps = _swiglu_forward(s, z, first_forward=not seen and not full)
         out[f"swiglu_forward(block {s.layers - 1})"] = (model + acts + params[0], temps + z.block + params[1])
@@ -167,7 +169,8 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action], moe_s
     moment (moe_sizes.moe_temporaries)."""
     moments, in_flight, n_held, n_fwd, n_bwd = {}, {}, 0, 0, 0
     last_was_backward = False
-    inner, batch = {**_copy_out_moments(s), **_block_moments(s, _backward(s))}, batch_saved(s)
+    inner = with_expert_group_moments(s, z, {**_copy_out_moments(s), **_block_moments(s, _backward(s))})
+    batch = batch_saved(s)
     every = z.params   # every group's sharded grads, after the first backward
     for action in order:
         i = action.microbatch
@@ -187,14 +190,16 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action], moe_s
                 moments[f"{name}[{i}]"] = (every if n_bwd else 0,
                                            saved - unsaved + n_held * s.held - n_held * s.held_temps + root[0] + a,
                                            extra + unsaved + n_held * s.held_temps + root[1] + t - before_loss
-                                           + _moe_per_microbatch(s, n_fwd, n_held))
+                                           + _moe_per_microbatch(s, n_fwd, n_held)
+                                           + expert_forward_shift(s, z, name, fresh_root=fresh))
                 in_flight[f"{name}[{i}]"] = n_held
             last_was_backward = False
             inside = _not_made_inside_the_loss(s, n_fwd)
             _, a, t = forward_moment(s, n_held, 0, saved, extra + _moe_per_microbatch(s, n_fwd, n_held + 1) - inside)
             # the top block's all-gather output, kept by FSDP2 until its next all-gather
             moments[f"forward_end[{i}]"] = (every if n_bwd else 0, a + z.root - z.root_unsaved,
-                                            t + z.root_unsaved + z.block)
+                                            t + z.root_unsaved + z.block
+                                            + expert_forward_shift(s, z, "forward_end", fresh_root=fresh))
             in_flight[f"forward_end[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             continue
@@ -203,8 +208,9 @@ def replay_fully_sharded(s: StageSizes, z: FsdpSizes, order: list[Action], moe_s
         for name, (block, (new_grads, a, temp)) in inner.items():
             reduced, reduced_dense, acts, temps = _backward_state(s, z, name, block)
             grads = every if n_bwd else reduced * z.block_shard
-            moments[f"{name}[{i}]"] = (grads, saved + (n_held - 1) * s.held + a - moved + acts,
-                                       extra + temp + moved + temps + new_grads - reduced_dense)
+            dg, da, dt = expert_group_shift(s, z, name, block, new_grads, first_backward=not n_bwd)
+            moments[f"{name}[{i}]"] = (grads + dg, saved + (n_held - 1) * s.held + a - moved + acts + da,
+                                       extra + temp + moved + temps + new_grads - reduced_dense + dt)
             in_flight[f"{name}[{i}]"] = n_held
         n_held, n_bwd = n_held - 1, n_bwd + 1
         last_was_backward = True
@@ -231,7 +237,7 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
     gathered linears without the async one
     (the attention's q/k/v backward, below hidden_size tokens), --recompute selective (the lean
     pieces' backward, below 2 hidden_size tokens) and full (the re-run block, below hidden_size
-    tokens). (EP: fsdp_composition refuses it first; PP: fsdp_pipeline.py.)"""
+    tokens). (EP: the experts' own groups, fsdp_experts.py; PP: fsdp_pipeline.py.)"""
     if c.use_moe and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
         raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe is modelled without "
                                   f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="

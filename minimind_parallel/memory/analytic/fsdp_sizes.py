@@ -10,11 +10,16 @@ _fsdp_param.py, _fsdp_collectives.py).
     unsaved     the gathered bytes autograd never saves: the untied embedding (its backward needs
                 the ids only); every other unsharded parameter is saved by the op that reads it
                 and so is filed under activations from the first forward on
+    experts     under expert parallelism (ep_size > 1) each MoE layer's local experts are a group
+                of their own over the EDP ranks (D x C / ep: zero/fully_shard.py's
+                `shard_experts`), so a block's group is its other parameters; with one EDP rank
+                (ep = D x C) the experts stay whole outside FSDP2 (fsdp_experts.py replays both)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...moe.placement import expert_of
 from .stage_sizes import StageSizes, numel
 
 
@@ -28,6 +33,10 @@ class FsdpSizes:
     root_shard: int
     root_unsaved: int     # the gathered untied embedding
     shards: tuple         # every parameter's shard, in the model's order (the order AdamW steps them)
+    # ep_size > 1: one MoE layer's local experts, their own group over the EDP ranks
+    experts: int = 0        # gathered (0: one EDP rank, the experts whole outside FSDP2)
+    experts_shard: int = 0  # this rank's shard of them (whole: one EDP rank)
+    experts_dense: int = 0  # their dense bytes (and so their unsharded grads')
 
     @property
     def params(self) -> int:
@@ -40,14 +49,22 @@ def _rows(shape: tuple, world: int) -> int:
 
 
 def fsdp_sizes(s: StageSizes) -> FsdpSizes:
-    """The groups of `s`'s parameters (pp = 1: the whole model) over W = dp * cp ranks."""
+    """The groups of `s`'s parameters (pp = 1: the whole model) over W = dp * cp ranks (under
+    expert parallelism the experts over the W / ep EDP ranks)."""
     world, b = s.par.dp * s.par.cp, s.b
-    shards = {name: b * _rows(shape, world) for name, shape in s.shapes.items()}
+    edp = world // s.par.ep
+    own = s.par.ep > 1   # the experts in groups of their own
+    shards = {name: b * _rows(shape, edp if own and expert_of(name) is not None else world)
+              for name, shape in s.shapes.items()}
     top = next(name for name in shards if name.startswith("model.layers.")).split(".")[2]
     block = [name for name in shards if name.startswith(f"model.layers.{top}.")]
+    experts = [name for name in block if own and expert_of(name) is not None]
+    block = [name for name in block if name not in experts]
     root = [name for name in shards if not name.startswith("model.layers.")]
     embed = "model.embed_tokens.weight"
+    expert_shard = sum(shards[k] for k in experts)
     return FsdpSizes(block=world * sum(shards[k] for k in block), block_shard=sum(shards[k] for k in block),
                      root=world * sum(shards[k] for k in root), root_shard=sum(shards[k] for k in root),
                      root_unsaved=world * shards[embed] if not s.tied_here else 0,
-                     shards=tuple(shards.values()))
+                     shards=tuple(shards.values()), experts=edp * expert_shard if edp > 1 else 0,
+                     experts_shard=expert_shard, experts_dense=sum(b * numel(s.shapes[k]) for k in experts))
