@@ -319,3 +319,42 @@ def test_the_memory_model_of_zero3_under_expert_parallelism_is_the_estimate_to_t
     mine = [(n, p) for n, p in MiniMindForCausalLM(config).named_parameters() if expert_of(n) in (None, 0, 1)]
     rows = sum(-(-p.shape[0] // (4 if expert_of(n) is None else 2)) * (p.numel() // p.shape[0]) for n, p in mine)
     assert estimate.breakdown["optimizer"] == 2 * 4 * rows + 4 * len(mine)
+
+
+def test_zero_3s_step_time_gathers_the_experts_over_their_edp_ranks(monkeypatch):
+    """The planner's --zero 3 step at ep_size > 1 (time_model.fully_sharded_seconds) against a fake
+    FSDP2 step counted at FSDP2's all-gather and reduce-scatter hooks, each call over its own group:
+    the blocks' and the root's over the 4 DP ranks, each block's experts over their 2 EDP ranks at ep 2
+    and not at all at ep 4 (whole, outside FSDP2); AdamW steps this rank's shards (the experts' over EDP)."""
+    from test_planning import MOE_WORK, SLOW
+    from minimind_parallel.config import DTYPES
+    from minimind_parallel.distributed import comm
+    from minimind_parallel.planning import Candidate, Link
+    from minimind_parallel.planning.ranking import evaluate
+    from minimind_parallel.planning.time_model import ADAMW_ACCESSES
+    dtype, work = DTYPES[MOE_WORK.dtype], MOE_WORK
+    gather, scatter = comm.all_gather_into, comm.reduce_scatter_into
+    for ep, expert_calls in ((2, True), (4, False)):
+        k = Candidate(dp=4, ep=ep, micro_batch_size=2, zero=3)
+        calls = []
+
+        def counting(collective, measured):
+            def run(out, x, group, *args):
+                calls.append((group.size(), measured(out, x).numel() * measured(out, x).element_size()))
+                return collective(out, x, group, *args)
+            return run
+
+        monkeypatch.setattr(comm, "all_gather_into", counting(gather, lambda out, x: out))       # the gathered
+        monkeypatch.setattr(comm, "reduce_scatter_into", counting(scatter, lambda out, x: x))    # the unsharded grads
+        estimate_step_memory(work.model, k.parallel, seq_len=work.seq_len, micro_batch_size=2, dtype=dtype, iters=1)
+        monkeypatch.undo()
+        assert any(g == 4 // ep for g, _ in calls) == expert_calls and {g for g, _ in calls} <= {4, 4 // ep}
+        for link, expected in ((Link(latency_s=0.0, bandwidth=1e9), sum((g - 1) / g * n for g, n in calls) / 1e9),
+                               (Link(latency_s=1e-3, bandwidth=1e30), sum(g - 1 for g, _ in calls) * 1e-3)):
+            cpu = replace(SLOW, overlaps_communication=False, intra=link, inter=link)
+            t = evaluate(k, work, cpu, "cpu", 1.0).time
+            assert t.dp_exposed == pytest.approx(expected, rel=1e-9), (ep, link)
+        shards = predict_memory(work.model, k.parallel, seq_len=work.seq_len, micro_batch_size=2, dtype=dtype
+                                ).breakdown["params"] // dtype.itemsize - 2 * work.model.max_position_embeddings * \
+            work.model.head_dim
+        assert t.optimizer == pytest.approx(shards * ADAMW_ACCESSES * dtype.itemsize / SLOW.memory_bandwidth, rel=1e-9)

@@ -400,7 +400,7 @@ def data_parallel_seconds(k: Candidate, w: Workload, hw: Hardware, link: Link, *
         return (hw.hidden(grads, backward) if k.pp == 1 else grads), 0
     if k.zero == 3:
         return fully_sharded_seconds(k, hw, link, stage_bytes=stage_params * b, forward=forward, backward=backward,
-                                     layers=layers, block_bytes=block_params * b), 0
+                                     layers=layers, block_bytes=block_params * b, expert_bytes=expert_params * b), 0
     # the distributed optimizer: buckets of DEFAULT_BUCKET_MB over dp x cp; --zero 1 reduce-scatters
     # them after backward, --zero 2 while backward runs (hidden behind it as DDP's all-reduce is)
     buckets = max(1, -(-stage_params * b // int(DEFAULT_BUCKET_MB * 2**20)))
@@ -413,22 +413,29 @@ def data_parallel_seconds(k: Candidate, w: Workload, hw: Hardware, link: Link, *
 
 
 def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes: float, forward: float,
-                          backward: float, layers: int, block_bytes: float = 0) -> float:
+                          backward: float, layers: int, block_bytes: float = 0, expert_bytes: float = 0) -> float:
     """--zero 3 (FSDP2, zero/fully_shard.py): every block and the root are their own unit; per
     microbatch each block's parameters are all-gathered before its forward and again before its
     backward, and its grads reduce-scattered in backward; the root's gathered once (not resharded
     after forward) and its grads reduce-scattered. Over dp x cp; `stage_bytes` the rank's parameters
     unsharded (what the gathers output), `block_bytes` one block's (0: the units' bytes taken equal,
     `stage_bytes` / (layers + 1)), the root the rest. FSDP2 prefetches the next unit's gather on a GPU (hidden behind
-    the forward / backward compute); on a CPU every one is exposed."""
+    the forward / backward compute); on a CPU every one is exposed. Under expert parallelism each
+    block's experts (`expert_bytes`: this rank's, every layer's) are a unit of their own over the
+    dp x cp / ep EDP ranks, gathered and reduce-scattered as a block is; over one EDP rank (ep =
+    dp x cp) they stay whole, outside FSDP2, with no collective (their EDP group is the rank)."""
     g = k.dp * k.cp
     block = block_bytes or stage_bytes / (layers + 1)
     root = stage_bytes - layers * block
+    experts = expert_bytes / max(layers, 1) if k.ep > 1 else 0.0   # one block's, out of its unit
+    block -= experts
     gather, scatter = ({n: Collective(op, n, g).seconds(link) for n in (block, root)}
                        for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
+    edp = g // k.ep
+    own = [Collective(op, experts, edp).seconds(link) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER)]
     m = k.num_microbatches
-    fwd = m * (layers * gather[block] + gather[root])
-    bwd = m * (layers * gather[block] + layers * scatter[block] + scatter[root])
+    fwd = m * (layers * (gather[block] + own[0]) + gather[root])
+    bwd = m * (layers * (gather[block] + own[0]) + layers * (scatter[block] + own[1]) + scatter[root])
     return hw.hidden(fwd, forward) + hw.hidden(bwd, backward)
 
 
@@ -514,6 +521,8 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     moe_tensors = 1 + 3 * c.num_experts // k.ep - 3 if c.use_moe else 0   # router + experts for the dense MLP
     tensors = buckets or layers * (11 + moe_tensors) + 2
     stepped = stage_params / (k.dp * k.cp) if k.zero else stage_params   # the rank's slice or shard
+    if k.zero == 3 and k.ep > 1:   # the experts' shards over EDP (whole where it is one rank)
+        stepped += expert_params / (k.dp * k.cp // k.ep) - expert_params / (k.dp * k.cp)
     t.optimizer = hw.dispatched(stepped * ADAMW_ACCESSES * b / hw.memory_bandwidth,
                                 OPS_PER_PARAM_STEP * tensors * hw.op_overhead_s)
     t.parts = dict(per_microbatch_ms=1e3 * per_mb, forward_ms=1e3 * fwd, backward_ms=1e3 * bwd)
