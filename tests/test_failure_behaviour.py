@@ -424,3 +424,42 @@ def test_a_rank_with_an_optimizer_destroys_its_default_group_with_its_threads():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "0", done.stdout
+
+
+_RANK_WITH_FSDP2 = """
+import datetime, sys
+sys.path.insert(0, "tests")
+import torch
+from helpers import gloo_threads
+from minimind_parallel import MiniMindConfig, ParallelConfig, worker
+from minimind_parallel.distributed.teardown import destroy_process_groups
+from minimind_parallel.groups import ProcessGroups
+from minimind_parallel.parallel_model import ParallelMiniMindForCausalLM
+from minimind_parallel.zero.fully_shard import Meshes, shard_fully
+from torch.distributed.device_mesh import DeviceMesh
+worker.init_distributed("cpu", datetime.timedelta(seconds=60))
+par = ParallelConfig(zero=3)
+groups = ProcessGroups.build(par)
+config = MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=64)
+mesh = DeviceMesh.from_group(torch.distributed.new_group([0]), "cpu")   # one rank's (a world of one has no DP group)
+model = shard_fully(ParallelMiniMindForCausalLM(config, par, groups), groups, Meshes(mesh, None))
+ids = torch.randint(0, 64, (1, 8))
+model(ids, targets=ids).loss.backward()
+del model, groups, mesh
+destroy_process_groups()
+print(gloo_threads())
+"""
+
+
+def test_a_rank_that_sharded_with_fsdp2_destroys_its_meshs_group_with_its_threads():
+    """FSDP2's DTensor parameters leave their device mesh -- and the mesh its process group -- in
+    DTensor's sharding propagation caches; a rank's teardown clears them, so no gloo thread of the
+    mesh's group outlives destroy_process_group (3 did before)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", _RANK_WITH_FSDP2], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "0", done.stdout

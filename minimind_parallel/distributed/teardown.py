@@ -15,22 +15,37 @@ noexcept C++ destructor aborts the process: "terminate called without an active 
 SIGABRT, after the rank's work is done. So the task's garbage is collected before the groups are
 destroyed, and the groups go, with their threads, inside `destroy_process_group`.
 
-torch itself holds one group past the call in a way no collection reaches: `torch._dynamo` (which
+torch itself holds groups past the call in ways no collection reaches. `torch._dynamo` (which
 an optimizer's first use imports), imported after the default group exists, keeps that group
-alive from its C++ side. The worker imports it before it creates the group. (FSDP2 at --zero 3
-still keeps one group past the call: its device mesh's.)
+alive from its C++ side; the worker imports it before it creates the group. DTensor's sharding
+propagation caches (one in Python, one on its C++ fast path) keep the spec of every op they have
+seen, each spec its device mesh, and a mesh its process group: under --zero 3 FSDP2's DTensor
+parameters leave the DP x CP mesh's group (and the experts' EDP one) there, so the caches are
+cleared first (`_drop_dtensor_caches`).
 """
 from __future__ import annotations
 
 import gc
+import sys
 
 import torch.distributed as dist
 
 
 def destroy_process_groups() -> None:
-    """Destroy every process group of this rank (nothing if none is initialised): first the
-    unreachable objects that may still hold one collected, then the groups destroyed."""
+    """Destroy every process group of this rank (nothing if none is initialised): first what may
+    still hold one let go (DTensor's caches, the unreachable objects), then the groups destroyed."""
     if not dist.is_initialized():
         return
+    _drop_dtensor_caches()
     gc.collect()
     dist.destroy_process_group()
+
+
+def _drop_dtensor_caches() -> None:
+    """DTensor's sharding propagation caches emptied where DTensor is loaded (their device meshes,
+    and so the meshes' groups, freed with them); nothing where it never was."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import debug   # loaded already: the caches' own clearing
+    debug._clear_python_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()
