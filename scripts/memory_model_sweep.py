@@ -5,7 +5,8 @@ VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe, 1F1B, interleav
 per stage, M a multiple of P) or ZB-H1 (where its variant is modelled), one stage; with --cp
 also CP 1/2/4 with every comm type and load balance on or off, --recompute none/selective/full and
 --loss_chunks 1/2/3/4/8; with --moe MiniMind's MoE model: 2/4/8 experts, top-1/2, widths
-16/64/256, the experts over 1 or 2 of the DP x CP ranks)
+16/64/256, the experts over 1 or 2 of the DP x CP ranks; with --zero 3, DP 2 or 4 and the experts over
+1, 2 or 4 of them)
 from a seeded generator, measures one step on fake tensors and compares the model's peak with it.
 One line per case (a layout `predict_memory` refuses in one line is skipped, its reason printed); exit 1
 if any differs.
