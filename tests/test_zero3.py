@@ -233,14 +233,47 @@ def test_the_memory_model_of_zero3_under_pipeline_parallelism_is_the_estimate_to
                 (layout, dtype, microbatches, schedule, moe, stage, model.peak_at)
 
 
+# (layout, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied, schedule, MoE, stage, the moment
+# of its peak): one microbatch and --recompute full under PP, where FSDP2's own moments hold the peak
+PIPELINED_MOMENTS = [
+    # the last stage's first cross-entropy: the top block's all-gather output alive, the loss not scaled yet
+    (dict(dp=2, pp=2), torch.float32, 1, 2, 32, 2, 256, False, "1f1b", False, 1, "cross_entropy[0]"),
+    # the root's reduce-scatter after the schedule: its input, its output and the embedding's unsharded grad
+    (dict(dp=2, pp=4), torch.float32, 1, 4, 32, 2, 4096, False, "1f1b", False, 0, "reduce_scatter(group 0)"),
+    # --recompute full: the gathered blocks are never saved (temporaries), the re-run SwiGLU's backward
+    (dict(dp=2, pp=2, recompute="full"), torch.float32, 2, 2, 32, 2, 256, False, "1f1b", False, 0,
+     "swiglu_backward[1]"),
+    # ... and inside the first forward's SwiGLU, the block's all-gather output and copy-out alive
+    (dict(dp=2, pp=2, recompute="full"), torch.float32, 1, 2, 32, 2, 256, False, "1f1b", False, 0,
+     "swiglu_forward(block 0)[0]"),
+    # the last stage's root: of its unsharded grads only the head's (the last) still bound; MoE: each
+    # microbatch's reported aux share and the last received input alive while the groups reduce
+    (dict(dp=2, pp=2), torch.float32, 1, 2, 8, 1, 8192, True, "1f1b", True, 1, "reduce_scatter(group 0)"),
+]
+
+
+def test_zero3_under_pipeline_parallelism_is_exact_at_one_microbatch_and_under_full_recompute():
+    """The moments FSDP2 adds to a pipeline stage's step (fsdp_pipeline.py: its first forward's
+    copy-outs, the top block's all-gather output to the model's return, the reduces after the
+    schedule), each at the peak on its stage, the same bytes as the tracker on fake tensors on every
+    category and every stage."""
+    for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule, moe, at, moment in PIPELINED_MOMENTS:
+        config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
+        config = replace(config, **MOE_FIELDS) if moe else config
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
+        for stage in range(par.pp):
+            estimate = estimate_step_memory(config, par, iters=1, stage=stage, **kw)
+            model = predict_memory(config, par, stage=stage, **kw)
+            assert stage != at or model.peak_at == moment, (layout, moment, model.peak_at)
+            assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
+                (layout, microbatches, stage, model.peak_at)
+
+
 @pytest.mark.parametrize("schedule,virtual_stages,microbatches,recompute,message", [
     ("interleaved", 2, 4, "none", "is modelled under gpipe and 1f1b (a stage gathered over the schedule); "
                                   "got pp_schedule=interleaved"),
     ("zb", 1, 4, "none", "is modelled under gpipe and 1f1b (a stage gathered over the schedule); got pp_schedule=zb"),
-    ("1f1b", 1, 4, "full", "is not modelled under --recompute full"),
-    ("1f1b", 1, 1, "none", "is modelled at two microbatches or more (one backward, the first and the last, is not "
-                           "replayed); got num_microbatches=1"),
-], ids=["interleaved", "zb", "recompute_full", "one_microbatch"])
+], ids=["interleaved", "zb"])
 def test_zero3_under_pipeline_parallelism_runs_where_its_memory_is_refused_in_one_line(
         schedule, virtual_stages, microbatches, recompute, message):
     """The --zero 3 PP layouts fsdp_pipeline does not replay run (test_zero.py's interleaved and zb

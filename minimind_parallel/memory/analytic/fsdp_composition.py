@@ -9,15 +9,14 @@ prefetches in the reverse of the forward's order: the block's dense group, then 
 both gathers are alive over the block's attention backward), and reduce-scattered over EDP before
 the dispatch's backward all-to-all. That timeline is not replayed.
 
-Under pipeline parallelism fsdp_pipeline.py replays gpipe and 1f1b with two microbatches or more;
-refused: the posted schedules (interleaved, zb: their replays, posted_replay.py, are not composed
-with the gathered stage), --recompute full (a block's gathered parameters are saved only while its
-backward re-runs its forward, not from the first forward on), and one microbatch (the last stage's
-forward end and the reduces after a first-and-last backward hold bytes the replay does not follow).
+Under pipeline parallelism fsdp_pipeline.py replays gpipe and 1f1b (any number of microbatches,
+any --recompute; the MoE model and few tokens as fsdp_replay.check_fully_sharded says); refused:
+the posted schedules (interleaved, zb: their replays, posted_replay.py, are not composed with the
+gathered stage).
 """
 from __future__ import annotations
 
-from ...config import ParallelConfig, Recompute
+from ...config import ParallelConfig
 from ...pipeline_parallel.order import Schedule
 
 
@@ -32,12 +31,6 @@ def composition_refusal(par: ParallelConfig, schedule: Schedule, num_microbatche
     if Schedule(schedule) not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         return (f"--zero 3 with --pp_size > 1 is modelled under gpipe and 1f1b (a stage gathered over the schedule); "
                 f"got pp_schedule={schedule}")
-    if par.recompute == Recompute.FULL:
-        return ("--zero 3 with --pp_size > 1 is not modelled under --recompute full (a block's gathered parameters "
-                "saved only while its backward re-runs its forward)")
-    if num_microbatches < 2:
-        return (f"--zero 3 with --pp_size > 1 is modelled at two microbatches or more (one backward, the first and "
-                f"the last, is not replayed); got num_microbatches={num_microbatches}")
     return None
 
 

@@ -76,8 +76,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     c = model_config
     if par.zero == 3:
         check_composition(par, schedule, num_microbatches)
-        if par.pp == 1:   # (under PP: fsdp_pipeline.py, over the replicated stage's replay)
-            check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
+        # (under PP too: fsdp_pipeline.py's stage holds the same MoE tensors and few-token moments)
+        check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
     elif par.zero not in MODELLED_ZERO_LEVELS:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled; "
                                   f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))}")
@@ -242,12 +242,17 @@ def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, devic
 
 def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str
                                      ) -> MemoryPrediction:
-    """--zero 3 (FSDP2) under PP: its moments and this rank's shards (fsdp_pipeline.py)."""
+    """--zero 3 (FSDP2) under PP: its moments and this rank's shards (fsdp_pipeline.py). MoE: after
+    the schedule (its reduces, the optimizer step) the last chunk's received input lingers
+    (moe_lingering); while the groups reduce, each microbatch's reported aux share is alive, not the
+    backward's terms."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
-    moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device)
     state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
-    report = moe_report(c, last=s.last, f=s.f)
-    moments = {k: (g, a, t + state + (report if k == "optimizer" else step)) for k, (g, a, t) in moments.items()}
+    moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device, step, state // s.layers)
+    report, linger = moe_report(c, last=s.last, f=s.f), moe_lingering(s)
+    after = {"optimizer": report, **{k: s.mb * s.f if c.use_moe else 0 for k in moments if k.startswith("reduce")}}
+    moments = {k: (g, a + (linger[0] if k in after else 0), t + state + after.get(k, step) + (linger[1] if k in after else 0))
+               for k, (g, a, t) in moments.items()}
     return _peak(s, moments, in_flight, params + rope, states)
 
 
