@@ -38,7 +38,8 @@
                  after the last microbatch and all-gathers it after the step, both exposed;
                  --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1);
                  --zero 3 (FSDP2) gathers every block's parameters for its forward and its
-                 backward and reduce-scatters its grads, per microbatch
+                 backward and reduce-scatters its grads, per microbatch; under a pipeline a stage
+                 gathers each once per step and reduce-scatters each once after the schedule
     overlaps     only where `Hardware.overlaps_communication` (a GPU's streams); on a CPU gloo runs
                  on the rank's own cores and every collective adds to the step
     optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
@@ -420,13 +421,18 @@ def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes
     after forward) and its grads reduce-scattered. Over dp x cp; `stage_bytes` the rank's parameters
     unsharded (what the gathers output), `block_bytes` one block's (0: the units' bytes taken equal,
     `stage_bytes` / (layers + 1)), the root the rest. FSDP2 prefetches the next unit's gather on a GPU (hidden behind
-    the forward / backward compute); on a CPU every one is exposed."""
+    the forward / backward compute); on a CPU every one is exposed. Under PP (reshard_after_forward
+    False, `reduced_after_the_schedule`) each unit is gathered once per step, in the stage's first
+    forward (hidden behind that microbatch's forward on a GPU), and reduce-scattered once after the
+    last backward (exposed: no compute is left to hide it behind); a middle stage's root holds none."""
     g = k.dp * k.cp
     block = block_bytes or stage_bytes / (layers + 1)
     root = stage_bytes - layers * block
-    gather, scatter = ({n: Collective(op, n, g).seconds(link) for n in (block, root)}
+    gather, scatter = ({n: Collective(op, n, g).seconds(link) if n > 0 else 0.0 for n in (block, root)}
                        for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
     m = k.num_microbatches
+    if k.pp > 1:   # the stage gathered once, in its first forward; every unit reduce-scattered after the schedule
+        return hw.hidden(layers * gather[block] + gather[root], forward / m) + layers * scatter[block] + scatter[root]
     fwd = m * (layers * gather[block] + gather[root])
     bwd = m * (layers * gather[block] + layers * scatter[block] + scatter[root])
     return hw.hidden(fwd, forward) + hw.hidden(bwd, backward)

@@ -9,10 +9,9 @@ prefetches in the reverse of the forward's order: the block's dense group, then 
 both gathers are alive over the block's attention backward), and reduce-scattered over EDP before
 the dispatch's backward all-to-all. That timeline is not replayed.
 
-Under pipeline parallelism fsdp_pipeline.py replays gpipe and 1f1b (any number of microbatches,
-any --recompute; the MoE model and few tokens as fsdp_replay.check_fully_sharded says); refused:
-the posted schedules (interleaved, zb: their replays, posted_replay.py, are not composed with the
-gathered stage).
+Under pipeline parallelism every schedule is replayed: gpipe and 1f1b by fsdp_pipeline.py, the
+posted ones (interleaved, zb) by fsdp_posted.py (the MoE model and few tokens as
+fsdp_replay.check_fully_sharded says, zb's variants as zero_bubble_moments.unmodelled says).
 """
 from __future__ import annotations
 
@@ -26,11 +25,6 @@ def composition_refusal(par: ParallelConfig, schedule: Schedule, num_microbatche
         return (f"--zero 3 with --ep_size > 1 is not modelled (the experts' FSDP2 group over the expert-data-parallel "
                 f"mesh, gathered between the dispatch and the combine and prefetched by the block's backward, is not "
                 f"replayed); got ep_size={par.ep}")
-    if par.pp == 1:
-        return None
-    if Schedule(schedule) not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
-        return (f"--zero 3 with --pp_size > 1 is modelled under gpipe and 1f1b (a stage gathered over the schedule); "
-                f"got pp_schedule={schedule}")
     return None
 
 

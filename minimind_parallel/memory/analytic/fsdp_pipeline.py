@@ -35,7 +35,7 @@ from .stage_sizes import StageSizes, numel
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def _groups(s: StageSizes) -> list[list[str]]:
+def groups_of(s: StageSizes) -> list[list[str]]:
     """The stage's FSDP2 groups in the order FSDP2 reduces them: the root's, then each block's."""
     blocks: dict[str, list[str]] = {}
     root = []
@@ -47,7 +47,16 @@ def _groups(s: StageSizes) -> list[list[str]]:
     return [root, *blocks.values()]
 
 
-def _first_forward_end(s: StageSizes, name: str, moment: tuple, last_gather: int) -> dict:
+def group_bytes(s: StageSizes) -> tuple[dict, dict, dict]:
+    """Per parameter of the stage: this rank's shard (dim 0 padded to a multiple of W = dp x cp),
+    the dense tensor, the padded gathered one (bytes)."""
+    world, b = s.par.dp * s.par.cp, s.b
+    shard = {n: b * -(-shape[0] // world) * numel(shape[1:]) for n, shape in s.shapes.items()}
+    dense = {n: b * numel(shape) for n, shape in s.shapes.items()}
+    return shard, dense, {n: world * v for n, v in shard.items()}
+
+
+def first_forward_end(s: StageSizes, name: str, moment: tuple, last_gather: int) -> dict:
     """The stage's first forward's end, `moment` without FSDP2's own bytes: the top block's
     all-gather output lives to the root's post-forward, as the model returns. An earlier stage,
     or the last inside its loss (VP, --loss_chunks): at the moment. The replicated head's loss is
@@ -89,7 +98,7 @@ def _after_the_schedule(s: StageSizes, order: list[Action]) -> tuple[int, int]:
     return saved, s.batch - saved + (forwards * s.loss_scalar if s.last else 0)
 
 
-def _reduces(s: StageSizes, groups: list[list[str]], order: list[Action], shard: dict, dense: dict,
+def reduces(s: StageSizes, groups: list[list[str]], order: list[Action], shard: dict, dense: dict,
              gathered: dict) -> dict:
     """Each group's reduce after the schedule, in FSDP2's order (`groups`; bytes per parameter of
     this rank's shard, the dense tensor, the padded gathered one): its grads copied into its
@@ -117,11 +126,8 @@ def pipelined_fully_sharded_moments(s: StageSizes, order: list[Action], device: 
     step's last; how many microbatches each finds in flight; this rank's shards; AdamW's states.
     `moe_step`, `moe_layer_state`: the MoE tensors alive until the step's end and each layer's
     alive all step, which the caller adds to every moment (moe_sizes.moe_temporaries)."""
-    world, b = s.par.dp * s.par.cp, s.b
-    shard = {n: b * -(-shape[0] // world) * numel(shape[1:]) for n, shape in s.shapes.items()}
-    dense = {n: b * numel(shape) for n, shape in s.shapes.items()}
-    gathered = {n: world * v for n, v in shard.items()}
-    groups = _groups(s)
+    shard, dense, gathered = group_bytes(s)
+    groups = groups_of(s)
     unsaved = gathered[EMBEDDING] if EMBEDDING in gathered and not s.tied_here else 0
     if s.par.recompute == Recompute.FULL:   # a block's checkpoint saves nothing of its forward (nor its re-run)
         unsaved += sum(gathered[n] for names in groups[1:] for n in names)
@@ -130,10 +136,10 @@ def pipelined_fully_sharded_moments(s: StageSizes, order: list[Action], device: 
     first = f"forward_end[{order[0].microbatch}]"   # the stage's first forward: every group gathered in it
     whole = sum(gathered.values())
     moments = {k: (0, a + whole - unsaved, t + g + unsaved) for k, (g, a, t) in replayed.items()}
-    moments.update(_first_forward_end(s, first, moments[first], last_gather))
+    moments.update(first_forward_end(s, first, moments[first], last_gather))
     moments.update(_first_forward(s, order[0].microbatch, last_gather, sum(gathered[n] for n in groups[0]),
                                   moe_step, moe_layer_state))
-    moments.update(_reduces(s, groups, order, shard, dense, gathered))
+    moments.update(reduces(s, groups, order, shard, dense, gathered))
     params = sum(shard.values())
     moments["optimizer"] = optimizer_step(s, list(shard.values()), grads=params)
     states = 2 * params + (4 * len(shard) if device == "cpu" else 0)
