@@ -25,6 +25,8 @@ holding their sharded grads, the batch and the reported losses alive; then AdamW
 """
 from __future__ import annotations
 
+import functools
+
 from ...config import Recompute
 from ...pipeline_parallel.order import Action, Step
 from .fsdp_replay import _forward_moments
@@ -35,16 +37,22 @@ from .stage_sizes import StageSizes, numel
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def groups_of(s: StageSizes) -> list[list[str]]:
+def groups_of(s: StageSizes) -> tuple[tuple[str, ...], ...]:
     """The stage's FSDP2 groups in the order FSDP2 reduces them: the root's, then each block's."""
+    return _grouped(tuple(s.shapes))
+
+
+@functools.lru_cache(maxsize=1024)
+def _grouped(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """groups_of, remembered by the parameter names (the planner's layouts share a few stages')."""
     blocks: dict[str, list[str]] = {}
     root = []
-    for name in s.shapes:
+    for name in names:
         if name.startswith("model.layers."):
             blocks.setdefault(name.split(".")[2], []).append(name)
         else:
             root.append(name)
-    return [root, *blocks.values()]
+    return tuple(map(tuple, [root, *blocks.values()]))
 
 
 def group_bytes(s: StageSizes) -> tuple[dict, dict, dict]:
@@ -98,7 +106,7 @@ def _after_the_schedule(s: StageSizes, order: list[Action]) -> tuple[int, int]:
     return saved, s.batch - saved + (forwards * s.loss_scalar if s.last else 0)
 
 
-def reduces(s: StageSizes, groups: list[list[str]], order: list[Action], shard: dict, dense: dict,
+def reduces(s: StageSizes, groups: tuple, order: list[Action], shard: dict, dense: dict,
              gathered: dict) -> dict:
     """Each group's reduce after the schedule, in FSDP2's order (`groups`; bytes per parameter of
     this rank's shard, the dense tensor, the padded gathered one): its grads copied into its
@@ -106,15 +114,16 @@ def reduces(s: StageSizes, groups: list[list[str]], order: list[Action], shard: 
     its unsharded grads the last one still bound (by foreach_reduce's loop over them); the later
     groups still gathered. -> name: (grads, activations, temporaries)."""
     saved, batch = _after_the_schedule(s, order)
+    each = [(sum(gathered[n] for n in names), sum(dense[n] for n in names)) for names in groups]
+    still, later_dense = sum(g for g, _ in each), sum(d for _, d in each)   # the later groups' (from j on, first)
     out, reduced = {}, 0
     for j, names in enumerate(groups):
+        still, later_dense = still - each[j][0], later_dense - each[j][1]
         if not names:   # a middle stage's root holds no parameters: no group to reduce
             continue
-        later = [n for group in groups[j + 1:] for n in group]
-        still = sum(gathered[n] for n in later)
         blind = still if s.par.recompute == Recompute.FULL else 0   # the blocks' are never saved
-        rest = batch + blind + sum(gathered[n] for n in names) + sum(dense[n] for n in later)
-        out[f"reduce(group {j})"] = (reduced, saved + still - blind, rest + sum(dense[n] for n in names))
+        rest = batch + blind + each[j][0] + later_dense
+        out[f"reduce(group {j})"] = (reduced, saved + still - blind, rest + each[j][1])
         reduced += sum(shard[n] for n in names)
         out[f"reduce_scatter(group {j})"] = (reduced, saved + still - blind, rest + dense[names[-1]])
     return out

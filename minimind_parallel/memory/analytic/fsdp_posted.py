@@ -37,33 +37,45 @@ def _chunk_gathered(s: StageSizes, chunks: list[StageSizes], gathered: dict) -> 
 
 
 def posted_fully_sharded_moments(s: StageSizes, chunks: list[StageSizes], order: list[Action], releases: dict,
-                                 device: str) -> tuple[dict, dict, int, int]:
+                                 device: str, peak_only: bool = False) -> tuple[dict, dict, int, int]:
     """The stage's moments under FSDP2 over a posted order (`chunks[c]`: chunk c's sizes, `releases`
     the sends' release points), the reduces' and the optimizer step's last; how many units each
-    finds held; this rank's shards; AdamW's states."""
+    finds held; this rank's shards; AdamW's states. `peak_only` (the planner's): of the walk's
+    moments only the first largest (the caller adds the same bytes to each of them)."""
     shard, dense, gathered = group_bytes(s)
     groups = groups_of(s)
     root_unsaved = gathered[EMBEDDING] if EMBEDDING in gathered and not s.tied_here else 0
     root = (sum(gathered[n] for n in groups[0]) - root_unsaved, root_unsaved)
     per_chunk = _chunk_gathered(s, chunks, gathered)
-    moments, in_flight, seen = {}, {}, []
+    moments, in_flight, seen = {}, {}, set()
+    held = list(root)   # the gathered bytes (saved, unsaved) of the root and the chunks forwarded so far
+    best = [-1]         # peak_only: the largest total kept
 
     def emit(step: Step, label, unit: tuple, moment: tuple, n: int) -> None:
         i, c = unit
         first = step is Step.FORWARD and c not in seen
-        seen.extend([c] if first else [])
+        if first:
+            seen.add(c)
+            held[0], held[1] = held[0] + per_chunk[c][0], held[1] + per_chunk[c][1]
         g, a, t = moment
-        saved = root[0] + sum(per_chunk[x][0] for x in seen)
-        unsaved = root[1] + sum(per_chunk[x][1] for x in seen)
+        if peak_only and not first and g + a + t + held[0] + held[1] <= best[0]:
+            return   # (a first forward's all-gather output is added below)
         name = (f"forward_end[{i}.{c}]" if step is Step.FORWARD else f"weight[{i}.{c}]#{label}"
                 if step is Step.WEIGHT else f"{label}[{i}.{c}]")
-        here = {name: (0, a + saved, t + g + unsaved)}
+        here = {name: (0, a + held[0], t + g + held[1])}
         if first:
             here = first_forward_end(chunks[c], name, here[name], per_chunk[c][2])
         for k, v in here.items():
+            if peak_only and sum(v) <= best[0]:
+                continue
+            if peak_only:
+                moments.clear()
+                in_flight.clear()
+                best[0] = sum(v)
             moments[k], in_flight[k] = v, n
 
-    walk(stage_terms(s), [unit_terms(cs, is_zero_bubble(order)) for cs in chunks], order, releases, emit)
+    zb = is_zero_bubble(order)
+    walk(stage_terms(s), [unit_terms(cs, zb) for cs in chunks], order, releases, emit)
     moments.update(reduces(s, groups, order, shard, dense, gathered))
     params = sum(shard.values())
     moments["optimizer"] = optimizer_step(s, list(shard.values()), grads=params)

@@ -176,7 +176,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
             chunked = (chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank),
                        stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage])
-        return _predict_pipelined_fully_sharded(s, order, c, device, chunked)
+        return _predict_pipelined_fully_sharded(s, order, c, device, chunked, peak_only=memo is not None)
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
@@ -248,9 +248,10 @@ def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, devic
 
 
 def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str,
-                                     chunked: tuple | None = None) -> MemoryPrediction:
+                                     chunked: tuple | None = None, peak_only: bool = False) -> MemoryPrediction:
     """--zero 3 (FSDP2) under PP: its moments and this rank's shards (fsdp_pipeline.py; a posted
-    order, `chunked` its chunks' sizes and release points: fsdp_posted.py). MoE: after the schedule
+    order, `chunked` its chunks' sizes and release points: fsdp_posted.py; `peak_only`: of its walk
+    the first largest moment alone, predict_memory's worst_only). MoE: after the schedule
     (its reduces, the optimizer step) each chunk's last received input lingers (moe_lingering);
     while the groups reduce, each unit's reported aux share is alive, not the backward's terms."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
@@ -258,7 +259,8 @@ def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindCon
     if chunked is None:
         moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device, step, state // s.layers)
     else:
-        moments, in_flight, params, states = posted_fully_sharded_moments(s, chunked[0], order, chunked[1], device)
+        moments, in_flight, params, states = posted_fully_sharded_moments(s, chunked[0], order, chunked[1], device,
+                                                                          peak_only)
     report = moe_report(c, last=s.last, f=s.f)
     linger = [sum(x) for x in zip((0, 0), *(moe_lingering(cs) for cs in (chunked[0] if chunked else [s])))]
     shares = sum(a.step is Step.FORWARD for a in order) * s.f if c.use_moe else 0
