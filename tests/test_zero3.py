@@ -256,7 +256,7 @@ def test_zero3_under_pipeline_parallelism_is_exact_at_one_microbatch_and_under_f
     """The moments FSDP2 adds to a pipeline stage's step (fsdp_pipeline.py: its first forward's
     copy-outs, the top block's all-gather output to the model's return, the reduces after the
     schedule), each at the peak on its stage, the same bytes as the tracker on fake tensors on every
-    category and every stage."""
+    category and every stage; too few tokens under --recompute refused in one line, as at pp 1."""
     for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule, moe, at, moment in PIPELINED_MOMENTS:
         config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
         config = replace(config, **MOE_FIELDS) if moe else config
@@ -267,6 +267,12 @@ def test_zero3_under_pipeline_parallelism_is_exact_at_one_microbatch_and_under_f
             assert stage != at or model.peak_at == moment, (layout, moment, model.peak_at)
             assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
                 (layout, microbatches, stage, model.peak_at)
+    # few tokens under --recompute: refused in one line under PP as at pp 1 (fsdp_replay.check_fully_sharded)
+    from helpers import one_line_error
+    refused = one_line_error(NotImplementedError, predict_memory, _config(2, 256, False),
+                             ParallelConfig(dp=2, pp=2, zero=3, recompute="selective"), seq_len=16, micro_batch_size=1,
+                             num_microbatches=2)
+    assert "under --recompute selective is modelled at 2 x hidden_size tokens" in refused, refused
 
 
 # (layout, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied, schedule): zero 3 under the
