@@ -141,11 +141,12 @@ def main() -> int:
     ap.add_argument("--cp", action="store_true", help="draw context-parallel layouts (and --recompute, --loss_chunks)")
     ap.add_argument("--zero", type=int, nargs="+", choices=[1, 2, 3], default=[],
                     help="draw these --zero levels (over dp x cp > 1: dp 2 when the draw has dp x cp = 1) and "
-                         "--bucket_size_mb 0.01 / 0.05 / 25 (3: not under PP unless --zero3_pipeline; with --moe DP 2 or 4, "
-                         "the experts over 1, 2 or 4 of the DP x CP ranks)")
+                         "--bucket_size_mb 0.01 / 0.05 / 25 (3: under PP only with --zero3_pipeline, at ep 1; with --moe "
+                         "at pp 1 DP 2 or 4, the experts over 1, 2 or 4 of the DP x CP ranks)")
     ap.add_argument("--moe", action="store_true", help="draw MiniMind's MoE model, with expert parallelism")
     ap.add_argument("--zero3_pipeline", action="store_true",
-                    help="with --zero 3, keep the pipeline draws too (fsdp_pipeline.py; the draws it refuses are skipped)")
+                    help="with --zero 3, draw only pipeline layouts (pp_size > 1, fsdp_pipeline.py), with --recompute "
+                         "none/selective/full (the draws it refuses are skipped)")
     args = ap.parse_args()
     rng, done, bad = random.Random(args.seed), 0, 0
     memo: dict = {}   # the estimate's fake dispatch, remembered from one layout to the next
@@ -161,8 +162,12 @@ def main() -> int:
             sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))
             if par.zero == 2 and par.pp > 1 and sizes["schedule"] in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE):
                 continue   # runs, but predict_memory refuses it (its buckets fill across chunks and microbatches)
-            if par.zero == 3 and par.pp > 1 and not args.zero3_pipeline:
-                continue   # modelled by fsdp_pipeline (--zero3_pipeline draws it)
+            if par.zero == 3 and (par.pp > 1) != args.zero3_pipeline:
+                continue   # under PP modelled by fsdp_pipeline (--zero3_pipeline draws it, and only it)
+            if par.zero == 3 and args.zero3_pipeline and not args.cp:
+                par = replace(par, recompute=rng.choice(list(Recompute)))
+            if par.zero == 3 and par.pp > 1:
+                par = replace(par, ep=1)   # predict_memory refuses --zero 3 at ep > 1 under PP (fsdp_composition)
             if par.zero == 3 and par.pp == 1 and c.use_moe:
                 par = with_expert_data_parallel(rng, c, par)
             if refused(par, sizes):

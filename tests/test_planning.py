@@ -179,7 +179,7 @@ def test_the_planners_moments_alone_give_the_full_replays_prediction_to_the_byte
     sample = [k for g in groups.values() for k in g[::max(1, len(g) // 6)]]    # six of each, spread
     posted = [k for k in sample if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
     assert {k.pp for k in posted} == {2, 4, 8} and {k.virtual_stages for k in posted} == {1, 2, 4}
-    assert {k.zero for k in posted} == {0, 1} and {k.zero for k in sample} == set(MODELLED_ZERO_LEVELS)
+    assert {k.zero for k in posted} == {0, 1, 3} and {k.zero for k in sample} == set(MODELLED_ZERO_LEVELS)
     assert {k.pp_schedule for k in sample if k.pp > 1} == set(Schedule)
     peaks = set()
     for k in sample:
@@ -616,6 +616,43 @@ def test_zero_3s_step_time_gathers_what_a_counted_fsdp2_step_gathers(monkeypatch
     shards = predict_memory(TINY, k.parallel, seq_len=WORK.seq_len, micro_batch_size=2, dtype=dtype).breakdown[
         "params"] // b - 2 * TINY.max_position_embeddings * TINY.head_dim
     assert t.optimizer == pytest.approx(shards * ADAMW_ACCESSES * b / SLOW.memory_bandwidth, rel=1e-9)
+
+
+def test_a_zero_3_pipeline_stage_is_planned_with_its_gathers_counted_once(monkeypatch):
+    """--zero 3 under PP (zero/fully_shard.py: reshard_after_forward False, one reduce-scatter per unit
+    after the schedule): the planner plans the layout, and its step (ranking.evaluate) against the
+    collectives of the last stage's fake FSDP2 step over 4 microbatches, counted at FSDP2's
+    all-gather and reduce-scatter hooks: every unit gathered once and reduce-scattered once, not per
+    microbatch -- the same calls and bytes."""
+    from minimind_parallel.config import DTYPES
+    from minimind_parallel.distributed import comm
+    from minimind_parallel.memory.estimate import estimate_step_memory
+    from minimind_parallel.planning.ranking import evaluate
+    k = Candidate(dp=2, pp=2, micro_batch_size=1, num_microbatches=4, zero=3, pp_schedule=Schedule.ONE_F_ONE_B)
+    check_candidate(WORK, k)
+    assert any(v.zero == 3 and v.pp == 2 for v in enumerate_layouts(WORK)[0])
+    counted = {"calls": 0, "bytes": 0}
+    gather, scatter = comm.all_gather_into, comm.reduce_scatter_into
+
+    def counting(collective, measured):
+        def run(out, x, group, *args):
+            counted["calls"] += 1
+            counted["bytes"] += measured(out, x).numel() * measured(out, x).element_size()
+            return collective(out, x, group, *args)
+        return run
+
+    monkeypatch.setattr(comm, "all_gather_into", counting(gather, lambda out, x: out))
+    monkeypatch.setattr(comm, "reduce_scatter_into", counting(scatter, lambda out, x: x))
+    dtype = DTYPES[WORK.dtype]
+    estimate_step_memory(TINY, k.parallel, seq_len=WORK.seq_len, micro_batch_size=1, dtype=dtype, iters=1,
+                         num_microbatches=4, stage=1)
+    units = TINY.num_hidden_layers // 2 + 1   # the stage's blocks and its root (the final norm, the head)
+    assert counted["calls"] == 2 * units
+    g = k.dp
+    for link, expected in ((Link(latency_s=0.0, bandwidth=1e9), (g - 1) / g * counted["bytes"] / 1e9),
+                           (Link(latency_s=1e-3, bandwidth=1e30), counted["calls"] * (g - 1) * 1e-3)):
+        cpu = replace(SLOW, overlaps_communication=False, intra=link, inter=link)
+        assert evaluate(k, WORK, cpu, "cpu", 1.0).time.dp_exposed == pytest.approx(expected, rel=1e-9)
 
 
 def test_the_calibration_measures_at_the_workloads_shapes_and_old_files_still_load(tmp_path):

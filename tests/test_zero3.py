@@ -234,40 +234,78 @@ def test_the_memory_model_of_zero3_under_pipeline_parallelism_is_the_estimate_to
                 (layout, dtype, microbatches, schedule, moe, stage, model.peak_at)
 
 
-@pytest.mark.parametrize("schedule,virtual_stages,microbatches,recompute,message", [
-    ("interleaved", 2, 4, "none", "is modelled under gpipe and 1f1b (a stage gathered over the schedule); "
-                                  "got pp_schedule=interleaved"),
-    ("zb", 1, 4, "none", "is modelled under gpipe and 1f1b (a stage gathered over the schedule); got pp_schedule=zb"),
-    ("1f1b", 1, 4, "full", "is not modelled under --recompute full"),
-    ("1f1b", 1, 1, "none", "is modelled at two microbatches or more (one backward, the first and the last, is not "
-                           "replayed); got num_microbatches=1"),
-], ids=["interleaved", "zb", "recompute_full", "one_microbatch"])
-def test_zero3_under_pipeline_parallelism_runs_where_its_memory_is_refused_in_one_line(
-        schedule, virtual_stages, microbatches, recompute, message):
-    """The --zero 3 PP layouts fsdp_pipeline does not replay run (test_zero.py's interleaved and zb
-    rows equal the dense model) and pass check_layout; predict_memory refuses them in one line and
-    the planner cuts them with the same reason; a modelled one is predicted, and the planner cuts it
-    for its time model (a stage gathered over the schedule is not costed)."""
+# (layout, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied, schedule, MoE, stage, the moment
+# of its peak): one microbatch and --recompute full under PP, where FSDP2's own moments hold the peak
+PIPELINED_MOMENTS = [
+    # the last stage's first cross-entropy: the top block's all-gather output alive, the loss not scaled yet
+    (dict(dp=2, pp=2), torch.float32, 1, 2, 32, 2, 256, False, "1f1b", False, 1, "cross_entropy[0]"),
+    # the root's reduce-scatter after the schedule: its input, its output and the embedding's unsharded grad
+    (dict(dp=2, pp=4), torch.float32, 1, 4, 32, 2, 4096, False, "1f1b", False, 0, "reduce_scatter(group 0)"),
+    # --recompute full: the gathered blocks are never saved (temporaries), the re-run SwiGLU's backward
+    (dict(dp=2, pp=2, recompute="full"), torch.float32, 2, 2, 32, 2, 256, False, "1f1b", False, 0,
+     "swiglu_backward[1]"),
+    # ... and inside the first forward's SwiGLU, the block's all-gather output and copy-out alive
+    (dict(dp=2, pp=2, recompute="full"), torch.float32, 1, 2, 32, 2, 256, False, "1f1b", False, 0,
+     "swiglu_forward(block 0)[0]"),
+    # the last stage's root: of its unsharded grads only the head's (the last) still bound; MoE: each
+    # microbatch's reported aux share and the last received input alive while the groups reduce
+    (dict(dp=2, pp=2), torch.float32, 1, 2, 8, 1, 8192, True, "1f1b", True, 1, "reduce_scatter(group 0)"),
+]
+
+
+def test_zero3_under_pipeline_parallelism_is_exact_at_one_microbatch_and_under_full_recompute():
+    """The moments FSDP2 adds to a pipeline stage's step (fsdp_pipeline.py: its first forward's
+    copy-outs, the top block's all-gather output to the model's return, the reduces after the
+    schedule), each at the peak on its stage, the same bytes as the tracker on fake tensors on every
+    category and every stage; too few tokens under --recompute refused in one line, as at pp 1."""
+    for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule, moe, at, moment in PIPELINED_MOMENTS:
+        config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
+        config = replace(config, **MOE_FIELDS) if moe else config
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
+        for stage in range(par.pp):
+            estimate = estimate_step_memory(config, par, iters=1, stage=stage, **kw)
+            model = predict_memory(config, par, stage=stage, **kw)
+            assert stage != at or model.peak_at == moment, (layout, moment, model.peak_at)
+            assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
+                (layout, microbatches, stage, model.peak_at)
+    # few tokens under --recompute: refused in one line under PP as at pp 1 (fsdp_replay.check_fully_sharded)
     from helpers import one_line_error
-    from minimind_parallel.config import ConfigError, Recompute, check_layout
+    refused = one_line_error(NotImplementedError, predict_memory, _config(2, 256, False),
+                             ParallelConfig(dp=2, pp=2, zero=3, recompute="selective"), seq_len=16, micro_batch_size=1,
+                             num_microbatches=2)
+    assert "under --recompute selective is modelled at 2 x hidden_size tokens" in refused, refused
+
+
+# (layout, dtype, microbatches, layers, seq_len, micro_batch_size, vocab, tied, schedule): zero 3 under the
+# posted schedules (fsdp_posted.py), pp2 with two model chunks per stage, and zb's W steps
+POSTED = [
+    (dict(dp=2, pp=2, virtual_stages=2), torch.float32, 2, 4, 32, 2, 256, False, "interleaved"),
+    (dict(dp=2, pp=2, virtual_stages=2, recompute="full"), torch.bfloat16, 4, 4, 32, 2, 256, True, "interleaved"),
+    (dict(dp=2, pp=2), torch.float32, 2, 2, 32, 2, 256, False, "zb"),
+    (dict(dp=2, pp=2), torch.bfloat16, 4, 4, 32, 2, 4096, True, "zb"),   # the embedding's backward
+]
+
+
+def test_zero3_under_the_posted_schedules_is_the_estimate_to_the_byte_on_every_stage_and_planned():
+    """predict_memory under --zero 3 with interleaved's model chunks and zb (once refused; both run:
+    test_zero.py's rows equal the dense model) equals the tracker on fake tensors on every stage and
+    category: the posted replay's moments with the stage's FSDP2 groups gathered from each chunk's
+    first forward, the unsharded grads temporaries, the reduces after the schedule. The planner
+    keeps such a layout (space.check_candidate)."""
     from minimind_parallel.pipeline_parallel.order import Schedule
     from minimind_parallel.planning import Candidate, Workload
     from minimind_parallel.planning.space import check_candidate
-    config = _config(4, 128, True)
-    par = ParallelConfig(dp=2, pp=2, zero=3, virtual_stages=virtual_stages, recompute=recompute)
-    check_layout(config, par, seq_len=32)
-    kw = dict(seq_len=32, micro_batch_size=1, dtype=torch.float32, num_microbatches=microbatches, schedule=schedule)
-    refused = one_line_error(NotImplementedError, predict_memory, config, par, **kw)
-    assert refused.startswith("predict_memory: --zero 3 with --pp_size > 1 ") and message in refused, refused
-    work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=4)
-    cut = dict(dp=2, pp=2, zero=3, num_microbatches=microbatches, micro_batch_size=4 // microbatches,
-               pp_schedule=Schedule(schedule), virtual_stages=virtual_stages, recompute=Recompute(recompute))
-    assert message in one_line_error(ConfigError, check_candidate, work, Candidate(**cut))
-    modelled = Candidate(**{**cut, "pp_schedule": Schedule.ONE_F_ONE_B, "virtual_stages": 1,
-                            "recompute": Recompute.NONE, "num_microbatches": 4, "micro_batch_size": 1})
-    predict_memory(config, modelled.parallel, seq_len=32, micro_batch_size=1, num_microbatches=4)
-    # predicted, but the planner's time model does not cost a stage gathered over the schedule
-    assert "does not cost --zero 3 with pp_size > 1" in one_line_error(ConfigError, check_candidate, work, modelled)
+    for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule in POSTED:
+        config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
+        for stage in range(par.pp):
+            estimate = estimate_step_memory(config, par, iters=1, stage=stage, **kw)
+            model = predict_memory(config, par, stage=stage, **kw)
+            assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
+                (layout, dtype, microbatches, schedule, stage, model.peak_at)
+    work = Workload(model=_config(4, 128, True), seq_len=32, global_batch_size=8, world_size=4)
+    check_candidate(work, Candidate(dp=2, pp=2, zero=3, num_microbatches=4, micro_batch_size=1,
+                                    pp_schedule=Schedule.INTERLEAVED, virtual_stages=2))
 
 
 # (layout, dtype, microbatches, routing, the moment at the peak): zero 3 under expert parallelism; a

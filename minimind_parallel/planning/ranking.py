@@ -90,11 +90,12 @@ def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_tok
 def stage_parameters(pred: MemoryPrediction, k: Candidate, w: Workload) -> tuple[int, int]:
     """This rank's parameter elements unsharded (its TP shards; under --zero 1/2 with the flat buffers'
     padding, as the memory model's params hold them, less RoPE's cos/sin tables), and under --zero 3
-    one block's (FSDP2 gathers the whole of each: the memory model's params are this rank's shards)."""
-    if k.zero == 3:   # pp 1: the whole model
+    one block's (FSDP2 gathers the whole of each: the memory model's params are this rank's shards;
+    under PP the last stage's, whose step the time model costs)."""
+    if k.zero == 3:
         c = w.model
         experts = local_experts(c.num_experts, k.ep, 0) if c.use_moe else range(c.num_experts)
-        counts = stage_parameter_counts(c, k.parallel, 0, experts)[1]
+        counts = stage_parameter_counts(c, k.parallel, k.pp - 1, experts)[1]
         return counts.total, counts.top_block
     rope = 2 * w.model.max_position_embeddings * w.model.head_dim
     return pred.breakdown["params"] // DTYPES[w.dtype].itemsize - rope, 0

@@ -261,15 +261,11 @@ def check_candidate(w: Workload, cand: "Candidate") -> None:
     """Raise ConfigError (one line) where a full assignment cannot run or be predicted: check_layout,
     the schedule's constraints (check_schedule), --zero 2 under a posted schedule (interleaved, zb), which
     predict_memory does not replay (buckets filled across chunks and microbatches), and the --zero 3
-    layouts its FSDP2 replay refuses (memory/analytic/fsdp_composition.py, fsdp_replay.check_fully_sharded)
-    or the time model does not cost (pp > 1)."""
+    layouts its FSDP2 replay refuses (memory/analytic/fsdp_composition.py, fsdp_replay.check_fully_sharded)."""
     check_layout(w.model, cand.parallel, seq_len=w.seq_len)
     refusal = composition_refusal(cand.parallel, cand.pp_schedule, cand.num_microbatches) if cand.zero == 3 else None
     if refusal is not None:
         raise ConfigError(f"the memory model refuses it: {refusal}")
-    if cand.zero == 3 and cand.pp > 1:   # predicted (fsdp_pipeline.py), not costed
-        raise ConfigError(f"the planner does not cost --zero 3 with pp_size > 1 (its step time gathers each block per "
-                          f"microbatch; a stage gathered once over the schedule is not timed); got pp_size={cand.pp}")
     if cand.zero == 3:   # FSDP2: what its replay follows (the MoE model, too few tokens refused there)
         try:
             check_fully_sharded(w.model, cand.parallel, w.seq_len // cand.cp * cand.micro_batch_size)

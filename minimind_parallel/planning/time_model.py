@@ -38,7 +38,8 @@
                  after the last microbatch and all-gathers it after the step, both exposed;
                  --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1);
                  --zero 3 (FSDP2) gathers every block's parameters for its forward and its
-                 backward and reduce-scatters its grads, per microbatch
+                 backward and reduce-scatters its grads, per microbatch; under a pipeline a stage
+                 gathers each once per step and reduce-scatters each once after the schedule
     overlaps     only where `Hardware.overlaps_communication` (a GPU's streams); on a CPU gloo runs
                  on the rank's own cores and every collective adds to the step
     optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
@@ -423,17 +424,24 @@ def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes
     the forward / backward compute); on a CPU every one is exposed. Under expert parallelism each
     block's experts (`expert_bytes`: this rank's, every layer's) are a unit of their own over the
     dp x cp / ep EDP ranks, gathered and reduce-scattered as a block is; over one EDP rank (ep =
-    dp x cp) they stay whole, outside FSDP2, with no collective (their EDP group is the rank)."""
+    dp x cp) they stay whole, outside FSDP2, with no collective (their EDP group is the rank). Under
+    PP (reshard_after_forward False, `reduced_after_the_schedule`) each unit is gathered once per
+    step, in the stage's first forward (hidden behind that microbatch's forward on a GPU), and
+    reduce-scattered once after the last backward (exposed: no compute is left to hide it behind); a
+    middle stage's root holds none."""
     g = k.dp * k.cp
     block = block_bytes or stage_bytes / (layers + 1)
     root = stage_bytes - layers * block
     experts = expert_bytes / max(layers, 1) if k.ep > 1 else 0.0   # one block's, out of its unit
     block -= experts
-    gather, scatter = ({n: Collective(op, n, g).seconds(link) for n in (block, root)}
+    gather, scatter = ({n: Collective(op, n, g).seconds(link) if n > 0 else 0.0 for n in (block, root)}
                        for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
     edp = g // k.ep
     own = [Collective(op, experts, edp).seconds(link) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER)]
     m = k.num_microbatches
+    if k.pp > 1:   # the stage gathered once, in its first forward; every unit reduce-scattered after the schedule
+        return (hw.hidden(layers * (gather[block] + own[0]) + gather[root], forward / m)
+                + layers * (scatter[block] + own[1]) + scatter[root])
     fwd = m * (layers * (gather[block] + own[0]) + gather[root])
     bwd = m * (layers * (gather[block] + own[0]) + layers * (scatter[block] + own[1]) + scatter[root])
     return hw.hidden(fwd, forward) + hw.hidden(bwd, backward)

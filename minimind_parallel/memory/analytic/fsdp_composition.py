@@ -8,15 +8,13 @@ over the EDP mesh, or whole outside FSDP2 on one EDP rank: fsdp_experts.py repla
 copy-out at the grad of their output, their reduce-scatter before the dispatch's backward), not
 under pipeline parallelism (refused).
 
-Under pipeline parallelism fsdp_pipeline.py replays gpipe and 1f1b with two microbatches or more;
-refused: the posted schedules (interleaved, zb: their replays, posted_replay.py, are not composed
-with the gathered stage), --recompute full (a block's gathered parameters are saved only while its
-backward re-runs its forward, not from the first forward on), and one microbatch (the last stage's
-forward end and the reduces after a first-and-last backward hold bytes the replay does not follow).
+Under pipeline parallelism every schedule is replayed: gpipe and 1f1b by fsdp_pipeline.py, the
+posted ones (interleaved, zb) by fsdp_posted.py (the MoE model and few tokens as
+fsdp_replay.check_fully_sharded says, zb's variants as zero_bubble_moments.unmodelled says).
 """
 from __future__ import annotations
 
-from ...config import ParallelConfig, Recompute
+from ...config import ParallelConfig
 from ...pipeline_parallel.order import Schedule
 
 
@@ -27,15 +25,6 @@ def composition_refusal(par: ParallelConfig, schedule: Schedule, num_microbatche
     if par.ep > 1:
         return (f"--zero 3 with --ep_size > 1 is modelled without pipeline parallelism (the experts' FSDP2 groups "
                 f"over a stage gathered through the schedule are not replayed); got pp_size={par.pp}, ep_size={par.ep}")
-    if Schedule(schedule) not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
-        return (f"--zero 3 with --pp_size > 1 is modelled under gpipe and 1f1b (a stage gathered over the schedule); "
-                f"got pp_schedule={schedule}")
-    if par.recompute == Recompute.FULL:
-        return ("--zero 3 with --pp_size > 1 is not modelled under --recompute full (a block's gathered parameters "
-                "saved only while its backward re-runs its forward)")
-    if num_microbatches < 2:
-        return (f"--zero 3 with --pp_size > 1 is modelled at two microbatches or more (one backward, the first and "
-                f"the last, is not replayed); got num_microbatches={num_microbatches}")
     return None
 
 

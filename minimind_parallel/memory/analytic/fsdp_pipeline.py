@@ -10,57 +10,145 @@ the replicated stage's (schedule_replay.py) with:
     gathered    every group's unsharded parameters (one padded storage each) from the first
                 forward on: activations where autograd saves them (every parameter an op reads
                 in backward), temporaries for the untied embedding (its backward needs the ids)
-    forward_end[first]  the last group's all-gather output (the top block's), freed by the root's
-                post-forward
+                and under --recompute full for the blocks (their checkpoint saves nothing, and
+                its re-run in backward saves under its own hooks)
+    first forward  fsdp_replay's moments where each group is gathered (a block's copy-out, the
+                top block's last residual add and lean SwiGLU), the blocks below still gathered;
+                the top block's all-gather output lives to the root's post-forward (the model's
+                return: the last stage's replicated head scales its loss after it)
 
 then, after the schedule, each group's reduce (in FSDP2's state order: the root's, then the
-blocks' from the bottom): its parameters resharded, its grads copied into its reduce-scatter
-input (padded, gathered size), the groups before it holding their sharded grads; then AdamW over
-the shards.
+blocks' from the bottom; a middle stage's root holds none): its parameters resharded, its grads
+copied into its reduce-scatter input (padded, gathered size), then its reduce-scatter output (its
+sharded grads) made while the last of its unsharded grads is still bound, the groups before it
+holding their sharded grads, the batch and the reported losses alive; then AdamW over the shards.
 """
 from __future__ import annotations
 
-from ...pipeline_parallel.order import Action
-from .schedule_replay import optimizer_step, replay_schedule
+import functools
+
+from ...config import Recompute
+from ...pipeline_parallel.order import Action, Step
+from .fsdp_replay import _forward_moments
+from .fsdp_sizes import FsdpSizes
+from .schedule_replay import batch_saved, optimizer_step, replay_schedule, targets_saved
 from .stage_sizes import StageSizes, numel
 
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def _groups(s: StageSizes) -> list[list[str]]:
+def groups_of(s: StageSizes) -> tuple[tuple[str, ...], ...]:
     """The stage's FSDP2 groups in the order FSDP2 reduces them: the root's, then each block's."""
+    return _grouped(tuple(s.shapes))
+
+
+@functools.lru_cache(maxsize=1024)
+def _grouped(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """groups_of, remembered by the parameter names (the planner's layouts share a few stages')."""
     blocks: dict[str, list[str]] = {}
     root = []
-    for name in s.shapes:
+    for name in names:
         if name.startswith("model.layers."):
             blocks.setdefault(name.split(".")[2], []).append(name)
         else:
             root.append(name)
-    return [root, *blocks.values()]
+    return tuple(map(tuple, [root, *blocks.values()]))
 
 
-def pipelined_fully_sharded_moments(s: StageSizes, order: list[Action], device: str) -> tuple[dict, dict, int, int]:
-    """The stage's moments under FSDP2 over a pipeline schedule, the reduces' and the optimizer
-    step's last; how many microbatches each finds in flight; this rank's shards; AdamW's states."""
+def group_bytes(s: StageSizes) -> tuple[dict, dict, dict]:
+    """Per parameter of the stage: this rank's shard (dim 0 padded to a multiple of W = dp x cp),
+    the dense tensor, the padded gathered one (bytes)."""
     world, b = s.par.dp * s.par.cp, s.b
     shard = {n: b * -(-shape[0] // world) * numel(shape[1:]) for n, shape in s.shapes.items()}
     dense = {n: b * numel(shape) for n, shape in s.shapes.items()}
-    gathered = {n: world * v for n, v in shard.items()}
+    return shard, dense, {n: world * v for n, v in shard.items()}
+
+
+def first_forward_end(s: StageSizes, name: str, moment: tuple, last_gather: int) -> dict:
+    """The stage's first forward's end, `moment` without FSDP2's own bytes: the top block's
+    all-gather output lives to the root's post-forward, as the model returns. An earlier stage,
+    or the last inside its loss (VP, --loss_chunks): at the moment. The replicated head's loss is
+    scaled after the return: a moment inside the loss (its cross-entropy made; not its scaled copy,
+    the loss weight's cast nor, MoE, the objective, the reported aux share and the loss's copy in
+    the model dtype, moe_sizes.moe_temporaries) holds it instead."""
+    g, a, t = moment
+    if not s.last:   # MoE: inside the model the stage's summed aux loss is not made yet
+        return {name: (g, a, t + last_gather - (s.f if s.top_k else 0))}
+    if s.par.vocab_parallel or s.par.loss_chunks > 1:
+        return {name: (g, a, t + last_gather)}
+    unmade = s.b + s.weight + (((0 if s.par.cp > 1 else s.f) + s.f + s.weight) if s.top_k else 0)
+    return {name: moment, f"cross_entropy{name[len('forward_end'):]}": (g, a, t - unmade + last_gather)}
+
+
+def _first_forward(s: StageSizes, i: int, block: int, root: int, moe_step: int, moe_layer_state: int) -> dict:
+    """FSDP2's moments of the stage's first forward (microbatch `i`), where its groups are
+    gathered (fsdp_replay's: each block's copy-out, the top block's last residual add and lean
+    SwiGLU), with the blocks below still gathered (saved; --recompute full: not) and the root's
+    gathered parameters (`root` bytes; `block`: one block's) not saved by anything yet.
+    -> name: (grads, activations, temporaries)."""
+    z = FsdpSizes(block=block, block_shard=0, root=root, root_shard=0, root_unsaved=0, shards=())
+    saved, unsaved = batch_saved(s), targets_saved(s)   # (the targets are not saved before the loss)
+    out = {}
+    for name, (a, t) in _forward_moments(s, z, fresh_root=True, seen=False, unmade_state=moe_layer_state).items():
+        below = int(name.split()[-1][:-1]) * block
+        a, t = (a, t + below) if s.par.recompute == Recompute.FULL else (a + below, t)
+        out[f"{name}[{i}]"] = (0, saved - unsaved + a, s.batch - saved + unsaved + root + t - moe_step)
+    return out
+
+
+def _after_the_schedule(s: StageSizes, order: list[Action]) -> tuple[int, int]:
+    """What the step's batch holds while the groups reduce (inside the schedule's step, before the
+    optimizer's): (activations, temporaries). The ids and targets and the microbatches' loss
+    weights (fp32: saved by the loss's scaling, on the last stage) and the last stage's reported
+    losses, one per forward."""
+    saved = batch_saved(s) + (4 * s.mb if s.last and s.weight == 0 else 0)
+    forwards = sum(a.step is Step.FORWARD for a in order)
+    return saved, s.batch - saved + (forwards * s.loss_scalar if s.last else 0)
+
+
+def reduces(s: StageSizes, groups: tuple, order: list[Action], shard: dict, dense: dict,
+             gathered: dict) -> dict:
+    """Each group's reduce after the schedule, in FSDP2's order (`groups`; bytes per parameter of
+    this rank's shard, the dense tensor, the padded gathered one): its grads copied into its
+    reduce-scatter input (its parameters resharded), then the output (its sharded grads) made, of
+    its unsharded grads the last one still bound (by foreach_reduce's loop over them); the later
+    groups still gathered. -> name: (grads, activations, temporaries)."""
+    saved, batch = _after_the_schedule(s, order)
+    each = [(sum(gathered[n] for n in names), sum(dense[n] for n in names)) for names in groups]
+    still, later_dense = sum(g for g, _ in each), sum(d for _, d in each)   # the later groups' (from j on, first)
+    out, reduced = {}, 0
+    for j, names in enumerate(groups):
+        still, later_dense = still - each[j][0], later_dense - each[j][1]
+        if not names:   # a middle stage's root holds no parameters: no group to reduce
+            continue
+        blind = still if s.par.recompute == Recompute.FULL else 0   # the blocks' are never saved
+        rest = batch + blind + each[j][0] + later_dense
+        out[f"reduce(group {j})"] = (reduced, saved + still - blind, rest + each[j][1])
+        reduced += sum(shard[n] for n in names)
+        out[f"reduce_scatter(group {j})"] = (reduced, saved + still - blind, rest + dense[names[-1]])
+    return out
+
+
+def pipelined_fully_sharded_moments(s: StageSizes, order: list[Action], device: str, moe_step: int = 0,
+                                    moe_layer_state: int = 0) -> tuple[dict, dict, int, int]:
+    """The stage's moments under FSDP2 over a pipeline schedule, the reduces' and the optimizer
+    step's last; how many microbatches each finds in flight; this rank's shards; AdamW's states.
+    `moe_step`, `moe_layer_state`: the MoE tensors alive until the step's end and each layer's
+    alive all step, which the caller adds to every moment (moe_sizes.moe_temporaries)."""
+    shard, dense, gathered = group_bytes(s)
+    groups = groups_of(s)
     unsaved = gathered[EMBEDDING] if EMBEDDING in gathered and not s.tied_here else 0
-    groups = _groups(s)
+    if s.par.recompute == Recompute.FULL:   # a block's checkpoint saves nothing of its forward (nor its re-run)
+        unsaved += sum(gathered[n] for names in groups[1:] for n in names)
     last_gather = sum(gathered[n] for n in groups[-1])
     replayed, in_flight = replay_schedule(s, order)
     first = f"forward_end[{order[0].microbatch}]"   # the stage's first forward: every group gathered in it
     whole = sum(gathered.values())
-    moments = {k: (0, a + whole - unsaved, t + g + unsaved + (last_gather if k == first else 0))
-               for k, (g, a, t) in replayed.items()}
-    reduced = 0
-    for j, names in enumerate(groups):
-        later = [n for group in groups[j + 1:] for n in group]
-        here = sum(gathered[n] for n in names)
-        moments[f"reduce(group {j})"] = (reduced, 0, sum(gathered[n] for n in later)
-                                         + sum(dense[n] for n in names + later) + here)
-        reduced += sum(shard[n] for n in names)
+    moments = {k: (0, a + whole - unsaved, t + g + unsaved) for k, (g, a, t) in replayed.items()}
+    moments.update(first_forward_end(s, first, moments[first], last_gather))
+    moments.update(_first_forward(s, order[0].microbatch, last_gather, sum(gathered[n] for n in groups[0]),
+                                  moe_step, moe_layer_state))
+    moments.update(reduces(s, groups, order, shard, dense, gathered))
     params = sum(shard.values())
     moments["optimizer"] = optimizer_step(s, list(shard.values()), grads=params)
     states = 2 * params + (4 * len(shard) if device == "cpu" else 0)

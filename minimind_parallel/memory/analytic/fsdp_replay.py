@@ -237,7 +237,7 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
     gathered linears without the async one
     (the attention's q/k/v backward, below hidden_size tokens), --recompute selective (the lean
     pieces' backward, below 2 hidden_size tokens) and full (the re-run block, below hidden_size
-    tokens). (EP: the experts' own groups, fsdp_experts.py; PP: fsdp_pipeline.py.)"""
+    tokens). (EP: the experts' own groups, fsdp_experts.py; under PP, fsdp_pipeline.py, the same hold.)"""
     if c.use_moe and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
         raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe is modelled without "
                                   f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="

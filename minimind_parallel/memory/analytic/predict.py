@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
-from ...pipeline_parallel.order import Schedule, check_schedule, posted
+from ...pipeline_parallel.order import Schedule, Step, check_schedule, posted
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .fsdp_composition import check_composition
 from .fsdp_pipeline import pipelined_fully_sharded_moments
+from .fsdp_posted import posted_fully_sharded_moments
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .orders import stage_order, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, moe_report, moe_temporaries,
@@ -30,8 +31,9 @@ from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2
 # the schedules whose orders the model replays (zb: of the layouts zero_bubble_moments.unmodelled passes)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
 # the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers --
-# under PP by fsdp_pipeline.py -- but for the layouts fsdp_replay.check_fully_sharded and
-# fsdp_composition.check_composition refuse, which the planner cuts through space.check_candidate);
+# under PP by fsdp_pipeline.py, under interleaved and zb by fsdp_posted.py -- but for the layouts
+# fsdp_replay.check_fully_sharded and fsdp_composition.check_composition refuse, which the planner
+# cuts through space.check_candidate);
 # the planner enumerates these two tuples' members
 MODELLED_ZERO_LEVELS = (0, 1, 2, 3)
 
@@ -76,8 +78,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     c = model_config
     if par.zero == 3:
         check_composition(par, schedule, num_microbatches)
-        if par.pp == 1:   # (under PP: fsdp_pipeline.py, over the replicated stage's replay)
-            check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
+        # (under PP too: fsdp_pipeline.py's stage holds the same MoE tensors and few-token moments)
+        check_fully_sharded(c, par, seq_len // par.cp * micro_batch_size)
     elif par.zero not in MODELLED_ZERO_LEVELS:
         raise NotImplementedError(f"predict_memory: --zero {par.zero} is not modelled; "
                                   f"modelled: --zero {', '.join(map(str, MODELLED_ZERO_LEVELS))}")
@@ -169,7 +171,12 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
                                   f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
     if par.zero == 3 and par.pp > 1:
-        return _predict_pipelined_fully_sharded(s, order, c, device)
+        chunked = None   # a posted order: each chunk's sizes and the sends' release points
+        if posted(order):
+            chunked = (chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                   num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank),
+                       stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage])
+        return _predict_pipelined_fully_sharded(s, order, c, device, chunked, peak_only=memo is not None)
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
@@ -240,14 +247,26 @@ def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, devic
     return _peak(s, moments, in_flight, params + rope, states)
 
 
-def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str
-                                     ) -> MemoryPrediction:
-    """--zero 3 (FSDP2) under PP: its moments and this rank's shards (fsdp_pipeline.py)."""
+def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str,
+                                     chunked: tuple | None = None, peak_only: bool = False) -> MemoryPrediction:
+    """--zero 3 (FSDP2) under PP: its moments and this rank's shards (fsdp_pipeline.py; a posted
+    order, `chunked` its chunks' sizes and release points: fsdp_posted.py; `peak_only`: of its walk
+    the first largest moment alone, predict_memory's worst_only). MoE: after the schedule
+    (its reduces, the optimizer step) each chunk's last received input lingers (moe_lingering);
+    while the groups reduce, each unit's reported aux share is alive, not the backward's terms."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
-    moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device)
     state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+    if chunked is None:
+        moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device, step, state // s.layers)
+    else:
+        moments, in_flight, params, states = posted_fully_sharded_moments(s, chunked[0], order, chunked[1], device,
+                                                                          peak_only)
     report = moe_report(c, last=s.last, f=s.f)
-    moments = {k: (g, a, t + state + (report if k == "optimizer" else step)) for k, (g, a, t) in moments.items()}
+    linger = [sum(x) for x in zip((0, 0), *(moe_lingering(cs) for cs in (chunked[0] if chunked else [s])))]
+    shares = sum(a.step is Step.FORWARD for a in order) * s.f if c.use_moe else 0
+    after = {"optimizer": report, **{k: shares for k in moments if k.startswith("reduce")}}
+    moments = {k: (g, a + (linger[0] if k in after else 0),
+                   t + state + after.get(k, step) + (linger[1] if k in after else 0)) for k, (g, a, t) in moments.items()}
     return _peak(s, moments, in_flight, params + rope, states)
 
 
