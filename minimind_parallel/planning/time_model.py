@@ -38,7 +38,8 @@
                  after the last microbatch and all-gathers it after the step, both exposed;
                  --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1);
                  --zero 3 (FSDP2) gathers every block's parameters for its forward and its
-                 backward and reduce-scatters its grads, per microbatch
+                 backward and reduce-scatters its grads, per microbatch, each collective with FSDP2's
+                 host work around it (hooks, copy-in, copy-out) at `fsdp_collective_s`
     overlaps     only where `Hardware.overlaps_communication` (a GPU's streams); on a CPU gloo runs
                  on the rank's own cores and every collective adds to the step
     optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
@@ -47,7 +48,8 @@
 A collective of `n` bytes over `g` ranks on a link (latency a, bandwidth w, per-call cost c):
 all-reduce c + 2 (g-1) (a + n / (g w)), all-gather / reduce-scatter / all-to-all
 c + (g-1) (a + n / (g w)), a p2p send c + a + n / w. c is what a call costs inside a step beyond
-the same call back to back (`Link.call_s`: a CPU's gloo, measured by plan --calibrate; 0 on GPUs).
+the same call back to back (`Link.call_s`: a CPU's gloo, fitted by plan --calibrate to real steps,
+step_costs.py; 0 on GPUs).
 `collectives_of_step` lists a step's collectives as costed (tests/test_collective_counts.py checks
 them against the real calls). Which link: a group whose ranks span more than one
 node's (the grid dp x pp x cp x tp, TP fastest) crosses nodes.
@@ -420,7 +422,8 @@ def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes
     after forward) and its grads reduce-scattered. Over dp x cp; `stage_bytes` the rank's parameters
     unsharded (what the gathers output), `block_bytes` one block's (0: the units' bytes taken equal,
     `stage_bytes` / (layers + 1)), the root the rest. FSDP2 prefetches the next unit's gather on a GPU (hidden behind
-    the forward / backward compute); on a CPU every one is exposed."""
+    the forward / backward compute); on a CPU every one is exposed. And FSDP2's host work per
+    collective (`fsdp_host_seconds`)."""
     g = k.dp * k.cp
     block = block_bytes or stage_bytes / (layers + 1)
     root = stage_bytes - layers * block
@@ -429,7 +432,20 @@ def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes
     m = k.num_microbatches
     fwd = m * (layers * gather[block] + gather[root])
     bwd = m * (layers * gather[block] + layers * scatter[block] + scatter[root])
-    return hw.hidden(fwd, forward) + hw.hidden(bwd, backward)
+    return hw.hidden(fwd, forward) + hw.hidden(bwd, backward) + fsdp_host_seconds(k, hw, layers=layers)
+
+
+def fsdp_collectives_per_microbatch(layers: int) -> int:
+    """FSDP2's collectives of one microbatch (pp 1): each block gathered for its forward and again for
+    its backward and its grads reduce-scattered, the root gathered once and reduce-scattered."""
+    return 3 * layers + 2
+
+
+def fsdp_host_seconds(k: Candidate, hw: Hardware, *, layers: int) -> float:
+    """FSDP2's host work around each of its collectives (its pre-/post-forward and backward hooks, the
+    copy into the flat buffer, the copy out into the parameters' views, the DTensor bookkeeping), at
+    `Hardware.fsdp_collective_s` per collective: on the rank's own thread, never hidden."""
+    return k.num_microbatches * fsdp_collectives_per_microbatch(layers) * hw.fsdp_collective_s
 
 
 def seconds(coll: list, link: Link) -> float:
