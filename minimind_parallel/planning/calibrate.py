@@ -21,16 +21,18 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ..config import DTYPES, MiniMindConfig
+from ..files import atomic_path
 from .hardware import CPU_DEFAULT, Hardware, Link
 from .op_count import OpCount
 from .step_costs import FIT_LAYOUTS, IN_STEP_LAYERS, IN_STEP_ROWS, fit_costs, timed_steps
@@ -156,13 +158,14 @@ def op_overhead(device: str, dtype: torch.dtype, layers: int = 4) -> float:
     return _timed(step, reps=5, device=device) / (layers * OPS_PER_BLOCK)
 
 
-def _link_rank(rank: int, store_path: str, backend: str, out: str, shapes: Shapes, dtype: str) -> None:
+def link_rank(backend: str, out: str, shapes: Shapes, dtype: str) -> None:
+    """One of the two ranks (under torchrun: its env:// rendezvous, as a benchmark cell's ranks):
+    the back-to-back all-reduces; on a CPU the in-step ones and the step_costs.FIT_LAYOUTS steps."""
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
     device = "cuda" if backend == "nccl" else "cpu"
     if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=2)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
     try:
         small = torch.ones(SMALL, device=device)
         large = torch.ones(LARGE, device=device)
@@ -170,7 +173,7 @@ def _link_rank(rank: int, store_path: str, backend: str, out: str, shapes: Shape
         t_large = _timed(lambda: dist.all_reduce(large), reps=5, device=device)
         in_step = in_step_all_reduces(shapes) if device == "cpu" else []
         steps = timed_steps(in_step_model(shapes), shapes.seq, FIT_LAYOUTS, DTYPES[dtype]) if device == "cpu" else []
-        with open(f"{out}.{rank}", "w") as f:
+        with atomic_path(f"{out}.{dist.get_rank()}") as tmp, open(tmp, "w") as f:
             json.dump(dict(standalone=(t_small, t_large), in_step=in_step, steps=steps), f)
     finally:
         dist.destroy_process_group()
@@ -231,9 +234,7 @@ def link_rates(device: str, shapes: Shapes = Shapes(), dtype: str = "float32") -
     backend = "nccl" if device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link")
-        # daemonic: ended with this process on any ending (an interrupted calibration leaves nothing)
-        mp.spawn(_link_rank, args=(os.path.join(tmp, "store"), backend, out, shapes, dtype), nprocs=2, join=True,
-                 daemon=True)
+        run_ranks(backend, out, shapes, dtype)
         ranks = []
         for r in range(2):
             with open(f"{out}.{r}") as f:
@@ -249,6 +250,27 @@ def link_rates(device: str, shapes: Shapes = Shapes(), dtype: str = "float32") -
                                                    for n in sorted({n for n, _ in in_step})},
                             in_step_after_arrival_call_us=round(1e6 * per_call_overhead(in_step, standalone), 3)), \
         ranks[0]["steps"]
+
+
+def run_ranks(backend: str, out: str, shapes: Shapes, dtype: str) -> None:
+    """`link_rank` on two ranks launched by torchrun, as a benchmark cell's are (fresh interpreters, an
+    env:// rendezvous: on this machine the same steps run up to twice as fast in processes forked from
+    a warm one, so the calibration measures them where the cells run); waited for, and on any ending
+    of this process ended (torchrun ends its ranks on SIGTERM)."""
+    spec = json.dumps(dict(backend=backend, out=out, model=asdict(shapes.model), seq=shapes.seq, dtype=dtype))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--standalone",
+           "--max_restarts=0", "--monitor_interval=0.1", "-m", "minimind_parallel.planning.calibrate", spec]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        _, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"plan --calibrate: the link's ranks failed (exit {proc.returncode}): "
+                           f"{(err or '').strip().splitlines()[-1:]}")
 
 
 def calibrate(device: str, dtype: str = "float32", shapes: Shapes = Shapes()) -> Hardware:
@@ -275,3 +297,13 @@ def calibrate(device: str, dtype: str = "float32", shapes: Shapes = Shapes()) ->
     # a CPU: the per-op, per-call and per-FSDP2-collective costs fitted to real steps (step_costs.py)
     fitted, fit = fit_costs(hw, in_step_model(shapes), shapes.seq, dtype, steps)
     return replace(fitted, extra={**measured, "isolated_op_overhead_us": round(1e6 * rates["op_overhead_s"], 3), **fit})
+
+
+def rank_main(argv: list[str]) -> None:
+    """A rank of run_ranks: its one argument the JSON of what to measure."""
+    spec = json.loads(argv[0])
+    link_rank(spec["backend"], spec["out"], Shapes(model=MiniMindConfig(**spec["model"]), seq=spec["seq"]), spec["dtype"])
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1:])
