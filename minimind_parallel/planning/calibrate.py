@@ -3,7 +3,7 @@ and backward at the workload's shapes (`Shapes`: its block, one row of its seque
 its MLP's width, causal SDPA of its heads (no CP), CP's blockwise attention, the memory-bound ops of
 its block (bytes counted by `OpCount`), a step of a model too small to compute anything (what each
 dispatched op costs beyond its work), and the all-reduce's latency and bandwidth between two ranks
-(gloo on CPU, NCCL on GPUs; two processes on one node, a FileStore rendezvous, both joined before it
+(gloo on CPU, NCCL on GPUs; two ranks on one node launched by torchrun, both ended before it
 returns). One rank's threads: one on CPU, as the launcher gives each rank.
 
 On a CPU the rates measured alone are not a real step's: a gloo collective issued between a step's
