@@ -8,7 +8,7 @@ optimizer's step.
     OMP_NUM_THREADS=1 python scripts/step_breakdown.py --layout dp2 --calibration results/cpu_calibration.json
 
 Layouts (world 2, the validation model of docs/planning.md: H 128, L 4, 8 heads, 4 kv heads,
-V 1024, S 256, global batch 4): dp2, pp2, cp2_*, tp2_* (see LAYOUTS).
+V 1024, S 256, global batch 4): dp2, dp2_zero3, pp2, cp2_*, tp2_* (see LAYOUTS).
 
 `--collectives`: every collective of one (otherwise untimed) step timed on both ranks by
 `planning.collective_clock.CollectiveClock` (issue and return on the system-wide monotonic clock,
@@ -45,6 +45,7 @@ SEQ, BATCH = 256, 4
 # name: (the layout, rows per microbatch, microbatches); the plan's Candidate flags
 LAYOUTS = {
     "dp2": (dict(dp=2), 2, 1),
+    "dp2_zero3": (dict(dp=2, zero=3), 2, 1),
     "pp2": (dict(pp=2, loss_chunks=8), 1, 4),
     "cp2_ring_full": (dict(cp=2, cp_comm_type="ring", recompute="full", zero=1), 4, 1),
     "cp2_all_gather_full": (dict(cp=2, cp_comm_type="all_gather", recompute="full"), 4, 1),

@@ -60,7 +60,9 @@ def _real_steps(layouts):
             train_step(model, optimizer, groups, ids, targets, num_microbatches=m)
         out.append((log.calls, sum(p.numel() for p in model.parameters())))
     from minimind_parallel.planning.calibrate import Shapes, in_step_all_reduces
-    return out, in_step_all_reduces(Shapes(model=config, seq=SEQ))
+    from minimind_parallel.planning.step_costs import FIT_LAYOUTS, timed_steps
+    fit = MiniMindConfig(**{**CONFIG, "num_hidden_layers": 1})
+    return out, in_step_all_reduces(Shapes(model=config, seq=SEQ)), timed_steps(fit, SEQ, FIT_LAYOUTS, torch.float32)
 
 
 def _as_logged(k: Candidate, x: Collective) -> list[tuple[str, int]]:
@@ -75,16 +77,19 @@ def _as_logged(k: Candidate, x: Collective) -> list[tuple[str, int]]:
 
 def test_the_time_models_collectives_are_the_real_steps_with_their_bytes():
     """And the calibration's in-step link times every all-reduce of its TP steps: the model's count
-    of them, with their bytes, on both ranks."""
+    of them, with their bytes, on both ranks; and its fitted steps (step_costs.timed_steps) run."""
     from minimind_parallel.planning.calibrate import IN_STEP_LAYERS, IN_STEP_ROWS, IN_STEP_STEPS
     ranks = run_ranks(_real_steps, 2, LAYOUTS, timeout=600)
     tp_step = Candidate(tp=2, vocab_parallel=True, micro_batch_size=IN_STEP_ROWS)
     w = Workload(model=MiniMindConfig(**{**CONFIG, "num_hidden_layers": IN_STEP_LAYERS}), seq_len=SEQ,
                  global_batch_size=IN_STEP_ROWS, world_size=2, dtype="float32")
     each = Counter(int(x.nbytes) for x in collectives_of_step(tp_step, w, stage_params=0) if x.kind == Op.ALL_REDUCE)
-    for _, in_step in ranks:
+    for _, in_step, _ in ranks:
         assert Counter(n for n, _ in in_step) == Counter({n: IN_STEP_STEPS * c for n, c in each.items()})
         assert all(t >= 0 for _, t in in_step)
+    # the calibration's fitted steps: every layout timed, the slower rank's time on both
+    from minimind_parallel.planning.step_costs import FIT_LAYOUTS
+    assert ranks[0][2] == ranks[1][2] and len(ranks[0][2]) == len(FIT_LAYOUTS) and all(t > 0 for t in ranks[0][2])
     for i, k in enumerate(LAYOUTS):
         calls, params = ranks[1 if k.pp > 1 else 0][0][i]        # the last stage's rank
         real = Counter(("p2p", n) if kind in ("send", "recv") else (kind, n) for kind, n in calls)

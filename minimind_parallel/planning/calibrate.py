@@ -3,38 +3,43 @@ and backward at the workload's shapes (`Shapes`: its block, one row of its seque
 its MLP's width, causal SDPA of its heads (no CP), CP's blockwise attention, the memory-bound ops of
 its block (bytes counted by `OpCount`), a step of a model too small to compute anything (what each
 dispatched op costs beyond its work), and the all-reduce's latency and bandwidth between two ranks
-(gloo on CPU, NCCL on GPUs; two processes on one node, a FileStore rendezvous, both joined before it
+(gloo on CPU, NCCL on GPUs; two ranks on one node launched by torchrun, both ended before it
 returns). One rank's threads: one on CPU, as the launcher gives each rank.
 
-On a CPU the link is measured inside a real step (`in_step_link`): a gloo collective issued between
-a step's ops costs several times the same collective issued back to back (on this machine a 1 KB
-all-reduce about 1 ms against 0.05-0.1 ms, a 512 KB one 1-3 ms against 0.4-0.5 ms; scripts/
-step_breakdown.py --collectives), so the calibration runs training steps of the workload's block
-under TP 2 with the vocab-parallel loss (its [S, H] all-reduces and its loss's [S] ones), takes
-each all-reduce's time after both ranks had issued it (`collective_clock`: the wait for the other
-rank is its compute, not the link), and keeps what it costs beyond the same all-reduce back to back
-as the link's per-call cost (`Link.call_s`)."""
+On a CPU the rates measured alone are not a real step's: a gloo collective issued between a step's
+ops costs several times the same collective back to back (on this machine a 1 KB all-reduce about
+1 ms against 0.05-0.1 ms; scripts/step_breakdown.py --collectives), FSDP2's hooks and copies around
+each of its collectives cost milliseconds, and the work of two ranks sharing the machine runs slower
+than one process's alone. So the calibration also runs real training steps of the workload's block
+(step_costs.FIT_LAYOUTS: DDP, ZeRO 1, TP, ZeRO 3) and fits one factor on the rates and the per-op,
+per-call and per-FSDP2-collective costs to them (`step_costs.fit_costs`). It still times each
+all-reduce of TP steps after both ranks had issued it (`in_step_all_reduces`, `collective_clock`)
+and keeps that excess over back to back in the file's `extra` (what the clock sees of a call's
+cost; the fitted `call_s` is what the steps pay)."""
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ..config import DTYPES, MiniMindConfig
+from ..files import atomic_path
 from .hardware import CPU_DEFAULT, Hardware, Link
 from .op_count import OpCount
+from .step_costs import FIT_LAYOUTS, IN_STEP_LAYERS, IN_STEP_ROWS, fit_costs, timed_steps
 from .time_model import OPS_PER_BLOCK, blockwise_attention_flops, causal_attention_flops
 
 SMALL, LARGE = 1, 4 * 2**20      # all-reduce elements (float32): the latency's, the bandwidth's
-IN_STEP_ROWS, IN_STEP_LAYERS, IN_STEP_STEPS = 2, 2, 3   # the in-step link's TP steps: rows of S, blocks, timed steps
+IN_STEP_STEPS = 3                # the in-step all-reduces' timed TP steps (of IN_STEP_LAYERS blocks, IN_STEP_ROWS rows)
 
 
 def _timed(fn, *, reps: int, device: str) -> float:
@@ -153,21 +158,23 @@ def op_overhead(device: str, dtype: torch.dtype, layers: int = 4) -> float:
     return _timed(step, reps=5, device=device) / (layers * OPS_PER_BLOCK)
 
 
-def _link_rank(rank: int, store_path: str, backend: str, out: str, shapes: Shapes) -> None:
+def link_rank(backend: str, out: str, shapes: Shapes, dtype: str) -> None:
+    """One of the two ranks (under torchrun: its env:// rendezvous, as a benchmark cell's ranks):
+    the back-to-back all-reduces; on a CPU the in-step ones and the step_costs.FIT_LAYOUTS steps."""
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
     device = "cuda" if backend == "nccl" else "cpu"
     if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=2)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
     try:
         small = torch.ones(SMALL, device=device)
         large = torch.ones(LARGE, device=device)
         t_small = _timed(lambda: dist.all_reduce(small), reps=50, device=device)
         t_large = _timed(lambda: dist.all_reduce(large), reps=5, device=device)
         in_step = in_step_all_reduces(shapes) if device == "cpu" else []
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(dict(standalone=(t_small, t_large), in_step=in_step), f)
+        steps = timed_steps(in_step_model(shapes), shapes.seq, FIT_LAYOUTS, DTYPES[dtype]) if device == "cpu" else []
+        with atomic_path(f"{out}.{dist.get_rank()}") as tmp, open(tmp, "w") as f:
+            json.dump(dict(standalone=(t_small, t_large), in_step=in_step, steps=steps), f)
     finally:
         dist.destroy_process_group()
 
@@ -218,17 +225,16 @@ def per_call_overhead(times: list[tuple[int, float]], link: Link) -> float:
     return max(0.0, statistics.median(t - 2 * (link.latency_s + n / (2 * link.bandwidth)) for n, t in times))
 
 
-def link_rates(device: str, shapes: Shapes = Shapes()) -> tuple[Link, dict]:
-    """The all-reduce between two ranks, 2 (g-1) (a + n / (g w)) with g = 2, and what it was fitted
-    from. Back to back (a GPU's: NCCL queues its kernels on the stream): latency a from a one-element
-    all-reduce, bandwidth w from a 16 MiB one. On a CPU each call's overhead inside real steps
-    (`in_step_all_reduces`, `per_call_overhead`) too."""
+def link_rates(device: str, shapes: Shapes = Shapes(), dtype: str = "float32") -> tuple[Link, dict, list[float]]:
+    """The all-reduce between two ranks, 2 (g-1) (a + n / (g w)) with g = 2, what it was fitted from,
+    and (on a CPU) the step_costs.FIT_LAYOUTS steps' measured seconds. Back to back (a GPU's: NCCL
+    queues its kernels on the stream): latency a from a one-element all-reduce, bandwidth w from a
+    16 MiB one. On a CPU each in-step all-reduce's time after both ranks had issued it beyond that
+    (`in_step_all_reduces`, `per_call_overhead`: what the clock sees, kept in `extra`)."""
     backend = "nccl" if device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link")
-        # daemonic: ended with this process on any ending (an interrupted calibration leaves nothing)
-        mp.spawn(_link_rank, args=(os.path.join(tmp, "store"), backend, out, shapes), nprocs=2, join=True,
-                 daemon=True)
+        run_ranks(backend, out, shapes, dtype)
         ranks = []
         for r in range(2):
             with open(f"{out}.{r}") as f:
@@ -238,11 +244,33 @@ def link_rates(device: str, shapes: Shapes = Shapes()) -> tuple[Link, dict]:
     nbytes = LARGE * 4
     standalone = Link(latency_s=latency, bandwidth=nbytes / (2 * max(t_large / 2 - latency, 1e-9)))
     if device == "cuda":
-        return standalone, {}
+        return standalone, {}, []
     in_step = [tuple(x) for r in ranks for x in r["in_step"]]
-    link = replace(standalone, call_s=per_call_overhead(in_step, standalone))
-    return link, dict(in_step_all_reduce_ms={str(n): round(1e3 * statistics.median(t for m, t in in_step if m == n), 3)
-                                             for n in sorted({n for n, _ in in_step})})
+    return standalone, dict(in_step_all_reduce_ms={str(n): round(1e3 * statistics.median(t for m, t in in_step if m == n), 3)
+                                                   for n in sorted({n for n, _ in in_step})},
+                            in_step_after_arrival_call_us=round(1e6 * per_call_overhead(in_step, standalone), 3)), \
+        ranks[0]["steps"]
+
+
+def run_ranks(backend: str, out: str, shapes: Shapes, dtype: str) -> None:
+    """`link_rank` on two ranks launched by torchrun, as a benchmark cell's are (fresh interpreters, an
+    env:// rendezvous: on this machine the same steps run up to twice as fast in processes forked from
+    a warm one, so the calibration measures them where the cells run); waited for, and on any ending
+    of this process ended (torchrun ends its ranks on SIGTERM)."""
+    spec = json.dumps(dict(backend=backend, out=out, model=asdict(shapes.model), seq=shapes.seq, dtype=dtype))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--standalone",
+           "--max_restarts=0", "--monitor_interval=0.1", "-m", "minimind_parallel.planning.calibrate", spec]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        _, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"plan --calibrate: the link's ranks failed (exit {proc.returncode}): "
+                           f"{(err or '').strip().splitlines()[-1:]}")
 
 
 def calibrate(device: str, dtype: str = "float32", shapes: Shapes = Shapes()) -> Hardware:
@@ -254,13 +282,28 @@ def calibrate(device: str, dtype: str = "float32", shapes: Shapes = Shapes()) ->
         rates = compute_rates(device, DTYPES[dtype], shapes)
     finally:
         torch.set_num_threads(threads)
-    link, measured = link_rates(device, shapes)
+    link, measured, steps = link_rates(device, shapes, dtype)
     name = f"calibrated {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
     # the MFU's peak: the CPU default of training/metrics.py unless this core's GEMM is faster; a GPU's reached GEMM rate
     peak = max(CPU_DEFAULT.peak_flops, rates["gemm_flops"]) if device == "cpu" else rates["gemm_flops"]
-    return Hardware(name=name, source=f"plan --calibrate on this machine, {time.strftime('%Y-%m-%d %H:%M')}, "
-                    f"{dtype}, {shapes.describe()}", peak_flops=peak, intra=link, inter=link,
-                    async_dispatch=device == "cuda", overlaps_communication=device == "cuda",
-                    memory_gib=(torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else None),
-                    cuda_capability=(torch.cuda.get_device_capability() if device == "cuda" else None), extra=measured,
-                    **rates)
+    hw = Hardware(name=name, source=f"plan --calibrate on this machine, {time.strftime('%Y-%m-%d %H:%M')}, "
+                  f"{dtype}, {shapes.describe()}", peak_flops=peak, intra=link, inter=link,
+                  async_dispatch=device == "cuda", overlaps_communication=device == "cuda",
+                  memory_gib=(torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else None),
+                  cuda_capability=(torch.cuda.get_device_capability() if device == "cuda" else None), extra=measured,
+                  **rates)
+    if device == "cuda":
+        return hw
+    # a CPU: the per-op, per-call and per-FSDP2-collective costs fitted to real steps (step_costs.py)
+    fitted, fit = fit_costs(hw, in_step_model(shapes), shapes.seq, dtype, steps)
+    return replace(fitted, extra={**measured, "isolated_op_overhead_us": round(1e6 * rates["op_overhead_s"], 3), **fit})
+
+
+def rank_main(argv: list[str]) -> None:
+    """A rank of run_ranks: its one argument the JSON of what to measure."""
+    spec = json.loads(argv[0])
+    link_rank(spec["backend"], spec["out"], Shapes(model=MiniMindConfig(**spec["model"]), seq=spec["seq"]), spec["dtype"])
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1:])

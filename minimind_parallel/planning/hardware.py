@@ -44,6 +44,9 @@ class Hardware:
     overlaps_communication: bool = True
     # CP's blockwise attention (matmuls and an explicit softmax per chunk pair); None: attention_flops
     blockwise_attention_flops: float | None = None
+    # FSDP2's host work around each of its all-gathers and reduce-scatters (hooks, copy-in, copy-out;
+    # fitted by plan --calibrate on a CPU; 0 in the GPU profiles: not measured on one)
+    fsdp_collective_s: float = 0.0
     memory_gib: float | None = None
     cuda_capability: tuple[int, int] | None = None
     extra: dict = field(default_factory=dict)

@@ -38,8 +38,10 @@
                  after the last microbatch and all-gathers it after the step, both exposed;
                  --zero 2 reduce-scatters while backward runs (hidden behind it as DDP's, pp = 1);
                  --zero 3 (FSDP2) gathers every block's parameters for its forward and its
-                 backward and reduce-scatters its grads, per microbatch; under a pipeline a stage
-                 gathers each once per step and reduce-scatters each once after the schedule
+                 backward and reduce-scatters its grads, per microbatch (under a pipeline a stage
+                 gathers each once per step and reduce-scatters each once after the schedule), each
+                 collective with FSDP2's host work around it (hooks, copy-in, copy-out) at
+                 `fsdp_collective_s`
     overlaps     only where `Hardware.overlaps_communication` (a GPU's streams); on a CPU gloo runs
                  on the rank's own cores and every collective adds to the step
     optimizer    AdamW's per-element traffic over this rank's parameters (under --zero its slice,
@@ -48,7 +50,8 @@
 A collective of `n` bytes over `g` ranks on a link (latency a, bandwidth w, per-call cost c):
 all-reduce c + 2 (g-1) (a + n / (g w)), all-gather / reduce-scatter / all-to-all
 c + (g-1) (a + n / (g w)), a p2p send c + a + n / w. c is what a call costs inside a step beyond
-the same call back to back (`Link.call_s`: a CPU's gloo, measured by plan --calibrate; 0 on GPUs).
+the same call back to back (`Link.call_s`: a CPU's gloo, fitted by plan --calibrate to real steps,
+step_costs.py; 0 on GPUs).
 `collectives_of_step` lists a step's collectives as costed (tests/test_collective_counts.py checks
 them against the real calls). Which link: a group whose ranks span more than one
 node's (the grid dp x pp x cp x tp, TP fastest) crosses nodes.
@@ -428,7 +431,8 @@ def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes
     PP (reshard_after_forward False, `reduced_after_the_schedule`) each unit is gathered once per
     step, in the stage's first forward (hidden behind that microbatch's forward on a GPU), and
     reduce-scattered once after the last backward (exposed: no compute is left to hide it behind); a
-    middle stage's root holds none."""
+    middle stage's root holds none.
+    And FSDP2's host work per collective (`fsdp_host_seconds`)."""
     g = k.dp * k.cp
     block = block_bytes or stage_bytes / (layers + 1)
     root = stage_bytes - layers * block
@@ -439,12 +443,32 @@ def fully_sharded_seconds(k: Candidate, hw: Hardware, link: Link, *, stage_bytes
     edp = g // k.ep
     own = [Collective(op, experts, edp).seconds(link) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER)]
     m = k.num_microbatches
+    host = fsdp_host_seconds(k, hw, layers=layers, root=root > 0, experts=experts > 0 and edp > 1)
     if k.pp > 1:   # the stage gathered once, in its first forward; every unit reduce-scattered after the schedule
         return (hw.hidden(layers * (gather[block] + own[0]) + gather[root], forward / m)
-                + layers * (scatter[block] + own[1]) + scatter[root])
+                + layers * (scatter[block] + own[1]) + scatter[root] + host)
     fwd = m * (layers * (gather[block] + own[0]) + gather[root])
     bwd = m * (layers * (gather[block] + own[0]) + layers * (scatter[block] + own[1]) + scatter[root])
-    return hw.hidden(fwd, forward) + hw.hidden(bwd, backward)
+    return hw.hidden(fwd, forward) + hw.hidden(bwd, backward) + host
+
+
+def fsdp_collectives_per_microbatch(layers: int) -> int:
+    """FSDP2's collectives of one microbatch (pp 1): each block gathered for its forward and again for
+    its backward and its grads reduce-scattered, the root gathered once and reduce-scattered."""
+    return 3 * layers + 2
+
+
+def fsdp_host_seconds(k: Candidate, hw: Hardware, *, layers: int, root: bool = True, experts: bool = False) -> float:
+    """FSDP2's host work around each of its collectives (its pre-/post-forward and backward hooks, the
+    copy into the flat buffer, the copy out into the parameters' views, the DTensor bookkeeping), at
+    `Hardware.fsdp_collective_s` per collective: on the rank's own thread, never hidden. At pp 1
+    `fsdp_collectives_per_microbatch` per microbatch, and each block's experts' group (`experts`:
+    sharded over more than one EDP rank) gathered twice and scattered once more; under PP each unit
+    gathered once and reduce-scattered once a step (`root`: the stage holds the root's parameters)."""
+    if k.pp > 1:
+        return 2 * (layers + int(root)) * hw.fsdp_collective_s
+    per = fsdp_collectives_per_microbatch(layers) + (3 * layers if experts else 0)
+    return k.num_microbatches * per * hw.fsdp_collective_s
 
 
 def seconds(coll: list, link: Link) -> float:

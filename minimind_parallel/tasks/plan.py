@@ -451,6 +451,12 @@ def print_plan(result, args, hw, seconds: float) -> None:
         print(f"  {row['layouts']:>5} x {row['constraint']} (e.g. {row['example']}{': ' + values if values else ''})")
 
 
+def work_scale_text(hw) -> str:
+    """A CPU calibration's fitted factor on its isolated rates (planning/step_costs.py), when it has one."""
+    scale = hw.extra.get("fitted", {}).get("work_scale")
+    return "" if scale is None else f" (rates in a step: the isolated ones / {scale:.2f})"
+
+
 def launch_plan(job: Job) -> int:
     args = job.task
     if args.calibrate:
@@ -461,8 +467,8 @@ def launch_plan(job: Job) -> int:
               f"{hw.attention_flops / 1e9:.1f} GFLOP/s (CP's blockwise {hw.blockwise_rate / 1e9:.1f}), memory "
               f"{hw.memory_bandwidth / 1e9:.2f} GB/s, op "
               f"{1e6 * hw.op_overhead_s:.1f} us, link {1e6 * hw.intra.latency_s:.0f} us + "
-              f"{hw.intra.bandwidth / 1e9:.2f} GB/s + {1e6 * hw.intra.call_s:.0f} us a call in a step; "
-              f"wrote {args.calibration}")
+              f"{hw.intra.bandwidth / 1e9:.2f} GB/s + {1e6 * hw.intra.call_s:.0f} us a call in a step, "
+              f"{1e6 * hw.fsdp_collective_s:.0f} us per FSDP2 collective{work_scale_text(hw)}; wrote {args.calibration}")
         return 0
     t0 = time.perf_counter()
     hw = hardware_of(args)
@@ -534,7 +540,8 @@ def time_rounds(result, args, chosen: list, out_dir: str, iters: list[str]) -> l
     for r in range(args.validate_rounds):
         hw = calibrate(args.device, args.dtype, calibration_shapes(args)) if args.validate_calibrate else result.hardware
         print(f"plan: round {r + 1} of {args.validate_rounds}: GEMM {hw.gemm_flops / 1e9:.1f} GFLOP/s, op "
-              f"{1e6 * hw.op_overhead_s:.1f} us, {1e6 * hw.intra.call_s:.0f} us a collective in a step "
+              f"{1e6 * hw.op_overhead_s:.1f} us, {1e6 * hw.intra.call_s:.0f} us a collective in a step, "
+              f"{1e6 * hw.fsdp_collective_s:.0f} us per FSDP2 collective{work_scale_text(hw)} "
               f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         layouts = []
         for i, e in enumerate(chosen):
