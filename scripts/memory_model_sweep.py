@@ -97,12 +97,16 @@ def draw_cp(rng: random.Random, min_tokens_per_hidden: float, schedules: tuple =
     return _chunked(rng, c, par, sizes)
 
 
-def with_moe(rng: random.Random, case):
+def with_moe(rng: random.Random, case, zero_bubble: bool = False):
     """The case's model as MiniMind's MoE one, its experts over EP ranks carved from DP x CP (None:
-    no valid draw)."""
+    no valid draw). A zb draw under PP only with `zero_bubble` (--schedules): the default draws
+    skip it as they did before the MoE model under zb was modelled, so that each seed draws the
+    cases its documented counts came from."""
     if case is None:
         return None
     c, par, sizes = case
+    if par.pp > 1 and sizes["schedule"] == Schedule.ZERO_BUBBLE and not zero_bubble:
+        return None
     experts = rng.choice([2, 4, 8])
     ep = rng.choice([e for e in (1, 2, 4) if (par.dp * par.cp) % e == 0 and experts % e == 0])
     c = replace(c, use_moe=True, num_experts=experts, num_experts_per_tok=rng.choice([1, 2]),
@@ -140,13 +144,16 @@ def main() -> int:
     while done < args.cases:
         case = draw(rng, args.min_tokens_per_hidden, args.cp, tuple(args.schedules or MODELLED_SCHEDULES))
         if args.moe:
-            case = with_moe(rng, case)
+            case = with_moe(rng, case, zero_bubble=args.schedules is not None)
         if case is None or (args.schedules and case[1].pp == 1):
             continue
         c, par, sizes = case
         if args.zero:
             par = replace(par, zero=rng.choice(args.zero), dp=par.dp if par.dp * par.cp > 1 else 2)
             sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))
+            if (par.zero == 2 and par.pp > 1 and sizes["schedule"] in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
+                    and not args.schedules):
+                continue   # the default draws skip it, as before it was modelled (--schedules draws it)
             if par.zero == 3 and par.pp > 1 and not args.zero3_pipeline:
                 continue   # modelled by fsdp_pipeline (--zero3_pipeline draws it)
             if par.zero == 3 and par.pp == 1:
