@@ -17,6 +17,7 @@ from ..config import DTYPES, ConfigError, CPCommType, MiniMindConfig, ParallelCo
 from ..memory.analytic.fsdp_replay import check_fully_sharded
 from ..memory.analytic.predict import MODELLED_SCHEDULES, MODELLED_ZERO_LEVELS
 from ..memory.analytic.fsdp_composition import composition_refusal
+from ..memory.analytic.zero_bubble_moments import unmodelled as zero_bubble_unmodelled
 from ..memory.analytic.zero_sizes import posted_zero2_refusal
 from ..pipeline_parallel.order import Schedule, check_schedule
 from ..zero.buckets import DEFAULT_BUCKET_MB
@@ -153,6 +154,13 @@ def _expert_parallel_mode(w: Workload, c: dict) -> str | None:
 
 
 
+def _modelled_schedules(w: Workload, c: dict) -> list[Schedule]:
+    """MODELLED_SCHEDULES, without zb where predict_memory refuses its variant."""
+    gap = zero_bubble_unmodelled(use_moe=w.model.use_moe, zero=c.get("zero", 0), cp=c["cp"], recompute=c["recompute"],
+                                 loss_chunks=c["loss_chunks"])
+    return [s for s in MODELLED_SCHEDULES if s is not Schedule.ZERO_BUBBLE or gap is None]
+
+
 BOOLS = lambda w, c: [False, True]  # noqa: E731
 DIMENSIONS = (
     Dimension("tp", lambda w, c: divisors(w.world_size)),
@@ -176,8 +184,8 @@ DIMENSIONS = (
     # only with pp > 1); a pipeline: every count >= pp that splits the replica's rows evenly
     Dimension("num_microbatches", lambda w, c: [m for m in divisors(max(1, _rows_per_replica(w, c))) if m >= c["pp"]],
               lambda c: c["pp"] > 1),
-    # the schedules whose memory the analytic model replays (MODELLED_SCHEDULES)
-    Dimension("pp_schedule", lambda w, c: list(MODELLED_SCHEDULES), lambda c: c["pp"] > 1),
+    # the schedules whose memory the analytic model replays (MODELLED_SCHEDULES; zb where its variant is modelled)
+    Dimension("pp_schedule", lambda w, c: _modelled_schedules(w, c), lambda c: c["pp"] > 1),
     # model chunks per stage (interleaved 1F1B): every V >= 2 that splits each stage's layers evenly
     Dimension("virtual_stages", lambda w, c: [v for v in divisors(w.model.num_hidden_layers // c["pp"]) if v > 1],
               lambda c: c.get("pp_schedule") == Schedule.INTERLEAVED),
