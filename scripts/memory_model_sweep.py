@@ -2,7 +2,7 @@
 
 Each case draws a small model and a layout (TP 1/2/4, PP 1/2/4, DP 1/2, SP, async, shared gather,
 VP, tied embeddings, GQA, fp32/bf16, 1 to 5 microbatches, GPipe, 1F1B, interleaved (2 or 4 chunks
-per stage, M a multiple of P) or ZB-H1 (where its variant is modelled), one stage; with --cp
+per stage, M a multiple of P) or ZB-H1, one stage; with --cp
 also CP 1/2/4 with every comm type and load balance on or off, --recompute none/selective/full and
 --loss_chunks 1/2/3/4/8; with --moe MiniMind's MoE model: 2/4/8 experts, top-1/2, widths
 16/64/256, the experts over 1 or 2 of the DP x CP ranks; with --zero 3, DP 2 or 4 and the experts over
@@ -12,6 +12,7 @@ One line per case (a layout `predict_memory` refuses in one line is skipped, its
 if any differs.
 
     python scripts/memory_model_sweep.py [--seed=0] [--cases 100] [--min_tokens_per_hidden 2] [--cp] [--moe]
+        [--schedules interleaved zb]   (only those schedules, only pipeline layouts)
 
 --min_tokens_per_hidden keeps at least that many tokens per microbatch per unit of hidden size
 (S*B >= k*H): the model's domain. 0 also draws the few-token layouts where a block's weights
@@ -30,16 +31,17 @@ from minimind_parallel import ConfigError, MiniMindConfig, ParallelConfig
 from minimind_parallel.config import CPCommType, Recompute
 from minimind_parallel.memory import estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.predict import MODELLED_SCHEDULES
-from minimind_parallel.memory.analytic.zero_bubble_moments import unmodelled
 from minimind_parallel.pipeline_parallel import Schedule
 from minimind_parallel.pipeline_parallel.order import check_schedule
 
 
-def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = False):
+def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = False,
+         schedules: tuple = MODELLED_SCHEDULES):
     """One random case -> (config, par, sizes) or None when the draw is not a valid layout.
-    cp_layouts: context parallelism and --recompute drawn too (a CP size of 1 included)."""
+    cp_layouts: context parallelism and --recompute drawn too (a CP size of 1 included);
+    `schedules`: those drawn from."""
     if cp_layouts:
-        return draw_cp(rng, min_tokens_per_hidden)
+        return draw_cp(rng, min_tokens_per_hidden, schedules)
     tp, pp, dp = rng.choice([1, 2, 2, 4]), rng.choice([1, 2, 2, 4]), rng.choice([1, 1, 2])
     sp = tp > 1 and rng.random() < 0.6
     async_ = sp and rng.random() < 0.5
@@ -56,17 +58,13 @@ def draw(rng: random.Random, min_tokens_per_hidden: float, cp_layouts: bool = Fa
     bsz = rng.choice([1, 2])
     seqs = [s for s in (8, 16, 32, 64, 128) if s * bsz >= min_tokens_per_hidden * c.hidden_size] or [256]
     sizes = dict(seq_len=rng.choice(seqs), micro_batch_size=bsz, num_microbatches=rng.choice([1, 2, 3, 5]),
-                 schedule=rng.choice(list(MODELLED_SCHEDULES)), dtype=rng.choice([torch.float32, torch.bfloat16]),
+                 schedule=rng.choice(list(schedules)), dtype=rng.choice([torch.float32, torch.bfloat16]),
                  stage=rng.randrange(pp))
     return _chunked(rng, c, par, sizes)
 
 
 def _chunked(rng: random.Random, c: MiniMindConfig, par: ParallelConfig, sizes: dict):
-    """Interleaved: V = 2 or 4 chunks of one layer per stage, M a multiple of P (one stage: V = 1).
-    zb: None where its variant is not modelled (predict_memory refuses it)."""
-    if sizes["schedule"] == Schedule.ZERO_BUBBLE and par.pp > 1 and unmodelled(
-            use_moe=c.use_moe, cp=par.cp, recompute=par.recompute, loss_chunks=par.loss_chunks):
-        return None
+    """Interleaved: V = 2 or 4 chunks of one layer per stage, M a multiple of P (one stage: V = 1)."""
     if sizes["schedule"] != Schedule.INTERLEAVED or par.pp == 1:
         return c, replace(par, virtual_stages=1), sizes
     v = rng.choice([2, 4])
@@ -74,11 +72,11 @@ def _chunked(rng: random.Random, c: MiniMindConfig, par: ParallelConfig, sizes: 
     return replace(c, num_hidden_layers=par.pp * v), replace(par, virtual_stages=v), sizes
 
 
-def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
+def draw_cp(rng: random.Random, min_tokens_per_hidden: float, schedules: tuple = MODELLED_SCHEDULES):
     """A layout with context parallelism: CP 1/2/4 x TP 1/2 x PP 1/2 x DP 1/2, any comm type, load
     balance on or off, SP/async/VP, --recompute none/selective/full, --loss_chunks (smaller grids:
     the world is dp*pp*cp*tp)."""
-    case = draw(rng, min_tokens_per_hidden)
+    case = draw(rng, min_tokens_per_hidden, schedules=schedules)
     if case is None:
         return None
     c, par, sizes = case
@@ -100,14 +98,16 @@ def draw_cp(rng: random.Random, min_tokens_per_hidden: float):
     return _chunked(rng, c, par, sizes)
 
 
-def with_moe(rng: random.Random, case):
+def with_moe(rng: random.Random, case, zero_bubble: bool = False):
     """The case's model as MiniMind's MoE one, its experts over EP ranks carved from DP x CP (None:
-    no valid draw)."""
+    no valid draw). A zb draw under PP only with `zero_bubble` (--schedules): the default draws
+    skip it as they did before the MoE model under zb was modelled, so that each seed draws the
+    cases its documented counts came from."""
     if case is None:
         return None
     c, par, sizes = case
-    if par.pp > 1 and sizes["schedule"] == Schedule.ZERO_BUBBLE:
-        return None     # predict_memory refuses the MoE model under W steps
+    if par.pp > 1 and sizes["schedule"] == Schedule.ZERO_BUBBLE and not zero_bubble:
+        return None
     experts = rng.choice([2, 4, 8])
     ep = rng.choice([e for e in (1, 2, 4) if (par.dp * par.cp) % e == 0 and experts % e == 0])
     c = replace(c, use_moe=True, num_experts=experts, num_experts_per_tok=rng.choice([1, 2]),
@@ -147,21 +147,24 @@ def main() -> int:
     ap.add_argument("--zero3_pipeline", action="store_true",
                     help="with --zero 3, draw only pipeline layouts (pp_size > 1, fsdp_pipeline.py), with --recompute "
                          "none/selective/full (the draws it refuses are skipped)")
+    ap.add_argument("--schedules", nargs="+", type=Schedule, choices=list(MODELLED_SCHEDULES), default=None,
+                    help="draw only these schedules, and only pipeline layouts (pp > 1), where they differ")
     args = ap.parse_args()
     rng, done, bad = random.Random(args.seed), 0, 0
     memo: dict = {}   # the estimate's fake dispatch, remembered from one layout to the next
     while done < args.cases:
-        case = draw(rng, args.min_tokens_per_hidden, args.cp)
+        case = draw(rng, args.min_tokens_per_hidden, args.cp, tuple(args.schedules or MODELLED_SCHEDULES))
         if args.moe:
-            case = with_moe(rng, case)
-        if case is None:
+            case = with_moe(rng, case, zero_bubble=args.schedules is not None)
+        if case is None or (args.schedules and case[1].pp == 1):
             continue
         c, par, sizes = case
         if args.zero:
             par = replace(par, zero=rng.choice(args.zero), dp=par.dp if par.dp * par.cp > 1 else 2)
             sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))
-            if par.zero == 2 and par.pp > 1 and sizes["schedule"] in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE):
-                continue   # runs, but predict_memory refuses it (its buckets fill across chunks and microbatches)
+            if (par.zero == 2 and par.pp > 1 and sizes["schedule"] in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
+                    and not args.schedules):
+                continue   # the default draws skip it, as before it was modelled (--schedules draws it)
             if par.zero == 3 and (par.pp > 1) != args.zero3_pipeline:
                 continue   # under PP modelled by fsdp_pipeline (--zero3_pipeline draws it, and only it)
             if par.zero == 3 and args.zero3_pipeline and not args.cp:

@@ -31,8 +31,8 @@ def _attention_grads_acts(s: StageSizes) -> tuple[int, int, int]:
     b = s.b
     o_proj_input = b * s.n * s.heads * s.head_dim
     grads = s.head_grads + s.ffn_w_grads + b * s.hid + b * s.hid * s.heads * s.head_dim
-    acts, redone = top_block_saved(s, s.ffn_saved + s.kinds["block.norm_fp32"] // 2 + s.gate_up_input
-                                   + o_proj_input)
+    column = s.router_input if s.top_k else s.gate_up_input   # the MoE layer's router input, or gate/up's
+    acts, redone = top_block_saved(s, s.ffn_saved + s.kinds["block.norm_fp32"] // 2 + column + o_proj_input)
     return grads, acts, redone
 
 

@@ -118,7 +118,7 @@ def stage_expert_rows(c: MiniMindConfig, par: ParallelConfig, routing: Routing, 
     microbatch} for the MoE layers of pipeline stage `stage` (`expert_rows` of its tokens: N k per
     source, N = its CP rank's, under SP its sequence shard's)."""
     tokens = seq_len // par.cp * micro_batch_size // par.sequence_shards
-    layers = stage_layers(c.num_hidden_layers, par.pp, stage)
+    layers = stage_layers(c.num_hidden_layers, par.pp, stage, par.virtual_stages)   # (its chunks')
     return dict(zip(layers, expert_rows(c, par, routing, layers, tokens=tokens, ep_rank=ep_rank)))
 
 

@@ -2,7 +2,7 @@
 breakdown by category: the largest of the moments of the stage's replayed schedule."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,7 +25,8 @@ from .saved_kinds import as_dtype
 from .schedule_replay import moe_lingering, optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
 from .zero_bubble_moments import unmodelled
-from .zero_sizes import optimizer_state_bytes, slice_sizes, staging_bytes, zero2_moments, zero_layouts
+from .zero_sizes import (optimizer_state_bytes, posted_zero2_refusal, slice_sizes, staging_bytes, zero2_moments,
+                         zero_layouts)
 
 
 # the schedules whose orders the model replays (zb: of the layouts zero_bubble_moments.unmodelled passes)
@@ -91,7 +92,7 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if par.pp > 1 and schedule not in MODELLED_SCHEDULES:
         raise NotImplementedError(f"predict_memory: the {schedule} schedule is not modelled "
                                   f"({', '.join(map(str, MODELLED_SCHEDULES))} are)")
-    gap = unmodelled(use_moe=c.use_moe, cp=par.cp, recompute=par.recompute, loss_chunks=par.loss_chunks)
+    gap = unmodelled(use_moe=c.use_moe, zero=par.zero, cp=par.cp, recompute=par.recompute, loss_chunks=par.loss_chunks)
     if par.pp > 1 and Schedule(schedule) is Schedule.ZERO_BUBBLE and gap is not None:
         raise NotImplementedError(f"predict_memory: {gap} (yet)")
     if cp_rank is not None and not 0 <= cp_rank < par.cp:
@@ -130,13 +131,26 @@ def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int
     expert_rows): what each saves beyond the balanced routing's (its rows received off N k, at
     `received_row_bytes` each) and the rows of each of its experts; none: the balanced routing's.
     A list of histograms, one per microbatch: those of the first, and each microbatch's as
-    `microbatches` (`_predict_stage`)."""
+    `microbatches` (`_predict_stage`). Under PP each model chunk's too, as `chunk_routes` (the posted
+    orders' chunks: virtual stage v P + stage of a P V-stage pipeline)."""
     if not c.use_moe or routing == RoutingPolicy.BALANCED:
         return {}
+    one = dict(dtype=dtype, seq_len=seq_len, micro_batch_size=micro_batch_size)
     if is_per_microbatch(routing):
-        each = tuple(_routed(c, par, r, stage, ep_rank, dtype=dtype, seq_len=seq_len,
-                             micro_batch_size=micro_batch_size) for r in microbatch_routings(routing, num_microbatches))
+        each = tuple(_stage_routed(c, par, r, stage, ep_rank, **one)
+                     for r in microbatch_routings(routing, num_microbatches))
         return {**each[0], "microbatches": each}
+    if par.pp == 1:
+        return _stage_routed(c, par, routing, stage, ep_rank, **one)
+    chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1)
+    return {**_stage_routed(c, par, routing, stage, ep_rank, **one),
+            "chunk_routes": tuple(_stage_routed(c, chunked, routing, v * par.pp + stage, ep_rank, **one)
+                            for v in range(par.virtual_stages))}
+
+
+def _stage_routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int, ep_rank: int, *, dtype,
+                  seq_len: int, micro_batch_size: int) -> dict:
+    """`_routed` of one histogram on the stage's layers."""
     tokens = seq_len // par.cp * micro_batch_size // par.sequence_shards
     per_row = received_row_bytes(c, par, torch.empty((), dtype=as_dtype(dtype)).element_size())
     experts = list(stage_expert_rows(c, par, routing, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
@@ -149,11 +163,12 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                    num_microbatches: int, schedule: str, dtype, device: str, cp_rank: int = 0,
                    bucket_size_mb: float = DEFAULT_BUCKET_MB, routed: tuple[int, ...] = (),
                    expert_rows: tuple[tuple[int, ...], ...] = (), microbatches: tuple[dict, ...] = (),
-                   memo: dict | None = None) -> MemoryPrediction:
+                   chunk_routes: tuple[dict, ...] = (), memo: dict | None = None) -> MemoryPrediction:
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then. With
     a `memo` (one layout's: predict_memory's worst_only) only the moments that can be the first largest.
-    `microbatches`: each microbatch's own `routed` and `expert_rows` (a routing per microbatch)."""
+    `microbatches`: each microbatch's own `routed` and `expert_rows` (a routing per microbatch);
+    `chunk_routes`: each model chunk's, under a measured routing (the posted orders' chunks)."""
     sized = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                  dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed, expert_rows=expert_rows)
     memo = None if microbatches else memo
@@ -167,6 +182,9 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order_key = (par.pp, stage, num_microbatches, schedule, par.virtual_stages)
     order = stage_order(*order_key)
+    if chunk_routes and par.virtual_stages > 1:
+        raise NotImplementedError(f"predict_memory: a measured routing is modelled under gpipe, 1f1b and zb; got "
+                                  f"the {schedule} schedule's {par.virtual_stages} model chunks per stage")
     if each is not None and (par.zero == 3 or posted(order)):
         raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
                                   f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
@@ -180,19 +198,19 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
-        if par.zero == 2:
-            raise NotImplementedError(f"predict_memory: --zero 2 under the {schedule} schedule is not modelled (its "
-                                      f"buckets fill across chunks and microbatches); gpipe and 1f1b are")
+        refusal = posted_zero2_refusal(c, par, as_dtype(dtype), bucket_size_mb) if par.zero == 2 else None
+        if refusal is not None:
+            raise NotImplementedError(f"predict_memory: {refusal}; got the {schedule} schedule")
         kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
-        if memo is not None:   # the first largest moment alone, by the total the peak is taken by
+        if memo is not None and not chunk_routes:   # the first largest moment alone, by the total the peak is taken by
             kinds = chunk_kinds(c, par, stage, memo, **kw)
             moments, in_flight = posted_peak(s, kinds, order_key,
                                              grads_count=not layouts)
             chunks = [k.sizes for k in kinds]
         else:
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
-            chunks = chunk_sizes(c, par, stage, **kw)
+            chunks = chunk_sizes(c, par, stage, each=chunk_routes, **kw)
             moments, in_flight = replay_posted(s, chunks, order, releases)
     else:
         moments, in_flight = (_replayed(kind, order, order_key, not layouts) if kind

@@ -307,12 +307,15 @@ def stage_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_len: 
                       aux_loss_experts=c.num_experts if c.use_moe and c.router_aux_loss_coef > 0 else 0)
 
 
-def chunk_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, **kw) -> list[StageSizes]:
+def chunk_sizes(c: MiniMindConfig, par: ParallelConfig, stage: int, each: tuple[dict, ...] = (),
+                **kw) -> list[StageSizes]:
     """The sizes of each model chunk of pipeline stage `stage` (one without virtual stages): chunk
     v is virtual stage v P + stage, sized as that stage of a P V-stage pipeline (its layers, the
-    embedding on the first, the head on the last; the plan's `stage_chunks`)."""
+    embedding on the first, the head on the last; the plan's `stage_chunks`). `each[v]`: chunk v's
+    own `routed` and `expert_rows` (MoE under a measured routing; none: the balanced one's)."""
     chunked = replace(par, pp=par.pp * par.virtual_stages, virtual_stages=1)
-    return [stage_sizes(c, chunked, v * par.pp + stage, **kw) for v in range(par.virtual_stages)]
+    return [stage_sizes(c, chunked, v * par.pp + stage, **kw, **(each[v] if each else {}))
+            for v in range(par.virtual_stages)]
 
 
 def chunk_rows(n: int, chunks: int) -> list[int]:

@@ -1,7 +1,7 @@
 """ZB-H1's B and W steps (Qi et al. 2023, "Zero Bubble Pipeline Parallelism";
 tensor_parallel/deferred_wgrad.py), with TP, SP (basic, shared gather, async), VP, DP,
---zero 1, CP (ring, all_gather, a2a), --loss_chunks and --recompute selective|full
-(`_lean_block`, `_full_block`, `_lean_moments`); not (yet) with MoE (`unmodelled`).
+--zero 1, CP (ring, all_gather, a2a), --loss_chunks, --recompute selective|full
+(`_lean_block`, `_full_block`, `_lean_moments`) and MiniMind's MoE model (`_moe_mlp`, `_moe_moments`).
 
 B is the 1F1B backward (backward_moments.py) without the deferred linears' weight grads, and
 each deferred linear keeps its output grad dY and saved input X from its backward until the
@@ -20,15 +20,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...config import CPCommType, Recompute
+from .backward_moments import _in_first_block
+from .cp_attention_moments import _attention_grads_acts, _residual_grads
 from .stage_sizes import StageSizes, top_block_acts
 
 
-def unmodelled(*, use_moe: bool = False, cp: int = 1, recompute: Recompute = Recompute.NONE,
+def unmodelled(*, use_moe: bool = False, zero: int = 0, cp: int = 1, recompute: Recompute = Recompute.NONE,
                loss_chunks: int = 1) -> str | None:
-    """Why zb's B and W steps of a layout are not modelled (one line), or None: what B defers and
-    keeps differs under the experts, not replayed yet (CP, the chunked loss and recompute are:
-    `cp`, `recompute` and `loss_chunks` are taken, so that a caller passes the layout whole)."""
-    return "the zb schedule's memory is not modelled with --use_moe" if use_moe else None
+    """Why zb's B and W steps of a layout are not modelled (one line), or None: the MoE model under
+    --zero 3, whose FSDP2 gathers and frees beside the experts' B moments are not replayed (CP,
+    the chunked loss and recompute are: `cp`, `recompute` and `loss_chunks` are taken, so that a
+    caller passes the layout whole)."""
+    return "the zb schedule's memory is not modelled with --use_moe under --zero 3" if use_moe and zero == 3 else None
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,20 @@ def _block(s: StageSizes) -> list[Closure]:
     own = b * n * h if par.sequence_parallel and not par.shared_sp_gather and not async_ else 0
     col, g = (b * s.nn * h, b * n * h) if async_ else (b * n * h, 0)
     if par.recompute == Recompute.FULL:
-        return _full_block(s, own, col, g)
+        return _moe_mlp(s, _full_block(s, own, col, g))
     if par.recompute.lean:
-        return _lean_block(s, own, g)
-    return [Closure(b * h * i, b * n * h, b * n * i), Closure(b * i * h, b * n * i, own, g),
+        return _moe_mlp(s, _lean_block(s, own, g))
+    return _moe_mlp(s, [Closure(b * h * i, b * n * h, b * n * i), Closure(b * i * h, b * n * i, own, g),
             Closure(b * i * h, b * n * i, col, g), Closure(b * h * qd, b * n * h, b * n * qd),
             Closure(b * kv * h, b * n * kv + _joint_kv_grad(s), own, g), Closure(b * kv * h, b * n * kv, own, g),
-            Closure(b * qd * h, b * n * qd, col, g)]
+            Closure(b * qd * h, b * n * qd, col, g)])
+
+
+def _moe_mlp(s: StageSizes, block: list[Closure]) -> list[Closure]:
+    """The MoE model: the router and the experts are whole nn.Linear layers (styles.py), whose weight
+    grads autograd makes in B; the block's closures are the attention's (o, v, k, q), the MLP's
+    three kept as closures of nothing for the order."""
+    return [Closure(0, 0, 0)] * 3 + block[3:] if s.top_k else block
 
 
 def _full_block(s: StageSizes, own: int, col: int, g: int) -> list[Closure]:
@@ -170,6 +180,8 @@ def zb_backward_moments(s: StageSizes, inner: dict) -> dict:
     # without SP the top block's down_proj dY is an earlier stage's received grad, which the 1F1B
     # moments below the top block count as still bound by the schedule
     received = b * nn_ * h if not s.last and not s.par.sequence_parallel else 0
+    if s.top_k:
+        return _moe_moments(s, inner)
     if s.par.recompute.lean:
         return _lean_moments(s, inner)
     out = {}
@@ -201,6 +213,64 @@ def zb_backward_moments(s: StageSizes, inner: dict) -> dict:
             out[name] = (g2 + deeper * (s.block_params - sum(c.w for c in _block(s))),
                          a2 - deeper * (s.block - x_block), t2 + deeper * dy_block + bound)
     return out
+
+
+def _moe_moments(s: StageSizes, inner: dict) -> dict:
+    """B's moments of the MoE model, from its 1F1B backward's (`inner`): the router and the experts
+    make their weight grads in B (`_moe_mlp`), so the top block's MoE moments are 1F1B's with the
+    head's weight grad deferred (its X and dY kept); a moment in a lower block (and the
+    embedding's) finds every block above W-pending: its attention's weight grads not made, their
+    X and dY kept."""
+    head_x, head_dy = head_pending(s)
+    head_w = s.head_w_grad if head_deferred(s) else 0
+    x_block, dy_block = block_pending(s)
+    block_w = sum(c.w for c in _block(s))
+    if s.par.cp == 1 and s.par.recompute != Recompute.FULL:   # (CP: 1F1B's attention moment, `_attention`)
+        inner = _with_flash_attention(s, inner)
+    out = {}
+    for name, (g, a, t) in inner.items():
+        top = name.replace("(first block)", "")
+        if name == "attention_backward":
+            out[name] = _attention(s, inner[top], first_block=False)
+        elif top == "attention_backward":   # (the 1F1B moment's grads as in the stage's first block)
+            g, a, t = _attention(s, inner[name], first_block=True)
+            out[name] = (g + (s.layers - 1) * s.block_params, a, t)
+        elif name == "head_mm_backward":
+            out[name] = (g, a, t - s.head_w_grad)
+        elif name == "head_backward":
+            out[name] = (g, a, t)
+        elif name == "embedding_backward":
+            out[name] = (g - deferred_grads(s), a + s.layers * x_block + head_x, t + s.layers * dy_block + head_dy)
+        else:
+            out[name] = (g - head_w, a + head_x, t + head_dy)
+        if name.endswith("(first block)"):
+            g2, a2, t2 = out[name]
+            deeper = s.layers - 1
+            out[name] = (g2 - deeper * block_w, a2 + deeper * x_block, t2 + deeper * dy_block)
+    return out
+
+
+def _with_flash_attention(s: StageSizes, inner: dict) -> dict:
+    """`inner` with each block's attention backward after its MoE layer's, at the flash
+    attention's backward (its dq, dk, dv made [B, h, S, d] each, at the query heads: repeat_kv's
+    copies), as 1F1B's moments are but for o_proj, whose weight grad is deferred (its input X and
+    output grad dY kept, the attention output's grad [N, h d] live): the router's, the experts'
+    and the post-attention norm's grads in, the MoE layer's saved tensors freed (of the column
+    inputs the router's alone), the attention's own still bound. In the stage's first block
+    (`_in_first_block`) the grad of the stage's summed aux loss is freed."""
+    b, n = s.b, s.n
+    qd = s.heads * s.head_dim
+    o = _block(s)[3]
+    grads, acts, redone = _attention_grads_acts(s)
+    # (o's dY [N, H] is the residual stream's grad without SP)
+    temps = (_residual_grads(s) + (o.dy if s.par.sequence_parallel else o.dy - b * n * s.hid) + b * n * qd
+             + 3 * b * n * qd + s.waiting + redone)
+    top = (grads - b * s.hid * qd, acts + o.x, temps)
+    aux = s.f if s.aux_loss_experts else 0
+    if s.layers == 1:
+        return {**inner, "flash_attention_backward": (top[0], top[1], top[2] - aux)}
+    g, a, t = _in_first_block(s, top, received_counted=True)
+    return {**inner, "flash_attention_backward": top, "flash_attention_backward(first block)": (g, a, t - aux)}
 
 
 def _lean_moments(s: StageSizes, inner: dict) -> dict:
@@ -281,7 +351,8 @@ def _attention(s: StageSizes, moment: tuple[int, int, int], *, first_block: bool
     received = not sp and not s.last and not first_block
     # (o's dY [N, H] is the residual stream's grad without SP; --recompute full counts o's input with it)
     dy = up.dy + gate.dy + (0 if received else down.dy) + (o.dy if sp else o.dy - s.b * s.n * s.hid) + head_dy
-    down_grad = s.mlp_w_grad if s.par.recompute.lean else 0   # SwiGLU recompute's, made in B
+    # SwiGLU recompute's, made in B; the MoE model's router and experts make all theirs in B
+    down_grad = s.ffn_w_grads if s.top_k else s.mlp_w_grad if s.par.recompute.lean else 0
     return _head_grads(s) + s.b * s.hid + down_grad, a + head_x + down.x + up.x + gate.x + o.x, t + dy
 
 

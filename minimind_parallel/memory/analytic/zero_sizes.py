@@ -83,6 +83,22 @@ def staging_bytes(layouts: tuple[BufferLayout, ...], b: int) -> int:
                for layout in layouts)
 
 
+def posted_zero2_refusal(c: MiniMindConfig, par: ParallelConfig, dtype, bucket_size_mb: float) -> str | None:
+    """Why --zero 2 under a posted order (interleaved's chunks, zb's W steps) is not modelled on a
+    layout (one line), or None. Such an order completes a bucket before the grads of its other
+    chunk (or its W step) come, which then fill it again (`FlatBuffer._take_grad`): several buckets
+    fill at once. Where a buffer has at most `IN_FLIGHT` + 1 buckets each has a staging buffer of
+    its own, so the buffers stay the ones allocated at the start and `zero2_moments` holds; with
+    more, a bucket opened while every staging buffer fills makes one more (`FlatBuffer._open`),
+    kept to the step's end, at a moment of the order not replayed."""
+    most = max(len(layout.buckets) for stage in range(par.pp)
+               for layout in zero_layouts(c, par, stage, dtype, bucket_size_mb))
+    if most <= IN_FLIGHT + 1:
+        return None
+    return (f"--zero 2 under a posted schedule (interleaved, zb) is modelled where every grad buffer has at most "
+            f"{IN_FLIGHT + 1} buckets (a staging buffer each); got {most} (--bucket_size_mb {bucket_size_mb:g})")
+
+
 def zero2_moments(moments: dict, layouts: tuple[BufferLayout, ...], b: int) -> dict:
     """The replayed moments (grads, activations, temporaries) under --zero 2: the grads are the
     slices at every moment (each parameter's grad is copied into its bucket's staging buffer by
