@@ -168,7 +168,7 @@ MOE_FULLY_SHARDED = [
 
 
 def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte():
-    """MiniMind's MoE model under --zero 3 at ep 1 (without SP, --recompute and CP; once refused):
+    """MiniMind's MoE model under --zero 3 at ep 1 (once refused):
     the first block's pre-backward copy-out, the weighting's backward, the tokens' gather backward,
     the norm after the MoE layer and, with few tokens, a later forward's copy-out (the step's aux
     tensors of this microbatch not made yet), each at the peak; the same bytes as the tracker on
@@ -184,10 +184,46 @@ def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte():
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), moe
 
 
+# (model, layout, dtype, microbatches, seq_len, micro_batch_size, cp_rank, the moment of the peak):
+# the MoE model at ep 1 under SP, --recompute and CP
+MOE_SP_RECOMPUTE_CP = [
+    # SP: the MoE layer works on the rank's sequence shard, its output [Nn, H] (no down_proj [N, H]
+    # reduce-scattered) at the top block's last residual add
+    (replace(_sized(128, 2, 8, 4, 128, False), use_moe=True, num_experts=2, moe_intermediate_size=64),
+     dict(dp=2, tp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True), torch.float32, 3, 128, 2, 0,
+     "weighting_backward"),
+    # --recompute selective: the attention's output and the post-attention norm's still bound at that add
+    (replace(_sized(64, 1, 8, 2, 128, False), use_moe=True, num_experts_per_tok=2, moe_intermediate_size=64),
+     dict(tp=2, cp=2, **SP_ASYNC_ONLY, vocab_parallel=True, recompute="selective", loss_chunks=2), torch.float32, 1,
+     256, 1, 1, "block_forward_end"),
+    # CP rank 3 of 4: the router's 2 rows leave it an empty shard (no bytes: params, AdamW states)
+    (replace(_sized(32, 1, 8, 8, 512, False), use_moe=True, num_experts=2, moe_intermediate_size=256),
+     dict(tp=2, cp=4, cp_comm_type="ring", loss_chunks=4), torch.bfloat16, 5, 256, 1, 3, "pre_backward(block 0)"),
+    # CP + SP: the attention's backward frees the router's input, not gate/up's (--recompute full)
+    (replace(_sized(128, 2, 8, 8, 128, False), use_moe=True, num_experts_per_tok=2, moe_intermediate_size=256),
+     dict(tp=2, cp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True, recompute="full"),
+     torch.bfloat16, 1, 256, 2, 0, "attention_backward"),
+]
+
+
+def test_zero3_with_moe_under_sp_recompute_and_cp_is_the_estimate_to_the_byte():
+    """MiniMind's MoE model under --zero 3 at ep 1 with SP, --recompute selective and full, and CP
+    (once refused): the top block's last residual add, the CP attention's backward and a CP rank
+    that holds no rows of the router, each where it decides the peak; the same bytes as the
+    tracker on fake tensors."""
+    for config, layout, dtype, microbatches, seq_len, mbs, cp_rank, moment in MOE_SP_RECOMPUTE_CP:
+        par = ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches)
+        estimate = estimate_step_memory(config, par, iters=1, cp_rank=cp_rank, **kw)
+        model = predict_memory(config, par, cp_rank=cp_rank, **kw)
+        assert model.peak_at.startswith(moment), (layout, moment, model.peak_at)
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (layout, moment)
+
+
 @pytest.mark.parametrize("layout, seq_len, moe, message", [
-    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 32, True,
-     "--zero 3 (FSDP2) with --use_moe is modelled without --sequence_parallel, --recompute and context "
-     "parallelism; got sequence_parallel=True, recompute=none, cp_size=1"),
+    (dict(dp=2, zero=3, recompute="selective"), 32, True,   # the MoE model alike
+     "under --recompute selective is modelled at 2 x hidden_size tokens per microbatch on a rank or more; "
+     "got seq_len / cp_size * micro_batch_size = 64 < 128"),
     (dict(dp=2, zero=3, recompute="selective"), 32, False,
      "under --recompute selective is modelled at 2 x hidden_size tokens per microbatch on a rank or more; "
      "got seq_len / cp_size * micro_batch_size = 64 < 128"),
