@@ -164,6 +164,9 @@ MOE_FULLY_SHARDED = [
     # (seq_len, vocab): 8 tokens, a later forward's copy-out of block 0 with the root gathered again
     (dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=64), torch.float32, 2, 1,
      "pre_forward(block 0)[1]", 8, 8192),
+    # 8 tokens, bf16: the input norm's backward, every weight grad of the block in (fsdp_moments.py)
+    (dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=256), torch.bfloat16, 2, 2,
+     "input_norm_backward", 8, 2048),
 ]
 
 
