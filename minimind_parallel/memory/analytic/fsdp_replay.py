@@ -235,10 +235,14 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
     """The --zero 3 layouts the model follows exactly, at any number of `tokens` per microbatch on
     a rank (the MoE model at ep 1 too, under SP, --recompute and CP); the others refused in one
     line: few tokens, where a block's weights outweigh its activations and the peak moves to
-    moments not modelled: SP's gathered linears without the async one
-    (the attention's q/k/v backward, below hidden_size tokens), --recompute selective (the lean
-    pieces' backward, below 2 hidden_size tokens) and full (the re-run block, below hidden_size
-    tokens). (EP: fsdp_composition refuses it first; PP: fsdp_pipeline.py.)"""
+    moments not modelled. The thresholds are measured (memory_model_sweep.py with them lifted),
+    not derived: SP's gathered linears without the async one (below hidden_size tokens: the
+    post-attention norm's backward, 3.7 and 5.0 KB under at an eighth of hidden_size),
+    --recompute selective (below 2 hidden_size tokens: the q/k/v backward, 8 KB under at a
+    quarter under SP + async and CP, 4.6 KB at a sixteenth with the MoE model; exact in 35 of 36
+    dense draws below it) and full (the re-run block's q/k/v backward, below hidden_size tokens:
+    6.4 to 12.8 KB under at a quarter and an eighth). (EP: fsdp_composition refuses it first; PP:
+    fsdp_pipeline.py.)"""
     if par.sequence_parallel and not par.async_communication and tokens < c.hidden_size:
         raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --sequence_parallel (without "
                                   f"--async_communication) is modelled at hidden_size tokens per microbatch on a rank "
