@@ -12,6 +12,7 @@ import torch
 from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, cli, tasks
 from minimind_parallel.memory import estimate_step_memory, predict_memory
+from minimind_parallel.memory.analytic.fsdp_replay import check_fully_sharded
 from minimind_parallel.job import read_job, write_job
 from minimind_parallel.tasks.benchmark.cells import cell_job
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
@@ -242,6 +243,17 @@ def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(
     with pytest.raises(NotImplementedError, match=re.escape(message)) as refused:
         predict_memory(config, ParallelConfig(**layout), seq_len=seq_len, micro_batch_size=2)
     assert "\n" not in str(refused.value)
+
+
+def test_zero3_with_moe_at_ep2_under_sp_recompute_or_cp_is_refused_in_one_line():
+    """The experts' own FSDP2 groups (ep > 1) are not followed under SP, --recompute or CP: refused
+    in one line, where the same layouts at ep 1 are predicted."""
+    config = replace(_config(2, 128, False), use_moe=True)
+    for layout in (dict(tp=2, sequence_parallel=True), dict(recompute="full"), dict(cp=2)):
+        check_fully_sharded(config, ParallelConfig(dp=4, zero=3, **layout), 1024)   # ep 1: followed
+        with pytest.raises(NotImplementedError, match="with --use_moe at ep_size > 1 is modelled without") as refused:
+            check_fully_sharded(config, ParallelConfig(dp=4, ep=2, zero=3, **layout), 1024)
+        assert "\n" not in str(refused.value)
 
 
 MOE_FIELDS = dict(use_moe=True, num_experts=4, num_experts_per_tok=2)
