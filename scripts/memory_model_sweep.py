@@ -13,6 +13,7 @@ if any differs.
 
     python scripts/memory_model_sweep.py [--seed=0] [--cases 100] [--min_tokens_per_hidden 2] [--cp] [--moe]
         [--schedules interleaved zb]   (only those schedules, only pipeline layouts)
+        [--recompute none|selective|full] [--microbatches M] [--dtype float32|bfloat16]
 
 --min_tokens_per_hidden keeps at least that many tokens per microbatch per unit of hidden size
 (S*B >= k*H): the model's domain. 0 also draws the few-token layouts where a block's weights
@@ -133,6 +134,17 @@ def refused(par: ParallelConfig, sizes: dict) -> bool:
     return False
 
 
+def _forced(args, par: ParallelConfig, sizes: dict) -> tuple[ParallelConfig, dict]:
+    """The draw with --recompute, --microbatches and --dtype imposed (where given)."""
+    if args.recompute:
+        par = replace(par, recompute=Recompute(args.recompute))
+    if args.microbatches:
+        sizes = dict(sizes, num_microbatches=args.microbatches)
+    if args.dtype:
+        sizes = dict(sizes, dtype=getattr(torch, args.dtype))
+    return par, sizes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
@@ -144,6 +156,9 @@ def main() -> int:
                          "--bucket_size_mb 0.01 / 0.05 / 25 (3: under PP only with --zero3_pipeline, at ep 1; with --moe "
                          "at pp 1 DP 2 or 4, the experts over 1, 2 or 4 of the DP x CP ranks)")
     ap.add_argument("--moe", action="store_true", help="draw MiniMind's MoE model, with expert parallelism")
+    ap.add_argument("--recompute", choices=[r.value for r in Recompute], help="every draw under this --recompute")
+    ap.add_argument("--microbatches", type=int, help="every draw with this many microbatches")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="every draw in this dtype")
     ap.add_argument("--zero3_pipeline", action="store_true",
                     help="with --zero 3, draw only pipeline layouts (pp_size > 1, fsdp_pipeline.py), with --recompute "
                          "none/selective/full (the draws it refuses are skipped)")
@@ -159,6 +174,9 @@ def main() -> int:
         if case is None or (args.schedules and case[1].pp == 1):
             continue
         c, par, sizes = case
+        par, sizes = _forced(args, par, sizes)
+        if refused(par, sizes):   # a schedule the imposed microbatches do not fit
+            continue
         if args.zero:
             par = replace(par, zero=rng.choice(args.zero), dp=par.dp if par.dp * par.cp > 1 else 2)
             sizes = dict(sizes, bucket_size_mb=rng.choice([0.01, 0.05, 25.0]))

@@ -849,6 +849,10 @@ MOE_BACKWARD_MODES = {  # the peak inside the MoE layer's backward: its experts'
     "pp4 stage 1": (ParallelConfig(pp=4), torch.bfloat16, dict(num_hidden_layers=4, num_experts=2, num_experts_per_tok=1,
                                                             moe_intermediate_size=16, stage=1)),
     "full (first block)": (ParallelConfig(recompute="full"), torch.bfloat16, {}),
+    # --recompute full in bf16, narrow experts: the post-attention norm's backward in the re-run block
+    # (its weight grad not accumulated yet, its row means and rsqrt alive, one [Nn, H] fewer)
+    "full bf16 top-1 narrow (first block)": (ParallelConfig(recompute="full"), torch.bfloat16,
+                                             dict(num_experts_per_tok=1, moe_intermediate_size=16)),
     # under SP the router and experts' grads are TP-partial: finalize_grads sums them in one flat copy
     "tp2 sp": (ParallelConfig(tp=T, sequence_parallel=True), torch.bfloat16, {}),
 }

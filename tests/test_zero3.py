@@ -13,6 +13,7 @@ from distributed import run_ranks
 from minimind_parallel import MiniMindConfig, ParallelConfig, cli, tasks
 from minimind_parallel.memory import estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.moe_sizes import RoutingPolicy
+from minimind_parallel.memory.analytic.fsdp_replay import check_fully_sharded
 from minimind_parallel.job import read_job, write_job
 from minimind_parallel.tasks.benchmark.cells import cell_job
 from minimind_parallel.tasks.benchmark.checks import check_benchmark
@@ -165,11 +166,14 @@ MOE_FULLY_SHARDED = [
     # (seq_len, vocab): 8 tokens, a later forward's copy-out of block 0 with the root gathered again
     (dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=64), torch.float32, 2, 1,
      "pre_forward(block 0)[1]", 8, 8192),
+    # 8 tokens, bf16: the input norm's backward, every weight grad of the block in (fsdp_moments.py)
+    (dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=256), torch.bfloat16, 2, 2,
+     "input_norm_backward", 8, 2048),
 ]
 
 
 def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte():
-    """MiniMind's MoE model under --zero 3 at ep 1 (without SP, --recompute and CP; once refused):
+    """MiniMind's MoE model under --zero 3 at ep 1 (once refused):
     the first block's pre-backward copy-out, the weighting's backward, the tokens' gather backward,
     the norm after the MoE layer and, with few tokens, a later forward's copy-out (the step's aux
     tensors of this microbatch not made yet), each at the peak; the same bytes as the tracker on
@@ -185,10 +189,46 @@ def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte():
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), moe
 
 
+# (model, layout, dtype, microbatches, seq_len, micro_batch_size, cp_rank, the moment of the peak):
+# the MoE model at ep 1 under SP, --recompute and CP
+MOE_SP_RECOMPUTE_CP = [
+    # SP: the MoE layer works on the rank's sequence shard, its output [Nn, H] (no down_proj [N, H]
+    # reduce-scattered) at the top block's last residual add
+    (replace(_sized(128, 2, 8, 4, 128, False), use_moe=True, num_experts=2, moe_intermediate_size=64),
+     dict(dp=2, tp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True), torch.float32, 3, 128, 2, 0,
+     "weighting_backward"),
+    # --recompute selective: the attention's output and the post-attention norm's still bound at that add
+    (replace(_sized(64, 1, 8, 2, 128, False), use_moe=True, num_experts_per_tok=2, moe_intermediate_size=64),
+     dict(tp=2, cp=2, **SP_ASYNC_ONLY, vocab_parallel=True, recompute="selective", loss_chunks=2), torch.float32, 1,
+     256, 1, 1, "block_forward_end"),
+    # CP rank 3 of 4: the router's 2 rows leave it an empty shard (no bytes: params, AdamW states)
+    (replace(_sized(32, 1, 8, 8, 512, False), use_moe=True, num_experts=2, moe_intermediate_size=256),
+     dict(tp=2, cp=4, cp_comm_type="ring", loss_chunks=4), torch.bfloat16, 5, 256, 1, 3, "pre_backward(block 0)"),
+    # CP + SP: the attention's backward frees the router's input, not gate/up's (--recompute full)
+    (replace(_sized(128, 2, 8, 8, 128, False), use_moe=True, num_experts_per_tok=2, moe_intermediate_size=256),
+     dict(tp=2, cp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True, recompute="full"),
+     torch.bfloat16, 1, 256, 2, 0, "attention_backward"),
+]
+
+
+def test_zero3_with_moe_under_sp_recompute_and_cp_is_the_estimate_to_the_byte():
+    """MiniMind's MoE model under --zero 3 at ep 1 with SP, --recompute selective and full, and CP
+    (once refused): the top block's last residual add, the CP attention's backward and a CP rank
+    that holds no rows of the router, each where it decides the peak; the same bytes as the
+    tracker on fake tensors."""
+    for config, layout, dtype, microbatches, seq_len, mbs, cp_rank, moment in MOE_SP_RECOMPUTE_CP:
+        par = ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches)
+        estimate = estimate_step_memory(config, par, iters=1, cp_rank=cp_rank, **kw)
+        model = predict_memory(config, par, cp_rank=cp_rank, **kw)
+        assert model.peak_at.startswith(moment), (layout, moment, model.peak_at)
+        assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (layout, moment)
+
+
 @pytest.mark.parametrize("layout, seq_len, moe, message", [
-    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 32, True,
-     "--zero 3 (FSDP2) with --use_moe is modelled without --sequence_parallel, --recompute and context "
-     "parallelism; got sequence_parallel=True, recompute=none, cp_size=1"),
+    (dict(dp=2, zero=3, recompute="selective"), 32, True,   # the MoE model alike
+     "under --recompute selective is modelled at 2 x hidden_size tokens per microbatch on a rank or more; "
+     "got seq_len / cp_size * micro_batch_size = 64 < 128"),
     (dict(dp=2, zero=3, recompute="selective"), 32, False,
      "under --recompute selective is modelled at 2 x hidden_size tokens per microbatch on a rank or more; "
      "got seq_len / cp_size * micro_batch_size = 64 < 128"),
@@ -204,6 +244,17 @@ def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(
     with pytest.raises(NotImplementedError, match=re.escape(message)) as refused:
         predict_memory(config, ParallelConfig(**layout), seq_len=seq_len, micro_batch_size=2)
     assert "\n" not in str(refused.value)
+
+
+def test_zero3_with_moe_at_ep2_under_sp_recompute_or_cp_is_refused_in_one_line():
+    """The experts' own FSDP2 groups (ep > 1) are not followed under SP, --recompute or CP: refused
+    in one line, where the same layouts at ep 1 are predicted."""
+    config = replace(_config(2, 128, False), use_moe=True)
+    for layout in (dict(tp=2, sequence_parallel=True), dict(recompute="full"), dict(cp=2)):
+        check_fully_sharded(config, ParallelConfig(dp=4, zero=3, **layout), 1024)   # ep 1: followed
+        with pytest.raises(NotImplementedError, match="with --use_moe at ep_size > 1 is modelled without") as refused:
+            check_fully_sharded(config, ParallelConfig(dp=4, ep=2, zero=3, **layout), 1024)
+        assert "\n" not in str(refused.value)
 
 
 MOE_FIELDS = dict(use_moe=True, num_experts=4, num_experts_per_tok=2)

@@ -27,7 +27,7 @@ def _attention_grads_acts(s: StageSizes) -> tuple[int, int, int]:
     """Grads, activations and re-made tensors (full) when the top block's attention begins its
     backward: the MLP's (or MoE layer's), the post-attention norm's and o_proj's grads in; their
     activations freed
-    (o_proj's input included, a copy under CP)."""
+    (o_proj's input included, a copy under CP; the MoE layer's router input in place of gate/up's)."""
     b = s.b
     o_proj_input = b * s.n * s.heads * s.head_dim
     grads = s.head_grads + s.ffn_w_grads + b * s.hid + b * s.hid * s.heads * s.head_dim

@@ -25,7 +25,7 @@ from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .fsdp_experts import expert_forward_end, expert_forward_shift, expert_group_shift, with_expert_group_moments
 from .fsdp_moments import fsdp_block_moments
-from .fsdp_sizes import FsdpSizes, fsdp_sizes
+from .fsdp_sizes import FsdpSizes, fsdp_sizes, held_shards
 from .schedule_replay import _moe_per_microbatch, _not_made_inside_the_loss, batch_saved, forward_moment, optimizer_step, targets_saved
 from .stage_sizes import StageSizes, top_block_acts
 
@@ -141,12 +141,16 @@ def _block_forward_end(s: StageSizes) -> tuple[int, int]:
     caller's): this microbatch's blocks saved; down_proj's output and the sum, and in half
     precision the block's input and middle residual stream (the norms save their fp32 copies);
     under SP before it, down_proj's output [N, H] reduce-scattered into [Nn, H] (basic SP: the
-    post-attention norm's output shard, which the MLP's gathers do not save, still bound)."""
+    post-attention norm's output shard, which the MLP's gathers do not save, still bound). The MoE
+    layer works on the tokens of the rank's shard (under SP too): its output [Nn, H] and the sum."""
     par, row = s.par, s.b * s.nn * s.hid
     pair = 0 if s.b == s.f else 2 * row
-    normed = row if par.sequence_parallel and not par.async_communication else 0
-    last = s.b * s.n * s.hid + row + normed if par.sequence_parallel else 2 * row
-    return s.blocks, pair + last
+    if s.expert_rows:   # the MoE layer's output and the sum [Nn, H] (selective: the attention's too, and the norm's)
+        return s.blocks, pair + (4 if par.recompute == Recompute.SELECTIVE else 2) * row
+    if not par.sequence_parallel:
+        return s.blocks, pair + 2 * row
+    normed = row if not par.async_communication else 0
+    return s.blocks, pair + s.b * s.n * s.hid + row + normed
 
 
 def _swiglu_forward(s: StageSizes, z: FsdpSizes, *, first_forward: bool) -> tuple[int, int]:
@@ -224,22 +228,31 @@ def fully_sharded_moments(s: StageSizes, order: list[Action], device: str,
     (two per shard, and a float32 step counter per parameter on the CPU)."""
     z = fsdp_sizes(s)
     moments, in_flight = replay_fully_sharded(s, z, order, moe_step, moe_layer_state)
-    moments["optimizer"] = optimizer_step(s, list(z.shards), grads=z.params)
-    states = 2 * z.params + (4 * len(z.shards) if device == "cpu" else 0)
-    return moments, in_flight, z.params, states
+    held = held_shards(s, z)
+    moments["optimizer"] = optimizer_step(s, list(held), grads=z.params)
+    # an empty local shard's padded storage: alive all step, no parameter's (a temporary)
+    empty = z.params - sum(held)
+    moments = {k: (g, a, t + empty) for k, (g, a, t) in moments.items()}
+    states = 2 * sum(held) + (4 * len(z.shards) if device == "cpu" else 0)
+    return moments, in_flight, sum(held), states
 
 
 def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> None:
     """The --zero 3 layouts the model follows exactly, at any number of `tokens` per microbatch on
-    a rank; the others refused in one line: the MoE model (ep 1) under SP, --recompute or CP
-    (its router's, experts' and aux loss's tensors there not followed), and few tokens, where a
-    block's weights outweigh its activations and the peak moves to moments not modelled: SP's
-    gathered linears without the async one
-    (the attention's q/k/v backward, below hidden_size tokens), --recompute selective (the lean
-    pieces' backward, below 2 hidden_size tokens) and full (the re-run block, below hidden_size
-    tokens). (EP: the experts' own groups, fsdp_experts.py; under PP, fsdp_pipeline.py, the same hold.)"""
-    if c.use_moe and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
-        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe is modelled without "
+    a rank (the MoE model at ep 1 too, under SP, --recompute and CP); the others refused in one
+    line: few tokens, where a block's weights outweigh its activations and the peak moves to
+    moments not modelled. The thresholds are measured (memory_model_sweep.py with them lifted),
+    not derived: SP's gathered linears without the async one (below hidden_size tokens: the
+    post-attention norm's backward, 3.7 and 5.0 KB under at an eighth of hidden_size),
+    --recompute selective (below 2 hidden_size tokens: the q/k/v backward, 8 KB under at a
+    quarter under SP + async and CP, 4.6 KB at a sixteenth with the MoE model; exact in 35 of 36
+    dense draws below it) and full (the re-run block's q/k/v backward, below hidden_size tokens:
+    6.4 to 12.8 KB under at a quarter and an eighth). (EP: the experts' own groups, fsdp_experts.py;
+    under PP, fsdp_pipeline.py, the same hold.) The MoE model at ep > 1 (the experts' own FSDP2 groups) stays refused
+    under SP, --recompute and CP: its experts' pre-backward under full recompute and ring CP was
+    17 KB under."""
+    if c.use_moe and par.ep > 1 and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe at ep_size > 1 is modelled without "
                                   f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="
                                   f"{par.sequence_parallel}, recompute={par.recompute}, cp_size={par.cp}")
     if par.sequence_parallel and not par.async_communication and tokens < c.hidden_size:

@@ -68,3 +68,15 @@ def fsdp_sizes(s: StageSizes) -> FsdpSizes:
                      root_unsaved=world * shards[embed] if not s.tied_here else 0,
                      shards=tuple(shards.values()), experts=edp * expert_shard if edp > 1 else 0,
                      experts_shard=expert_shard, experts_dense=sum(b * numel(s.shapes[k]) for k in experts))
+
+
+def held_shards(s: StageSizes, z: FsdpSizes) -> tuple:
+    """The parameter shards this rank holds as tensors (AdamW's two states alike): FSDP2 gives the
+    ranks past a parameter's last row (dim 0 shorter than W ceil-rows, as an MoE router's E rows
+    over dp x cp ranks) an empty local shard, which holds no bytes the tracker sees; the others
+    hold their padded rows. The rank: CP rank `s.cp_rank` of DP rank 0 (the DP x CP mesh is
+    DP-major), the rank --estimate measures."""
+    world, rank = s.par.dp * s.par.cp, s.cp_rank
+    return tuple(0 if rank * -(-shape[0] // world) >= shape[0] else shard
+                 for shape, shard in zip(s.shapes.values(), z.shards))
+

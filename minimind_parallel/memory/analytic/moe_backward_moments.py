@@ -92,8 +92,22 @@ def moe_post_norm_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int
     b, f, nn_, hid = s.b, s.f, s.nn, s.hid
     # (ffn_saved, the layer's "block.moe", holds the aux loss's N and load already)
     acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_))
-    return (s.head_grads + s.ffn_w_grads + b * hid, acts,
-            5 * f * nn_ * hid + b * nn_ * hid + s.waiting - (f if first and s.aux_loss_experts else 0) + redone)
+    weight_grad, rerun = b * hid, _rerun_post_norm(s)
+    return (s.head_grads + s.ffn_w_grads + (0 if rerun else weight_grad), acts,
+            5 * f * nn_ * hid + b * nn_ * hid + s.waiting - (f if first and s.aux_loss_experts else 0) + redone + rerun)
+
+
+def _rerun_post_norm(s: StageSizes) -> int:
+    """--recompute full: what the post-attention norm's backward holds beyond the moment above
+    when its block was re-run (0 otherwise): its weight grad [H] not yet accumulated (a
+    temporary, not a grad), its row means and rsqrt [Nn] (f each) still alive, and in half
+    precision one [Nn, H] fewer. Measured against --estimate (StorageTracker's timeline at the
+    norm's mean backward: bf16 and fp32, one and two microbatches, an earlier pipeline stage, SP
+    with and without the async linear), not derived."""
+    if s.par.recompute != Recompute.FULL:
+        return 0
+    b, f, nn_, hid = s.b, s.f, s.nn, s.hid
+    return b * hid + 2 * f * nn_ - (b * nn_ * hid if b != f else 0)
 
 
 def moe_block_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict[str, tuple[int, int, int]]:
