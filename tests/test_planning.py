@@ -18,7 +18,7 @@ from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
 from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enumerate_layouts, plan, step_time
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
 from minimind_parallel.planning.allocator_rounding import block_excess, fresh_block, rounding_bytes
-from minimind_parallel.planning.ranking import workspace_bytes
+from minimind_parallel.planning.ranking import paused_collector, workspace_bytes
 from minimind_parallel.pipeline_parallel.order import Schedule
 from minimind_parallel.planning.space import RULES, check_candidate
 from minimind_parallel.planning.time_model import (ADAMW_ACCESSES, Collective, Op, block_matmul_params, expert_params,
@@ -1034,3 +1034,6 @@ def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeyp
     assert gc.isenabled()
     plan(WORK, GPU_PROFILES["H100"], device="cpu", budget_bytes=2**40)
     assert gc.isenabled()
+    with paused_collector():   # what it made is moved to the oldest generation unwalked, nothing left frozen
+        made = [[i] for i in range(5000)]
+    assert gc.get_count()[0] < len(made) and gc.get_freeze_count() == 0

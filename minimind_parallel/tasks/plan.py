@@ -464,6 +464,13 @@ def launch_plan(job: Job) -> int:
               f"{hw.intra.bandwidth / 1e9:.2f} GB/s + {1e6 * hw.intra.call_s:.0f} us a call in a step; "
               f"wrote {args.calibration}")
         return 0
+    with paused_collector():   # from the plan to its outputs: no cycle worth a walk over its millions of objects
+        return plan_outputs(job)
+
+
+def plan_outputs(job: Job) -> int:
+    """The plan, printed, validated (--validate), written (the JSON, the PNG)."""
+    args = job.task
     t0 = time.perf_counter()
     hw = hardware_of(args)
     result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB),
@@ -471,9 +478,8 @@ def launch_plan(job: Job) -> int:
     seconds = time.perf_counter() - t0
     print_plan(result, args, hw, seconds)
     validation = validate(result, args) if args.validate else None
-    with paused_collector():   # the rows and the plot make no cycle worth a walk over the plan's millions of objects
-        write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
-        write_plot(args.output_plot, result)
+    write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
+    write_plot(args.output_plot, result)
     print(f"plan: wrote {args.output_json}, {args.output_plot}")
     return 0
 
