@@ -1022,6 +1022,44 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
     assert forked.split([1, 1, 1, 1, 4], 2) == [0, 4, 5] and forked.split([1, 1], 3) == [0, 1, 2, 2]
 
 
+def test_a_forked_call_returns_or_raises_here_and_its_child_is_reaped(monkeypatch, tmp_path):
+    """forked_call: fn() in a child, its result (or its error) here; where the caller fails first,
+    the child still finishes its file whole and is reaped; fork=False runs it here."""
+    import os
+    from minimind_parallel.planning import forked
+    pids, fork = [], forked._fork
+
+    def recorded(fn, part):
+        pid, fd = fork(fn, part)
+        pids.append(pid)
+        return pid, fd
+    monkeypatch.setattr(forked, "_fork", recorded)
+    with forked.forked_call(lambda: os.getpid()) as result:
+        assert result() not in (os.getpid(), None)
+    with forked.forked_call(lambda: {}["missing"]) as result, pytest.raises(KeyError, match="missing"):
+        result()
+    path = tmp_path / "written"
+    with pytest.raises(ValueError, match="here first"), forked.forked_call(lambda: path.write_text("whole")):
+        raise ValueError("here first")
+    assert path.read_text() == "whole" and len(pids) == 3
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    with forked.forked_call(lambda: os.getpid(), fork=False) as result:
+        assert result() == os.getpid() and len(pids) == 3
+
+
+def test_a_model_key_given_to_predict_memory_is_its_model_s():
+    """predict_memory(model_key=Frozen(c)) (the planner's, made once a plan) predicts what it predicts
+    without one, and a key of another model is refused."""
+    from minimind_parallel.memo import Frozen
+    par = ParallelConfig(pp=2, virtual_stages=2)
+    kw = dict(seq_len=32, micro_batch_size=1, num_microbatches=2, schedule=Schedule.INTERLEAVED, worst_only=True)
+    assert predict_memory(TINY, par, **kw, model_key=Frozen(TINY)) == predict_memory(TINY, par, **kw)
+    with pytest.raises(ValueError, match="model_key"):
+        predict_memory(TINY, par, **kw, model_key=Frozen(replace(TINY, hidden_size=2 * TINY.hidden_size)))
+
+
 def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeypatch):
     """`python -m evaluation.parallel` exits with main()'s code after gc.freeze (the collector kept from
     walking a plan's remembered objects at exit); plan() itself pauses it and leaves it as it was."""

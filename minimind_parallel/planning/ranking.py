@@ -9,6 +9,7 @@ import gc
 from dataclasses import dataclass, field
 
 from ..config import DTYPES
+from ..memo import Frozen
 from ..memory import MemoryPrediction, predict_memory
 from ..memory.allocator import CudaSetup
 from ..memory.analytic.stage_sizes import stage_parameter_counts
@@ -64,15 +65,16 @@ def workspace_bytes(hw: Hardware) -> int:
 
 
 def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_token: float,
-             workspaces: int = 0, memo: dict | None = None) -> PlanEntry:
+             workspaces: int = 0, memo: dict | None = None, model_key: Frozen | None = None) -> PlanEntry:
     """Layout `k`'s predicted peak and step; on CUDA at the allocator level (`workspaces` bytes of cuBLAS
     workspaces, the estimated block rounding). `k` is one of the space's (space.check_candidate passed
-    it: not checked again). `memo`: the time model's, across one plan's layouts."""
+    it: not checked again). `memo`: the time model's, across one plan's layouts; `model_key`:
+    Frozen(w.model), made once for them (predict_memory's)."""
     par = k.parallel
     pred = predict_memory(w.model, par, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
                           dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
                           schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True,
-                          checked=True)   # space.check_candidate's
+                          checked=True, model_key=model_key)   # space.check_candidate's
     breakdown = dict(pred.breakdown)
     peak = pred.peak_bytes
     if device == "cuda":
@@ -116,10 +118,11 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes
     flops = model_flops_per_token(w)
     workspaces = workspace_bytes(hw) if device == "cuda" else 0
     memo: dict = {}   # step_time's: of this workload and hardware (each process its own)
+    model = Frozen(w.model)
     if processes is None:
         processes = min(MAX_PROCESSES, usable_cpus()) if len(valid) >= FORK_FROM else 1
     with paused_collector():
-        entries = forked_map(lambda k: evaluate(k, w, hw, device, flops, workspaces, memo), valid,
+        entries = forked_map(lambda k: evaluate(k, w, hw, device, flops, workspaces, memo, model), valid,
                              split([_cost(k) for k in valid], processes))
     for e in entries:
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)

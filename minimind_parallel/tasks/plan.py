@@ -34,7 +34,7 @@ from ..options import (PRESETS, Parser, add_moe_args, check_at_least, check_numb
 from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
-from ..planning.forked import forked_map, split, usable_cpus
+from ..planning.forked import forked_call, forked_map, split, usable_cpus
 from ..planning.ranking import FORK_FROM, MAX_PROCESSES, paused_collector
 from ..planning.space import DOMINATED, Candidate, flag_names
 from .benchmark.command import BatchPolicy, Kind
@@ -385,8 +385,17 @@ def json_rows(fitting: list, args, hw, words: list[str]) -> list[str]:
     """Each fitting layout's JSON row (layout_json), in order; a space of FORK_FROM layouts or more
     made by --processes forked processes (as the predictions), each a contiguous part."""
     n = len(fitting)
-    parts = args.processes or (min(MAX_PROCESSES, usable_cpus()) if n >= FORK_FROM else 1)
-    return forked_map(lambda e: layout_json(e, args, hw, words), fitting, split([1] * n, parts))
+    return forked_map(lambda e: layout_json(e, args, hw, words), fitting, split([1] * n, _parts(args, n)))
+
+
+def _parts(args, n: int) -> int:
+    """The processes that make n rows: --processes, else this machine's CPUs (up to MAX_PROCESSES)
+    for FORK_FROM rows or more (as plan's predictions)."""
+    return args.processes or (min(MAX_PROCESSES, usable_cpus()) if n >= FORK_FROM else 1)
+
+
+def _forks(args, n: int) -> bool:
+    return _parts(args, n) > 1
 
 
 def write_plot(path: str, result) -> None:
@@ -478,8 +487,10 @@ def plan_outputs(job: Job) -> int:
     seconds = time.perf_counter() - t0
     print_plan(result, args, hw, seconds)
     validation = validate(result, args) if args.validate else None
-    write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
-    write_plot(args.output_plot, result)
+    # the plot drawn by a forked child while the JSON is written (where its rows are forked too)
+    with forked_call(lambda: write_plot(args.output_plot, result), fork=_forks(args, len(result.fitting))) as plot:
+        write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
+        plot()
     print(f"plan: wrote {args.output_json}, {args.output_plot}")
     return 0
 

@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
-from ...pipeline_parallel.order import Schedule, check_schedule, posted
+from ...memo import Frozen
+from ...pipeline_parallel.order import Schedule, check_schedule
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .fsdp_composition import check_composition
 from .fsdp_pipeline import pipelined_fully_sharded_moments
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
-from .orders import stage_order, stage_releases
+from .orders import stage_order, stage_posted, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, moe_report, moe_temporaries,
                         received_row_bytes, routing_text, stage_expert_rows)
 from .posted_peak import posted_peak
@@ -57,7 +58,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
                    bucket_size_mb: float = DEFAULT_BUCKET_MB, worst_only: bool = False,
-                   routing: Routing = RoutingPolicy.BALANCED, checked: bool = False) -> MemoryPrediction:
+                   routing: Routing = RoutingPolicy.BALANCED, checked: bool = False,
+                   model_key: Frozen | None = None) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
@@ -72,7 +74,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
     tokens per expert, or a list of them, one per microbatch; then the worst EP rank's), said in
     `routing`. `checked`: the caller has run check_layout and check_schedule on this layout already
-    (the planner's space), not run again."""
+    (the planner's space), not run again. `model_key`: Frozen(model_config), made once by a caller
+    that asks about many layouts of the model (the planner), else made here for each."""
     c = model_config
     if par.zero == 3:
         check_composition(par, schedule, num_microbatches)
@@ -97,7 +100,10 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
     # a measured routing differs between EP ranks: each one's (the policies are symmetric)
     ep_ranks = range(par.ep) if c.use_moe and routing not in tuple(RoutingPolicy) else range(1)
-    memo: dict = {}   # worst_only: the sizes of each kind of model chunk, across the stages
+    if model_key is not None and model_key.config is not c:
+        raise ValueError("predict_memory: model_key is not Frozen(model_config)")
+    memo: dict = {} if model_key is None else {"model": model_key}   # worst_only: the sizes of each kind of
+    # model chunk, across the stages
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
                                   cp_rank=r, bucket_size_mb=bucket_size_mb, memo=memo if worst_only else None,
@@ -164,15 +170,15 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order_key = (par.pp, stage, num_microbatches, schedule, par.virtual_stages)
-    order = stage_order(*order_key)
-    if each is not None and (par.zero == 3 or posted(order)):
+    order, is_posted = stage_order(*order_key), stage_posted(*order_key)
+    if each is not None and (par.zero == 3 or is_posted):
         raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
                                   f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
     if par.zero == 3 and par.pp > 1:
         return _predict_pipelined_fully_sharded(s, order, c, device)
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
-    if posted(order):   # its sends' release points come from every stage's order
+    if is_posted:   # its sends' release points come from every stage's order
         if par.zero == 2:
             raise NotImplementedError(f"predict_memory: --zero 2 under the {schedule} schedule is not modelled (its "
                                       f"buckets fill across chunks and microbatches); gpipe and 1f1b are")
