@@ -986,6 +986,19 @@ def test_a_plan_predicted_by_forked_processes_is_the_plan_of_one():
     assert entries(three) == entries(one) and three.cuts == one.cuts and one.fitting and one.over_budget
 
 
+def test_the_layouts_predicted_by_groups_of_shared_sizes_come_back_in_the_spaces_order():
+    """plan predicts the layouts grouped by what their sizes are remembered on (each group contiguous,
+    so that a forked part holds whole groups) and gives the entries back in the space's order."""
+    from itertools import groupby
+    from minimind_parallel.planning import ranking
+    valid, _ = enumerate_layouts(WORK)
+    seen: list = []
+    out = ranking._in_order(valid, lambda part: seen.extend(part) or [k.describe() for k in part])
+    assert out == [k.describe() for k in valid] and seen != valid and sorted(map(id, seen)) == sorted(map(id, valid))
+    runs = [key for key, _ in groupby(map(ranking._sharing, seen))]
+    assert len(runs) == len(set(runs)) > 1
+
+
 def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
     """A child's error is raised in the parent; an error of the parent's own part ends the children
     still running (one sleeps); either way every child is reaped."""

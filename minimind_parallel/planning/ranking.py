@@ -122,8 +122,9 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes
     if processes is None:
         processes = min(MAX_PROCESSES, usable_cpus()) if len(valid) >= FORK_FROM else 1
     with paused_collector():
-        entries = forked_map(lambda k: evaluate(k, w, hw, device, flops, workspaces, memo, model), valid,
-                             split([_cost(k) for k in valid], processes))
+        entries = _in_order(valid, lambda part: forked_map(
+            lambda k: evaluate(k, w, hw, device, flops, workspaces, memo, model), part,
+            split([_cost(k) for k in part], processes)))
     for e in entries:
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
@@ -150,6 +151,27 @@ def paused_collector():
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()
+
+
+def _in_order(valid: list[Candidate], predict) -> list[PlanEntry]:
+    """predict(layouts) of the layouts grouped by what their sizes share (`_sharing`: the layouts of
+    a group are next to each other, so that a process's contiguous part holds whole groups, and
+    the sizes of a group are made by one process, not each), the entries put back in the space's
+    order."""
+    groups: dict = {}
+    order = sorted(range(len(valid)), key=lambda i: groups.setdefault(_sharing(valid[i]), len(groups)))
+    entries = [None] * len(valid)
+    for i, e in zip(order, predict([valid[i] for i in order])):
+        entries[i] = e
+    return entries
+
+
+def _sharing(k: Candidate) -> tuple:
+    """What every kind of sizes a layout's prediction makes is remembered on (remembered_sizes.py:
+    a stage's and a model chunk's; the zero level, dp, the microbatches, the pipeline's shape and the
+    loss's flags aside): layouts that differ here share none."""
+    return (k.tp, k.cp, k.ep, k.sequence_parallel, k.async_communication, k.shared_sp_gather, k.recompute,
+            k.cp_comm_type, k.cp_load_balance, k.micro_batch_size)
 
 
 def _cost(k: Candidate) -> int:
