@@ -403,12 +403,14 @@ def write_plot(path: str, result) -> None:
     import matplotlib  # here: slow to import, needed for the plot only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for entries, label, color in ((result.fitting, "fits", "C0"), (result.over_budget, "over budget", "C3")):
         if entries:
-            ax.scatter([e.step_ms for e in entries], [e.peak_bytes / GIB for e in entries], s=6, alpha=0.5,
-                       color=color, label=f"{label} ({len(entries)})")
+            # arrays, not lists: scatter takes a list's floats one by one (numpy.ma), seconds for a plan's
+            ax.scatter(np.array([e.step_ms for e in entries]), np.array([e.peak_bytes / GIB for e in entries]), s=6,
+                       alpha=0.5, color=color, label=f"{label} ({len(entries)})")
     if result.fitting:
         best = result.fitting[0]
         ax.scatter([best.step_ms], [best.peak_bytes / GIB], s=60, marker="*", color="k", label="ranked first")
