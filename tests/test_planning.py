@@ -1092,3 +1092,11 @@ def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeyp
         assert any(o is made for o in gc.get_objects(generation=2)) and gc.get_freeze_count() == 0
     finally:
         gc.enable()
+    gc.freeze()   # a process that keeps its objects frozen (cli.process_main): they join them
+    try:
+        frozen = gc.get_freeze_count()
+        with paused_collector():
+            kept = [[i] for i in range(5000)]
+        assert gc.get_freeze_count() >= frozen + len(kept) and gc.isenabled()
+    finally:
+        gc.unfreeze()
