@@ -8,14 +8,14 @@ import torch
 
 from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...memo import Frozen
-from ...pipeline_parallel.order import Schedule, check_schedule
+from ...pipeline_parallel.order import Schedule, check_schedule, posted
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .fsdp_composition import check_composition
 from .fsdp_pipeline import pipelined_fully_sharded_moments
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
-from .orders import stage_order, stage_posted, stage_releases
+from .orders import stage_order, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, moe_report, moe_temporaries,
                         received_row_bytes, routing_text, stage_expert_rows)
 from .posted_peak import posted_peak
@@ -170,15 +170,15 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     stored = s.b * sum(layout.numel for layout in layouts) if layouts else s.param_bytes
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order_key = (par.pp, stage, num_microbatches, schedule, par.virtual_stages)
-    order, is_posted = stage_order(*order_key), stage_posted(*order_key)
-    if each is not None and (par.zero == 3 or is_posted):
+    order = stage_order(*order_key)
+    if each is not None and (par.zero == 3 or posted(order)):
         raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
                                   f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
     if par.zero == 3 and par.pp > 1:
         return _predict_pipelined_fully_sharded(s, order, c, device)
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
-    if is_posted:   # its sends' release points come from every stage's order
+    if posted(order):   # its sends' release points come from every stage's order
         if par.zero == 2:
             raise NotImplementedError(f"predict_memory: --zero 2 under the {schedule} schedule is not modelled (its "
                                       f"buckets fill across chunks and microbatches); gpipe and 1f1b are")
