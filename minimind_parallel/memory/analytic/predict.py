@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...memo import Frozen
+from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...pipeline_parallel.order import Schedule, check_schedule, posted
 from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
