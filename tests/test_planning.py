@@ -18,7 +18,7 @@ from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
 from minimind_parallel.planning import Candidate, Hardware, Link, Workload, enumerate_layouts, plan, step_time
 from minimind_parallel.planning.hardware import GPU_PROFILES, load_calibration, save_calibration
 from minimind_parallel.planning.allocator_rounding import block_excess, fresh_block, rounding_bytes
-from minimind_parallel.planning.ranking import workspace_bytes
+from minimind_parallel.planning.ranking import paused_collector, workspace_bytes
 from minimind_parallel.pipeline_parallel.order import Schedule
 from minimind_parallel.planning.space import RULES, check_candidate
 from minimind_parallel.planning.time_model import (ADAMW_ACCESSES, Collective, Op, block_matmul_params, expert_params,
@@ -1028,6 +1028,19 @@ def test_a_plan_predicted_by_forked_processes_is_the_plan_of_one():
     assert entries(three) == entries(one) and three.cuts == one.cuts and one.fitting and one.over_budget
 
 
+def test_the_layouts_predicted_by_groups_of_shared_sizes_come_back_in_the_spaces_order():
+    """plan predicts the layouts grouped by what their sizes are remembered on (each group contiguous,
+    so that a forked part holds whole groups) and gives the entries back in the space's order."""
+    from itertools import groupby
+    from minimind_parallel.planning import ranking
+    valid, _ = enumerate_layouts(WORK)
+    seen: list = []
+    out = ranking._in_order(valid, lambda part: seen.extend(part) or [k.describe() for k in part])
+    assert out == [k.describe() for k in valid] and seen != valid and sorted(map(id, seen)) == sorted(map(id, valid))
+    runs = [key for key, _ in groupby(map(ranking._sharing, seen))]
+    assert len(runs) == len(set(runs)) > 1
+
+
 def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
     """A child's error is raised in the parent; an error of the parent's own part ends the children
     still running (one sleeps); either way every child is reaped."""
@@ -1064,6 +1077,44 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
     assert forked.split([1, 1, 1, 1, 4], 2) == [0, 4, 5] and forked.split([1, 1], 3) == [0, 1, 2, 2]
 
 
+def test_a_forked_call_returns_or_raises_here_and_its_child_is_reaped(monkeypatch, tmp_path):
+    """forked_call: fn() in a child, its result (or its error) here; where the caller fails first,
+    the child still finishes its file whole and is reaped; fork=False runs it here."""
+    import os
+    from minimind_parallel.planning import forked
+    pids, fork = [], forked._fork
+
+    def recorded(fn, part):
+        pid, fd = fork(fn, part)
+        pids.append(pid)
+        return pid, fd
+    monkeypatch.setattr(forked, "_fork", recorded)
+    with forked.forked_call(lambda: os.getpid()) as result:
+        assert result() not in (os.getpid(), None)
+    with forked.forked_call(lambda: {}["missing"]) as result, pytest.raises(KeyError, match="missing"):
+        result()
+    path = tmp_path / "written"
+    with pytest.raises(ValueError, match="here first"), forked.forked_call(lambda: path.write_text("whole")):
+        raise ValueError("here first")
+    assert path.read_text() == "whole" and len(pids) == 3
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    with forked.forked_call(lambda: os.getpid(), fork=False) as result:
+        assert result() == os.getpid() and len(pids) == 3
+
+
+def test_a_model_key_given_to_predict_memory_is_its_model_s():
+    """predict_memory(model_key=Frozen(c)) (the planner's, made once a plan) predicts what it predicts
+    without one, and a key of another model is refused."""
+    from minimind_parallel.memo import Frozen
+    par = ParallelConfig(pp=2, virtual_stages=2)
+    kw = dict(seq_len=32, micro_batch_size=1, num_microbatches=2, schedule=Schedule.INTERLEAVED, worst_only=True)
+    assert predict_memory(TINY, par, **kw, model_key=Frozen(TINY)) == predict_memory(TINY, par, **kw)
+    with pytest.raises(ValueError, match="model_key"):
+        predict_memory(TINY, par, **kw, model_key=Frozen(replace(TINY, hidden_size=2 * TINY.hidden_size)))
+
+
 def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeypatch):
     """`python -m evaluation.parallel` exits with main()'s code after gc.freeze (the collector kept from
     walking a plan's remembered objects at exit); plan() itself pauses it and leaves it as it was."""
@@ -1076,3 +1127,18 @@ def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeyp
     assert gc.isenabled()
     plan(WORK, GPU_PROFILES["H100"], device="cpu", budget_bytes=2**40)
     assert gc.isenabled()
+    with paused_collector():   # what it made is moved to the oldest generation unwalked, nothing left frozen
+        made = [[i] for i in range(5000)]
+    gc.disable()   # (a collection of its own would move it too)
+    try:
+        assert any(o is made for o in gc.get_objects(generation=2)) and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+    gc.freeze()   # a process that keeps its objects frozen (cli.process_main): they join them
+    try:
+        frozen = gc.get_freeze_count()
+        with paused_collector():
+            kept = [[i] for i in range(5000)]
+        assert gc.get_freeze_count() >= frozen + len(kept) and gc.isenabled()
+    finally:
+        gc.unfreeze()

@@ -15,6 +15,8 @@ kind counts as one tensor.
 """
 from __future__ import annotations
 
+import functools
+
 from ..config import ParallelConfig, Recompute
 from ..memory import MemoryPrediction
 from ..memory.allocator import SMALL_SIZE, round_size, segment_size
@@ -30,27 +32,33 @@ def fresh_block(nbytes: int) -> int:
     return segment if segment - size <= SMALL_SIZE else size
 
 
-def _tensors(kind: str, nbytes: int, par: ParallelConfig) -> int:
-    """How many equal tensors the block kind `kind` of `nbytes` is."""
+def _tensors(kind: str, recompute: Recompute, basic_sp: bool) -> int:
+    """How many equal tensors the block kind `kind` is (`basic_sp`: SP without a shared or async gather)."""
     if kind == "block.mlp":
-        return 2 if par.recompute.lean else 4
+        return 2 if recompute.lean else 4
     if kind == "block.attention_kv":
         return 2
     if kind == "block.column_input":   # basic SP gathers once per linear, else one per region
-        basic_sp = par.sequence_parallel and not (par.shared_sp_gather or par.async_communication)
         return 5 if basic_sp else 2
     return 1
 
 
 def block_excess(kinds: dict[str, int], par: ParallelConfig) -> int:
-    """Bytes the blocks of one held block's saved tensors hold beyond them (`fresh_block`)."""
-    held = {"block.checkpoint_input"} if par.recompute == Recompute.FULL else \
-        {k for k in kinds if k.startswith("block.")}
+    """Bytes the blocks of one held block's saved tensors hold beyond them (`fresh_block`), remembered
+    on the kinds' bytes and the flags it reads: the planner's layouts share a few thousand."""
+    basic_sp = par.sequence_parallel and not (par.shared_sp_gather or par.async_communication)
+    return _block_excess(tuple(kinds.items()), par.recompute, basic_sp)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _block_excess(kinds: tuple, recompute: Recompute, basic_sp: bool) -> int:
+    held = [(k, v) for k, v in kinds if k == "block.checkpoint_input"] if recompute == Recompute.FULL else \
+        [(k, v) for k, v in kinds if k.startswith("block.")]
     excess = 0
-    for kind in held:
-        count = _tensors(kind, kinds[kind], par)
-        if kinds[kind] and kinds[kind] % count == 0:
-            excess += count * (fresh_block(kinds[kind] // count) - kinds[kind] // count)
+    for kind, nbytes in held:
+        count = _tensors(kind, recompute, basic_sp)
+        if nbytes and nbytes % count == 0:
+            excess += count * (fresh_block(nbytes // count) - nbytes // count)
     return excess
 
 

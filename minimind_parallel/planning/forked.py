@@ -11,10 +11,11 @@ interrupt) no child is left running.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 
 def usable_cpus() -> int:
@@ -50,6 +51,29 @@ def forked_map(fn: Callable, items: Sequence, bounds: list[int]) -> list:
         for pid, fd in children:   # an error or an interrupt here: end the others
             os.close(fd)
             _end(pid)
+
+
+@contextlib.contextmanager
+def forked_call(fn: Callable, fork: bool = True) -> Iterator[Callable]:
+    """fn() in a forked child while this process goes on (`fork`, where the system forks; else
+    here, when its result is asked for): yields the function that waits for its result (its error
+    raised here). Where this process fails first, the child is let finish (a file it writes is
+    written whole, or its own error removes its temporary) and reaped, its result dropped."""
+    if not fork or not hasattr(os, "fork"):
+        yield fn
+        return
+    child: list = [_fork(lambda _: fn(), [None])]
+
+    def result():
+        pid, fd = child.pop()
+        return _collect(pid, fd)[0]
+
+    try:
+        yield result
+    finally:
+        for pid, fd in child:   # not waited for: an error or an interrupt here
+            with contextlib.suppress(BaseException):
+                _collect(pid, fd)
 
 
 def _fork(fn: Callable, part: Sequence) -> tuple[int, int]:

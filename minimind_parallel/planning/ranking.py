@@ -9,6 +9,7 @@ import gc
 from dataclasses import dataclass, field
 
 from ..config import DTYPES
+from ..memo import Frozen
 from ..memory import MemoryPrediction, predict_memory
 from ..memory.allocator import CudaSetup
 from ..memory.analytic.stage_sizes import stage_parameter_counts
@@ -64,15 +65,16 @@ def workspace_bytes(hw: Hardware) -> int:
 
 
 def evaluate(k: Candidate, w: Workload, hw: Hardware, device: str, flops_per_token: float,
-             workspaces: int = 0, memo: dict | None = None) -> PlanEntry:
+             workspaces: int = 0, memo: dict | None = None, model_key: Frozen | None = None) -> PlanEntry:
     """Layout `k`'s predicted peak and step; on CUDA at the allocator level (`workspaces` bytes of cuBLAS
     workspaces, the estimated block rounding). `k` is one of the space's (space.check_candidate passed
-    it: not checked again). `memo`: the time model's, across one plan's layouts."""
+    it: not checked again). `memo`: the time model's, across one plan's layouts; `model_key`:
+    Frozen(w.model), made once for them (predict_memory's)."""
     par = k.parallel
     pred = predict_memory(w.model, par, seq_len=w.seq_len, micro_batch_size=k.micro_batch_size,
                           dtype=DTYPES[w.dtype], device=device, num_microbatches=k.num_microbatches,
                           schedule=k.pp_schedule if k.pp > 1 else Schedule.ONE_F_ONE_B, worst_only=True,
-                          checked=True)   # space.check_candidate's
+                          checked=True, model_key=model_key)   # space.check_candidate's
     breakdown = dict(pred.breakdown)
     peak = pred.peak_bytes
     if device == "cuda":
@@ -117,11 +119,13 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes
     flops = model_flops_per_token(w)
     workspaces = workspace_bytes(hw) if device == "cuda" else 0
     memo: dict = {}   # step_time's: of this workload and hardware (each process its own)
+    model = Frozen(w.model)
     if processes is None:
         processes = min(MAX_PROCESSES, usable_cpus()) if len(valid) >= FORK_FROM else 1
     with paused_collector():
-        entries = forked_map(lambda k: evaluate(k, w, hw, device, flops, workspaces, memo), valid,
-                             split([_cost(k) for k in valid], processes))
+        entries = _in_order(valid, lambda part: forked_map(
+            lambda k: evaluate(k, w, hw, device, flops, workspaces, memo, model), part,
+            split([_cost(k) for k in part], processes)))
     for e in entries:
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
@@ -133,14 +137,43 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes
 def paused_collector():
     """Python's cyclic garbage collector paused (and then as it was): the predictions make millions of
     objects in no cycle (sizes, moments, entries), and each collection it would start walks every
-    object alive -- a sixth of the plan's time."""
-    enabled = gc.isenabled()
+    object alive -- a sixth of the plan's time. Where it turns the collector back on, the objects
+    made meanwhile are moved out of the youngest generation unwalked (gc.freeze): re-enabled with
+    them there, its next two collections (of the youngest, then the middle generation) would walk
+    them all, about 0.7 s after a plan. Where nothing was frozen before, they are then unfrozen
+    into the oldest generation (collected, as any old object, by a full collection); where the
+    process keeps its objects frozen (cli.process_main), they stay frozen with them."""
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            gc.freeze()
+            if not frozen:
+                gc.unfreeze()
             gc.enable()
+
+
+def _in_order(valid: list[Candidate], predict) -> list[PlanEntry]:
+    """predict(layouts) of the layouts grouped by what their sizes share (`_sharing`: the layouts of
+    a group are next to each other, so that a process's contiguous part holds whole groups, and
+    the sizes of a group are made by one process, not each), the entries put back in the space's
+    order."""
+    groups: dict = {}
+    order = sorted(range(len(valid)), key=lambda i: groups.setdefault(_sharing(valid[i]), len(groups)))
+    entries = [None] * len(valid)
+    for i, e in zip(order, predict([valid[i] for i in order])):
+        entries[i] = e
+    return entries
+
+
+def _sharing(k: Candidate) -> tuple:
+    """What every kind of sizes a layout's prediction makes is remembered on (remembered_sizes.py:
+    a stage's and a model chunk's; the zero level, dp, the microbatches, the pipeline's shape and the
+    loss's flags aside): layouts that differ here share none."""
+    return (k.tp, k.cp, k.ep, k.sequence_parallel, k.async_communication, k.shared_sp_gather, k.recompute,
+            k.cp_comm_type, k.cp_load_balance, k.micro_batch_size)
 
 
 def _cost(k: Candidate) -> int:

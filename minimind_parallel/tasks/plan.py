@@ -34,7 +34,7 @@ from ..options import (PRESETS, Parser, add_moe_args, check_at_least, check_numb
 from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
-from ..planning.forked import forked_map, split, usable_cpus
+from ..planning.forked import forked_call, forked_map, split, usable_cpus
 from ..planning.ranking import FORK_FROM, MAX_PROCESSES, paused_collector
 from ..planning.space import DOMINATED, Candidate, flag_names
 from .benchmark.command import BatchPolicy, Kind
@@ -385,8 +385,17 @@ def json_rows(fitting: list, args, hw, words: list[str]) -> list[str]:
     """Each fitting layout's JSON row (layout_json), in order; a space of FORK_FROM layouts or more
     made by --processes forked processes (as the predictions), each a contiguous part."""
     n = len(fitting)
-    parts = args.processes or (min(MAX_PROCESSES, usable_cpus()) if n >= FORK_FROM else 1)
-    return forked_map(lambda e: layout_json(e, args, hw, words), fitting, split([1] * n, parts))
+    return forked_map(lambda e: layout_json(e, args, hw, words), fitting, split([1] * n, _parts(args, n)))
+
+
+def _parts(args, n: int) -> int:
+    """The processes that make n rows: --processes, else this machine's CPUs (up to MAX_PROCESSES)
+    for FORK_FROM rows or more (as plan's predictions)."""
+    return args.processes or (min(MAX_PROCESSES, usable_cpus()) if n >= FORK_FROM else 1)
+
+
+def _forks(args, n: int) -> bool:
+    return _parts(args, n) > 1
 
 
 def write_plot(path: str, result) -> None:
@@ -394,12 +403,14 @@ def write_plot(path: str, result) -> None:
     import matplotlib  # here: slow to import, needed for the plot only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for entries, label, color in ((result.fitting, "fits", "C0"), (result.over_budget, "over budget", "C3")):
         if entries:
-            ax.scatter([e.step_ms for e in entries], [e.peak_bytes / GIB for e in entries], s=6, alpha=0.5,
-                       color=color, label=f"{label} ({len(entries)})")
+            # arrays, not lists: scatter takes a list's floats one by one (numpy.ma), seconds for a plan's
+            ax.scatter(np.array([e.step_ms for e in entries]), np.array([e.peak_bytes / GIB for e in entries]), s=6,
+                       alpha=0.5, color=color, label=f"{label} ({len(entries)})")
     if result.fitting:
         best = result.fitting[0]
         ax.scatter([best.step_ms], [best.peak_bytes / GIB], s=60, marker="*", color="k", label="ranked first")
@@ -470,6 +481,13 @@ def launch_plan(job: Job) -> int:
               f"{hw.intra.bandwidth / 1e9:.2f} GB/s + {1e6 * hw.intra.call_s:.0f} us a call in a step, "
               f"{1e6 * hw.fsdp_collective_s:.0f} us per FSDP2 collective{work_scale_text(hw)}; wrote {args.calibration}")
         return 0
+    with paused_collector():   # from the plan to its outputs: no cycle worth a walk over its millions of objects
+        return plan_outputs(job)
+
+
+def plan_outputs(job: Job) -> int:
+    """The plan, printed, validated (--validate), written (the JSON, the PNG)."""
+    args = job.task
     t0 = time.perf_counter()
     hw = hardware_of(args)
     result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB),
@@ -477,9 +495,10 @@ def launch_plan(job: Job) -> int:
     seconds = time.perf_counter() - t0
     print_plan(result, args, hw, seconds)
     validation = validate(result, args) if args.validate else None
-    with paused_collector():   # the rows and the plot make no cycle worth a walk over the plan's millions of objects
+    # the plot drawn by a forked child while the JSON is written (where its rows are forked too)
+    with forked_call(lambda: write_plot(args.output_plot, result), fork=_forks(args, len(result.fitting))) as plot:
         write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
-        write_plot(args.output_plot, result)
+        plot()
     print(f"plan: wrote {args.output_json}, {args.output_plot}")
     return 0
 

@@ -37,27 +37,29 @@ UNIT_LEAVES = 29                            # the numbers of one UnitTerms with 
 STAGE_LEAVES = 7
 
 
-def _b_score(entry: tuple, grads_count: bool) -> int:
-    g, a, t = entry[1]
-    return (g if grads_count else 0) + a + t
+def _b_scores(entries: tuple, grads_count: bool) -> list[int]:
+    """A backward's moments' scores: grads (counted or not), activations, temporaries."""
+    return [g + a + t for _, (g, a, t) in entries] if grads_count else [a + t for _, (_, a, t) in entries]
 
 
-def _w_score(entry: tuple, grads_count: bool) -> int:
-    made, x_freed, temp = entry[1]
-    return (made if grads_count else 0) - x_freed + temp
+def _w_scores(entries: tuple, grads_count: bool) -> list[int]:
+    """A W step's moments' scores: the grads it made (counted or not), less the inputs it freed, its temporaries."""
+    if grads_count:
+        return [made - x_freed + temp for _, (made, x_freed, temp) in entries]
+    return [temp - x_freed for _, (_, x_freed, temp) in entries]
 
 
-def _best(entries: tuple, score, grads_count: bool) -> tuple:
-    """The first of the largest moments of one action's list (`max` keeps the first)."""
-    return (max(entries, key=lambda e: score(e, grads_count)),) if entries else ()
+def _best(entries: tuple, scores: list[int]) -> tuple:
+    """The first of the largest moments of one action's list (as `max` keeps the first)."""
+    return (entries[scores.index(max(scores))],) if entries else ()
 
 
 def _cut(u: UnitTerms, grads_count: bool) -> UnitTerms:
     """`u` with each list cut to its first largest moment (a later backward's grads are not its own)."""
-    return replace(u, backward_first=_best(u.backward_first, _b_score, grads_count),
-                   backward_later=_best(u.backward_later, _b_score, False),
-                   weight_first=_best(u.weight_first, _w_score, grads_count),
-                   weight_later=_best(u.weight_later, _w_score, grads_count))
+    return replace(u, backward_first=_best(u.backward_first, _b_scores(u.backward_first, grads_count)),
+                   backward_later=_best(u.backward_later, _b_scores(u.backward_later, False)),
+                   weight_first=_best(u.weight_first, _w_scores(u.weight_first, grads_count)),
+                   weight_later=_best(u.weight_later, _w_scores(u.weight_later, grads_count)))
 
 
 def _one(entries: tuple) -> tuple:
@@ -96,6 +98,7 @@ class _Moments:
     with_grads: np.ndarray
     without_grads: np.ndarray
     rows: tuple                 # (step, "first" / "later" / None, unit, units in flight) per row
+    parts: np.ndarray           # grads, acts, temps stacked: [3, R, F]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,12 +129,24 @@ def _moments(order_key: tuple, pattern: tuple, lasts: tuple, stage_last: bool, w
 
     g, a, t = (np.array([decode(v[i]) for v in values], dtype=np.int64).reshape(len(values), leaves)
                for i in range(3))
-    return _Moments(grads=g, acts=a, temps=t, with_grads=g + a + t, without_grads=a + t, rows=tuple(rows))
+    return _Moments(grads=g, acts=a, temps=t, with_grads=g + a + t, without_grads=a + t, rows=tuple(rows),
+                    parts=np.stack((g, a, t)))
 
 
 def _rows(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_count: bool) -> tuple:
     """The stage's rows of moments, its terms (int64) and its chunks' cut terms, by kind."""
-    zb = _zero_bubble(order_key)
+    pattern, lasts, units, leaves = _chunk_terms(tuple(chunks), _zero_bubble(order_key), grads_count)
+    st = stage_terms(s)
+    m = _moments(order_key, pattern, lasts, st.last, st.weightless)
+    f = np.array(leaves + _stage_leaves(st), dtype=np.int64)
+    return m, f, units
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _chunk_terms(chunks: tuple[SizesKind, ...], zb: bool, grads_count: bool) -> tuple:
+    """The chunks' kinds in order (`pattern`: each chunk's kind, by first appearance), whether each
+    kind holds the head, each chunk's cut terms, and the kinds' leaves in order: the layouts of a
+    stage share their chunks' kinds (remembered_sizes.chunk_kinds), one tuple of objects."""
     distinct: dict = {}
     for kind in chunks:
         distinct.setdefault(id(kind), kind)
@@ -145,10 +160,7 @@ def _rows(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_count:
             kind.derived[key] = cut, _unit_leaves(cut)
         units.append(kind.derived[key][0])
         leaves += kind.derived[key][1]
-    st = stage_terms(s)
-    m = _moments(order_key, pattern, tuple(u.last for u in units), st.last, st.weightless)
-    f = np.array(leaves + _stage_leaves(st), dtype=np.int64)
-    return m, f, [units[k] for k in pattern]
+    return pattern, tuple(u.last for u in units), [units[k] for k in pattern], leaves
 
 
 @functools.lru_cache(maxsize=4096)
@@ -182,4 +194,4 @@ def posted_peak(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_
     m, f, units = _rows(s, chunks, order_key, grads_count)
     r = int(((m.with_grads if grads_count else m.without_grads) @ f).argmax())
     name = _name(m.rows[r], units)
-    return {name: (int(m.grads[r] @ f), int(m.acts[r] @ f), int(m.temps[r] @ f))}, {name: m.rows[r][3]}
+    return {name: tuple((m.parts[:, r] @ f).tolist())}, {name: m.rows[r][3]}

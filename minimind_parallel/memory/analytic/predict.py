@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ...memo import Frozen
 from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...pipeline_parallel.order import Schedule, Step, check_schedule, posted
 from ...plan import stage_layers
@@ -60,7 +61,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
                    dtype=torch.bfloat16, device: str = "cpu", num_microbatches: int = 1,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int | None = None, cp_rank: int | None = None,
                    bucket_size_mb: float = DEFAULT_BUCKET_MB, worst_only: bool = False,
-                   routing: Routing = RoutingPolicy.BALANCED, checked: bool = False) -> MemoryPrediction:
+                   routing: Routing = RoutingPolicy.BALANCED, checked: bool = False,
+                   model_key: Frozen | None = None) -> MemoryPrediction:
     """Predicted peak of a training step of `num_microbatches` microbatches of `micro_batch_size`
     sequences on the worst rank of pipeline stage `stage` (None: of the worst stage), with the
     breakdown of CATEGORIES. device="cuda" leaves out AdamW's step counters (they live on the CPU
@@ -75,7 +77,8 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     EP: for `routing` (moe_sizes.Routing: balanced, the worst case, or a measured histogram of
     tokens per expert, or a list of them, one per microbatch; then the worst EP rank's), said in
     `routing`. `checked`: the caller has run check_layout and check_schedule on this layout already
-    (the planner's space), not run again."""
+    (the planner's space), not run again. `model_key`: Frozen(model_config), made once by a caller
+    that asks about many layouts of the model (the planner), else made here for each."""
     c = model_config
     if par.zero == 3:
         check_composition(par, schedule, num_microbatches)
@@ -100,7 +103,10 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
     # a measured routing differs between EP ranks: each one's (the policies are symmetric)
     ep_ranks = range(par.ep) if c.use_moe and routing not in tuple(RoutingPolicy) else range(1)
-    memo: dict = {}   # worst_only: the sizes of each kind of model chunk, across the stages
+    if model_key is not None and model_key.config is not c:
+        raise ValueError("predict_memory: model_key is not Frozen(model_config)")
+    memo: dict = {} if model_key is None else {"model": model_key}   # worst_only: the sizes of each kind of
+    # model chunk, across the stages
     stages = [max((_predict_stage(c, par, p, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                   num_microbatches=num_microbatches, schedule=schedule, dtype=dtype, device=device,
                                   cp_rank=r, bucket_size_mb=bucket_size_mb, memo=memo if worst_only else None,

@@ -37,7 +37,12 @@ def zero_layouts(c: MiniMindConfig, par: ParallelConfig, stage: int, dtype, buck
     if not par.zero:
         return ()
     shape = tuple(getattr(par, name) for name in LAYOUT_FIELDS)
-    return _remembered_layouts(model or Frozen(c), shape, stage, bucket_numel(bucket_size_mb, dtype))
+    return _remembered_layouts(model or Frozen(c), shape, stage, _bucket_numel(bucket_size_mb, dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_numel(bucket_size_mb: float, dtype) -> int:
+    return bucket_numel(bucket_size_mb, dtype)
 
 
 # the ParallelConfig fields a stage's buffers depend on: its parameters' (plan.SHAPE_FIELDS) and the
