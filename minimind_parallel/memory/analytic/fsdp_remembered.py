@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from ...config import Recompute
-from ...pipeline_parallel.order import Action
+from ...pipeline_parallel.order import Action, Step
 from .fsdp_pipeline import (StageGroups, _after_the_schedule, gathered_moments, grouped_reduces, optimized,
                             stage_groups)
-from .fsdp_posted import gathered_walk
-from .posted_peak import _cut
-from .posted_replay import is_zero_bubble
+from .orders import stage_order
+from .posted_peak import _name, _rows
 from .remembered_sizes import SizesKind
+from .stage_sizes import StageSizes
 
 
 def kind_groups(kind: SizesKind) -> StageGroups:
@@ -57,26 +59,59 @@ def remembered_pipelined_moments(kind: SizesKind, order: list[Action], replayed:
                             reduced=first_largest_reduces)
 
 
-def cut_terms(kind: SizesKind, zb: bool):
-    """The chunk kind's terms with each action's list cut to its first largest moment, the grads
-    counted (posted_peak's cut), made once per kind."""
-    key = ("fsdp cut", zb)
-    if key not in kind.derived:
-        kind.derived[key] = _cut(kind.terms(zb), True)
-    return kind.derived[key]
-
-
-def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order: list[Action], releases: dict,
-                              device: str) -> tuple[dict, dict, int, int]:
+def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_key: tuple, device: str
+                              ) -> tuple[dict, dict, int, int]:
     """fsdp_posted.posted_fully_sharded_moments(peak_only=True)'s first largest moments of the stage
-    `kind` over a posted order, its chunks of `chunks` kinds (remembered_sizes.chunk_kinds)."""
+    `kind` over the posted order `order_key` = (P, stage, M, schedule, V), its chunks of `chunks`
+    kinds (remembered_sizes.chunk_kinds): posted_peak's rows of the walk over the chunks' cut terms
+    (the grads counted) with FSDP2's gathered bytes added to each row (`_gathered_rows`)."""
     s, z = kind.sizes, kind_groups(kind)
+    m, f, units = _rows(s, chunks, order_key, True)
+    seen, firsts = _gathered_rows(m.rows, tuple(k.sizes.layers for k in chunks))
     root_unsaved = z.embedding if not s.tied_here else 0
-    zb = is_zero_bubble(order)
     full = s.par.recompute == Recompute.FULL
-    per_chunk = [(0 if full else k.sizes.layers * z.block, k.sizes.layers * z.block if full else 0, z.block)
-                 for k in chunks]
-    moments, in_flight = gathered_walk(s, [k.sizes for k in chunks], [cut_terms(k, zb) for k in chunks], order,
-                                       releases, (z.each[0][0] - root_unsaved, root_unsaved), per_chunk, True)
-    moments.update(first_largest_reduces(s, z, order))
+    blocks = seen * z.block                          # the forwarded chunks' blocks gathered, per row
+    totals = m.with_grads @ f + (z.each[0][0] + blocks)   # with the root's
+    extra = None                                     # (row, bytes): the last chunk's cross-entropy in its first forward
+    for r, c in firsts:                              # a chunk's first forward: its top block's all-gather output
+        added = _first_forward_added(chunks[c].sizes, z.block)
+        totals[r] += added[0]
+        extra = (r, added[1]) if len(added) > 1 else extra
+    ranked = totals if extra is None else np.insert(totals, extra[0] + 1, totals[extra[0]] + extra[1])
+    pick = int(ranked.argmax())
+    r = pick - (1 if extra is not None and pick > extra[0] else 0)
+    g, a, t = int(m.grads[r] @ f), int(m.acts[r] @ f), int(m.temps[r] @ f)
+    held = (z.each[0][0] - root_unsaved + (0 if full else int(blocks[r])), root_unsaved + (int(blocks[r]) if full else 0))
+    shift = int(ranked[pick]) - (g + a + t + sum(held))   # what the first forward adds
+    name = _name(m.rows[r], units)
+    if extra is not None and pick == extra[0] + 1:
+        name = f"cross_entropy{name[len('forward_end'):]}"
+    moments, in_flight = {name: (0, a + held[0], t + g + held[1] + shift)}, {name: m.rows[r][3]}
+    moments.update(first_largest_reduces(s, z, stage_order(*order_key)))
     return optimized(s, z, moments, in_flight, device)
+
+
+def _first_forward_added(cs: StageSizes, top: int) -> tuple[int, ...]:
+    """What fsdp_pipeline.first_forward_end adds to a chunk's first forward's end (`cs`: the chunk's
+    sizes, `top`: its top block's all-gather output), and on the last chunk with the replicated
+    head's loss what its cross-entropy moment right after holds beyond the forward's end."""
+    if not cs.last:
+        return (top - (cs.f if cs.top_k else 0),)
+    if cs.par.vocab_parallel or cs.par.loss_chunks > 1:
+        return (top,)
+    unmade = cs.b + cs.weight + (((0 if cs.par.cp > 1 else cs.f) + cs.f + cs.weight) if cs.top_k else 0)
+    return (0, top - unmade)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gathered_rows(rows: tuple, layers: tuple) -> tuple[np.ndarray, tuple]:
+    """Per row of posted_peak's walk (`rows`: (step, label, (microbatch, chunk), units)) the layers of
+    the chunks forwarded so far, its own first forward included (`layers[c]`: chunk c's), and the
+    rows of each chunk's first forward: ((row, chunk), ...)."""
+    firsts, seen, out = [], set(), []
+    for r, (step, _, (_, c), _) in enumerate(rows):
+        if step is Step.FORWARD and c not in seen:
+            seen.add(c)
+            firsts.append((r, c))
+        out.append(sum(layers[k] for k in seen))
+    return np.array(out, dtype=np.int64), tuple(firsts)

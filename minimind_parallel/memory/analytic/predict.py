@@ -250,8 +250,7 @@ def _predict_remembered_fully_sharded(kind: SizesKind, order: tuple, order_key: 
     1f1b's replay the kind's."""
     if posted(order):
         chunks = chunk_kinds(c, par, stage, memo, **kw)
-        releases = stage_releases(par.pp, kw["num_microbatches"], order_key[3], par.virtual_stages)[stage]
-        made = remembered_posted_moments(kind, chunks, order, releases, device)
+        made = remembered_posted_moments(kind, chunks, order_key, device)
         return _predict_pipelined_fully_sharded(kind.sizes, order, c, device, ([k.sizes for k in chunks],), made=made)
     s = kind.sizes
     state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
