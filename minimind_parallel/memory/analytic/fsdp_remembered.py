@@ -9,10 +9,12 @@ layouts have made already.
 - gpipe and 1f1b: the replicated stage's replay, of each backward its first largest moment, is
   the kind's (the zero 0 layouts' too): FSDP2 adds the same gathered bytes to every moment of the
   schedule and counts its unsharded grads (temporaries), so the first largest is among those;
-- interleaved and zb: the walk over each chunk kind's terms cut to each action's first largest
-  moment, with the grads counted (posted_peak's cut; FSDP2's gathered bytes are the same within
-  an action), a chunk's blocks' gathered bytes from its kind's layers (every block holds the same
-  shapes) and the root's from the stage;
+- interleaved and zb: posted_peak.py's rows of the walk over each chunk kind's terms cut to each
+  action's first largest moment, with the grads counted (FSDP2's unsharded grads are temporaries,
+  and its gathered bytes the same within an action), and to each row the gathered bytes of the
+  root and of the chunks forwarded so far (a chunk's blocks' from its kind's layers: every block
+  holds the same shapes), remembered per order and chunk layers, and to a chunk's first forward
+  its top block's all-gather output (fsdp_pipeline.first_forward_end);
 - the reduces after the schedule: the caller adds the same bytes to each, so only their first
   largest is kept, remembered by the groups and the batch's bytes.
 """
@@ -24,8 +26,8 @@ import numpy as np
 
 from ...config import Recompute
 from ...pipeline_parallel.order import Action, Step
-from .fsdp_pipeline import (StageGroups, _after_the_schedule, gathered_moments, grouped_reduces, optimized,
-                            stage_groups)
+from .fsdp_pipeline import (StageGroups, _after_the_schedule, first_forward_end, gathered_moments, grouped_reduces,
+                            optimized, stage_groups)
 from .orders import stage_order
 from .posted_peak import _name, _rows
 from .remembered_sizes import SizesKind
@@ -39,7 +41,7 @@ def kind_groups(kind: SizesKind) -> StageGroups:
     return kind.derived["fsdp groups"]
 
 
-def first_largest_reduces(s, z: StageGroups, order: list[Action]) -> dict:
+def first_largest_reduces(s: StageSizes, z: StageGroups, order: list[Action]) -> dict:
     """Of fsdp_pipeline.reduces only the first largest moment (by its total)."""
     return _first_largest_reduces(z.each, *_after_the_schedule(s, order), s.par.recompute == Recompute.FULL)
 
@@ -94,13 +96,9 @@ def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_ke
 def _first_forward_added(cs: StageSizes, top: int) -> tuple[int, ...]:
     """What fsdp_pipeline.first_forward_end adds to a chunk's first forward's end (`cs`: the chunk's
     sizes, `top`: its top block's all-gather output), and on the last chunk with the replicated
-    head's loss what its cross-entropy moment right after holds beyond the forward's end."""
-    if not cs.last:
-        return (top - (cs.f if cs.top_k else 0),)
-    if cs.par.vocab_parallel or cs.par.loss_chunks > 1:
-        return (top,)
-    unmade = cs.b + cs.weight + (((0 if cs.par.cp > 1 else cs.f) + cs.f + cs.weight) if cs.top_k else 0)
-    return (0, top - unmade)
+    head's loss what its cross-entropy moment right after holds beyond the forward's end (it adds
+    bytes to the moment: so its moments of an empty one)."""
+    return tuple(sum(v) for v in first_forward_end(cs, "forward_end", (0, 0, 0), top).values())
 
 
 @functools.lru_cache(maxsize=4096)
