@@ -962,6 +962,39 @@ def test_a_replay_remembered_for_one_zero_level_gives_the_others_their_own_predi
                     {**asdict(every), "candidates": None, "per_stage": None}, (k.describe(), z)
 
 
+def test_a_zero_3_stage_remembered_with_its_twins_gives_its_own_prediction():
+    """The planner predicts --zero 3 under a pipeline from pieces the other layouts remember too
+    (fsdp_remembered.py: the stage's and its chunks' kinds, which a pipeline's zero levels and a
+    chunk's dp share; the replay's and the posted walk's rows; FSDP2's groups by the shapes and W).
+    Zero 3 layouts of a space of every schedule, W 2 and 4, --recompute full and --loss_chunks,
+    predicted in one process after its zero 0 and 1 twins and, caches cleared,
+    before them, is the full replay's prediction to the byte (a piece remembered without W, or the
+    zero level's replay with its grads uncounted, would give it another layout's bytes); and so
+    are the twins'."""
+    from dataclasses import asdict
+    from minimind_parallel.config import Recompute
+    from minimind_parallel.memory.analytic import fsdp_pipeline, remembered_sizes
+    # one KV head of 18: its k and v rows padded to W = dp x cp = 4 (so W reaches the gathered bytes)
+    model = replace(TINY, head_dim=18, num_key_value_heads=1, num_hidden_layers=8)
+    work = Workload(model=model, seq_len=64, global_batch_size=16, world_size=8)
+    zero3 = [k for k in enumerate_layouts(work)[0] if k.zero == 3 and k.pp > 1]
+    sample = zero3[::max(1, len(zero3) // 40)]
+    assert {k.pp_schedule for k in sample} == set(Schedule) and {k.dp for k in sample} >= {2, 4}
+    assert Recompute.FULL in {k.recompute for k in sample} and {k.loss_chunks for k in sample} > {1}
+    for levels in ((0, 1, 3), (3, 1, 0)):
+        remembered_sizes._stage_kind.cache_clear()
+        fsdp_pipeline._stage_groups.cache_clear()
+        for k in sample:
+            for z in levels:
+                par = replace(k, zero=z).parallel
+                kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size,
+                          num_microbatches=k.num_microbatches, schedule=k.pp_schedule, device="cuda")
+                alone, every = predict_memory(work.model, par, worst_only=True, **kw), predict_memory(work.model, par, **kw)
+                assert {**asdict(alone), "candidates": None, "per_stage": None} == \
+                    {**asdict(every), "candidates": None, "per_stage": None}, (k.describe(), z)
+                assert all(every.candidates[name] == total for name, total in alone.candidates.items())
+
+
 def test_a_chunk_kind_shared_across_layouts_gives_each_chunk_its_own_terms():
     """A model chunk's kind is remembered without the step's microbatches, and but on the virtual
     stage that holds them without the loss's and the embedding's flags (remembered_sizes.chunk_kinds):

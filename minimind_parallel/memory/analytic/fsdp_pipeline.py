@@ -26,6 +26,7 @@ holding their sharded grads, the batch and the reported losses alive; then AdamW
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from ...config import Recompute
 from ...pipeline_parallel.order import Action, Step
@@ -62,6 +63,43 @@ def group_bytes(s: StageSizes) -> tuple[dict, dict, dict]:
     shard = {n: b * -(-shape[0] // world) * numel(shape[1:]) for n, shape in s.shapes.items()}
     dense = {n: b * numel(shape) for n, shape in s.shapes.items()}
     return shard, dense, {n: world * v for n, v in shard.items()}
+
+
+@dataclass(frozen=True)
+class StageGroups:
+    """The stage's FSDP2 groups in bytes (group_bytes summed per group, in groups_of's order)."""
+
+    each: tuple        # per group: (gathered, dense, shard, its last parameter's dense; None: no parameters)
+    shards: tuple      # every parameter's shard on this rank, in the model's order (AdamW's)
+    embedding: int     # the gathered embedding (0: not on this stage)
+
+    @property
+    def block(self) -> int:
+        """One block's gathered bytes (the top one's; every block holds the same shapes)."""
+        return self.each[-1][0]
+
+    @property
+    def blocks(self) -> int:
+        return sum(e[0] for e in self.each[1:])
+
+    @property
+    def params(self) -> int:
+        return sum(self.shards)
+
+
+def stage_groups(s: StageSizes) -> StageGroups:
+    """StageGroups of `s`, remembered by what they read: the parameters' shapes, W and the dtype."""
+    return _stage_groups(tuple(s.shapes.items()), s.par.dp * s.par.cp, s.b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_groups(shapes: tuple, world: int, b: int) -> StageGroups:
+    shard = {n: b * -(-shape[0] // world) * numel(shape[1:]) for n, shape in shapes}
+    dense = {n: b * numel(shape) for n, shape in shapes}
+    each = tuple((world * sum(shard[n] for n in names), sum(dense[n] for n in names), sum(shard[n] for n in names),
+                  dense[names[-1]] if names else None) for names in _grouped(tuple(shard)))
+    return StageGroups(each=each, shards=tuple(shard.values()),
+                       embedding=world * shard[EMBEDDING] if EMBEDDING in shard else 0)
 
 
 def first_forward_end(s: StageSizes, name: str, moment: tuple, last_gather: int) -> dict:
@@ -106,26 +144,29 @@ def _after_the_schedule(s: StageSizes, order: list[Action]) -> tuple[int, int]:
     return saved, s.batch - saved + (forwards * s.loss_scalar if s.last else 0)
 
 
-def reduces(s: StageSizes, groups: tuple, order: list[Action], shard: dict, dense: dict,
-             gathered: dict) -> dict:
-    """Each group's reduce after the schedule, in FSDP2's order (`groups`; bytes per parameter of
-    this rank's shard, the dense tensor, the padded gathered one): its grads copied into its
-    reduce-scatter input (its parameters resharded), then the output (its sharded grads) made, of
-    its unsharded grads the last one still bound (by foreach_reduce's loop over them); the later
-    groups still gathered. -> name: (grads, activations, temporaries)."""
-    saved, batch = _after_the_schedule(s, order)
-    each = [(sum(gathered[n] for n in names), sum(dense[n] for n in names)) for names in groups]
-    still, later_dense = sum(g for g, _ in each), sum(d for _, d in each)   # the later groups' (from j on, first)
+def reduces(s: StageSizes, z: StageGroups, order: list[Action]) -> dict:
+    """Each group's reduce after the schedule, in FSDP2's order (`z`: the stage's groups): its
+    grads copied into its reduce-scatter input (its parameters resharded), then the output (its
+    sharded grads) made, of its unsharded grads the last one still bound (by foreach_reduce's
+    loop over them); the later groups still gathered. -> name: (grads, activations, temporaries)."""
+    return grouped_reduces(z.each, *_after_the_schedule(s, order), s.par.recompute == Recompute.FULL)
+
+
+def grouped_reduces(each: tuple, saved: int, batch: int, full: bool) -> dict:
+    """reduces of the groups' bytes `each` (gathered, dense, shard, its last parameter's dense; None:
+    no parameters), what the batch holds meanwhile (`saved`, `batch`: _after_the_schedule) and
+    whether --recompute is full."""
+    still, later_dense = sum(e[0] for e in each), sum(e[1] for e in each)   # the later groups' (from j on, first)
     out, reduced = {}, 0
-    for j, names in enumerate(groups):
-        still, later_dense = still - each[j][0], later_dense - each[j][1]
-        if not names:   # a middle stage's root holds no parameters: no group to reduce
+    for j, (gathered, dense, shard, last) in enumerate(each):
+        still, later_dense = still - gathered, later_dense - dense
+        if last is None:   # a middle stage's root holds no parameters: no group to reduce
             continue
-        blind = still if s.par.recompute == Recompute.FULL else 0   # the blocks' are never saved
-        rest = batch + blind + each[j][0] + later_dense
-        out[f"reduce(group {j})"] = (reduced, saved + still - blind, rest + each[j][1])
-        reduced += sum(shard[n] for n in names)
-        out[f"reduce_scatter(group {j})"] = (reduced, saved + still - blind, rest + dense[names[-1]])
+        blind = still if full else 0   # the blocks' are never saved
+        rest = batch + blind + gathered + later_dense
+        out[f"reduce(group {j})"] = (reduced, saved + still - blind, rest + dense)
+        reduced += shard
+        out[f"reduce_scatter(group {j})"] = (reduced, saved + still - blind, rest + last)
     return out
 
 
@@ -135,21 +176,33 @@ def pipelined_fully_sharded_moments(s: StageSizes, order: list[Action], device: 
     step's last; how many microbatches each finds in flight; this rank's shards; AdamW's states.
     `moe_step`, `moe_layer_state`: the MoE tensors alive until the step's end and each layer's
     alive all step, which the caller adds to every moment (moe_sizes.moe_temporaries)."""
-    shard, dense, gathered = group_bytes(s)
-    groups = groups_of(s)
-    unsaved = gathered[EMBEDDING] if EMBEDDING in gathered and not s.tied_here else 0
+    return gathered_moments(s, stage_groups(s), order, replay_schedule(s, order), device, moe_step, moe_layer_state)
+
+
+def gathered_moments(s: StageSizes, z: StageGroups, order: list[Action], replayed: tuple[dict, dict], device: str,
+                     moe_step: int = 0, moe_layer_state: int = 0, reduced=reduces) -> tuple[dict, dict, int, int]:
+    """pipelined_fully_sharded_moments of the replicated stage's replay `replayed` (its moments
+    and their microbatches in flight; of each backward its first largest moment alone gives the
+    same peak: FSDP2's bytes are the same at every moment of the schedule, the grads counted),
+    the reduces' moments by `reduced` (reduces, or of them the first largest alone)."""
+    unsaved = z.embedding if not s.tied_here else 0
     if s.par.recompute == Recompute.FULL:   # a block's checkpoint saves nothing of its forward (nor its re-run)
-        unsaved += sum(gathered[n] for names in groups[1:] for n in names)
-    last_gather = sum(gathered[n] for n in groups[-1])
-    replayed, in_flight = replay_schedule(s, order)
+        unsaved += z.blocks
+    last_gather = z.block
+    replayed, in_flight = replayed
     first = f"forward_end[{order[0].microbatch}]"   # the stage's first forward: every group gathered in it
-    whole = sum(gathered.values())
+    whole = sum(e[0] for e in z.each)
     moments = {k: (0, a + whole - unsaved, t + g + unsaved) for k, (g, a, t) in replayed.items()}
     moments.update(first_forward_end(s, first, moments[first], last_gather))
-    moments.update(_first_forward(s, order[0].microbatch, last_gather, sum(gathered[n] for n in groups[0]),
-                                  moe_step, moe_layer_state))
-    moments.update(reduces(s, groups, order, shard, dense, gathered))
-    params = sum(shard.values())
-    moments["optimizer"] = optimizer_step(s, list(shard.values()), grads=params)
-    states = 2 * params + (4 * len(shard) if device == "cpu" else 0)
+    moments.update(_first_forward(s, order[0].microbatch, last_gather, z.each[0][0], moe_step, moe_layer_state))
+    moments.update(reduced(s, z, order))
+    return optimized(s, z, moments, in_flight, device)
+
+
+def optimized(s: StageSizes, z: StageGroups, moments: dict, in_flight: dict, device: str) -> tuple[dict, dict, int, int]:
+    """`moments` with AdamW's step over this rank's shards last; the moments, their microbatches
+    in flight, the shards' bytes and AdamW's states (a step counter per tensor on the CPU)."""
+    params = z.params
+    moments["optimizer"] = optimizer_step(s, list(z.shards), grads=params)
+    states = 2 * params + (4 * len(z.shards) if device == "cpu" else 0)
     return moments, in_flight, params, states

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from ...config import Recompute
 from ...pipeline_parallel.order import Action, Step
-from .fsdp_pipeline import EMBEDDING, first_forward_end, group_bytes, groups_of, reduces
+from .fsdp_pipeline import first_forward_end, group_bytes, groups_of, optimized, reduces, stage_groups
 from .posted_replay import is_zero_bubble, stage_terms, unit_terms, walk
-from .schedule_replay import optimizer_step
 from .stage_sizes import StageSizes
 
 
@@ -43,10 +42,22 @@ def posted_fully_sharded_moments(s: StageSizes, chunks: list[StageSizes], order:
     finds held; this rank's shards; AdamW's states. `peak_only` (the planner's): of the walk's
     moments only the first largest (the caller adds the same bytes to each of them)."""
     shard, dense, gathered = group_bytes(s)
-    groups = groups_of(s)
-    root_unsaved = gathered[EMBEDDING] if EMBEDDING in gathered and not s.tied_here else 0
-    root = (sum(gathered[n] for n in groups[0]) - root_unsaved, root_unsaved)
-    per_chunk = _chunk_gathered(s, chunks, gathered)
+    z = stage_groups(s)
+    root_unsaved = z.embedding if not s.tied_here else 0
+    zb = is_zero_bubble(order)
+    moments, in_flight = gathered_walk(s, chunks, [unit_terms(cs, zb) for cs in chunks], order, releases,
+                                       (z.each[0][0] - root_unsaved, root_unsaved), _chunk_gathered(s, chunks, gathered),
+                                       peak_only)
+    moments.update(reduces(s, z, order))
+    return optimized(s, z, moments, in_flight, device)
+
+
+def gathered_walk(s: StageSizes, chunks: list[StageSizes], units: list, order: list[Action], releases: dict,
+                  root: tuple[int, int], per_chunk: list[tuple[int, int, int]], peak_only: bool) -> tuple[dict, dict]:
+    """The posted walk's moments (posted_replay.walk over the chunks' terms `units`) with FSDP2's
+    gathered bytes: the root's (saved, unsaved) from the start, each chunk's blocks' (saved,
+    unsaved, its top block's all-gather output: `per_chunk`) from its first forward on; how many
+    units each finds held. `peak_only`: the first largest alone."""
     moments, in_flight, seen = {}, {}, set()
     held = list(root)   # the gathered bytes (saved, unsaved) of the root and the chunks forwarded so far
     best = [-1]         # peak_only: the largest total kept
@@ -74,10 +85,5 @@ def posted_fully_sharded_moments(s: StageSizes, chunks: list[StageSizes], order:
                 best[0] = sum(v)
             moments[k], in_flight[k] = v, n
 
-    zb = is_zero_bubble(order)
-    walk(stage_terms(s), [unit_terms(cs, zb) for cs in chunks], order, releases, emit)
-    moments.update(reduces(s, groups, order, shard, dense, gathered))
-    params = sum(shard.values())
-    moments["optimizer"] = optimizer_step(s, list(shard.values()), grads=params)
-    states = 2 * params + (4 * len(shard) if device == "cpu" else 0)
-    return moments, in_flight, params, states
+    walk(stage_terms(s), units, order, releases, emit)
+    return moments, in_flight

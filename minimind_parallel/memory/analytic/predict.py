@@ -15,6 +15,7 @@ from ..tracker import CATEGORIES
 from .fsdp_composition import check_composition
 from .fsdp_pipeline import pipelined_fully_sharded_moments
 from .fsdp_posted import posted_fully_sharded_moments
+from .fsdp_remembered import remembered_pipelined_moments, remembered_posted_moments
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .orders import stage_order, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, moe_report, moe_temporaries,
@@ -178,7 +179,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     sized = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                  dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed, expert_rows=expert_rows)
     memo = None if microbatches else memo
-    kind = stage_kind(c, par, stage, memo, **sized) if memo is not None and par.zero != 3 else None
+    kind = stage_kind(c, par, stage, memo, **sized) if memo is not None and (par.zero != 3 or par.pp > 1) else None
     s = kind.sizes if kind else stage_sizes(c, par, stage, **sized)
     each = [stage_sizes(c, par, stage, **{**sized, **m}) for m in microbatches] if microbatches else None
     model = model_key(c, memo) if memo is not None else None   # Frozen(c), once per layout
@@ -194,6 +195,10 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     if each is not None and (par.zero == 3 or posted(order)):
         raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
                                   f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
+    if par.zero == 3 and kind:   # the planner's: of the walks the first largest moments, remembered
+        return _predict_remembered_fully_sharded(kind, order, order_key, c, par, stage, device, memo, cp_rank=cp_rank,
+                                                 seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                                 num_microbatches=num_microbatches, dtype=as_dtype(dtype))
     if par.zero == 3 and par.pp > 1:
         chunked = None   # a posted order: each chunk's sizes and the sends' release points
         if posted(order):
@@ -261,6 +266,23 @@ def _replayed(kind: SizesKind, order: tuple, order_key: tuple, grads_count: bool
     return dict(moments), in_flight
 
 
+def _predict_remembered_fully_sharded(kind: SizesKind, order: tuple, order_key: tuple, c: MiniMindConfig,
+                                      par: ParallelConfig, stage: int, device: str, memo: dict,
+                                      **kw) -> MemoryPrediction:
+    """_predict_pipelined_fully_sharded's prediction (peak_only) of the stage `kind` from remembered
+    pieces (fsdp_remembered.py): a posted order's walk over its chunk kinds' cut terms, gpipe's and
+    1f1b's replay the kind's."""
+    if posted(order):
+        chunks = chunk_kinds(c, par, stage, memo, **kw)
+        made = remembered_posted_moments(kind, chunks, order_key, device)
+        return _predict_pipelined_fully_sharded(kind.sizes, order, c, device, ([k.sizes for k in chunks],), made=made)
+    s = kind.sizes
+    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+    made = remembered_pipelined_moments(kind, order, _replayed(kind, order, order_key, True), device, step,
+                                        state // s.layers)
+    return _predict_pipelined_fully_sharded(s, order, c, device, made=made)
+
+
 def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str) -> MemoryPrediction:
     """--zero 3 (FSDP2): its moments and this rank's shards (fsdp_replay.py)."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
@@ -272,7 +294,8 @@ def _predict_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, devic
 
 
 def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindConfig, device: str,
-                                     chunked: tuple | None = None, peak_only: bool = False) -> MemoryPrediction:
+                                     chunked: tuple | None = None, peak_only: bool = False,
+                                     made: tuple | None = None) -> MemoryPrediction:
     """--zero 3 (FSDP2) under PP: its moments and this rank's shards (fsdp_pipeline.py; a posted
     order, `chunked` its chunks' sizes and release points: fsdp_posted.py; `peak_only`: of its walk
     the first largest moment alone, predict_memory's worst_only). MoE: after the schedule
@@ -280,7 +303,9 @@ def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindCon
     while the groups reduce, each unit's reported aux share is alive, not the backward's terms."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
     state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
-    if chunked is None:
+    if made is not None:   # the moments made already (fsdp_remembered.py; `chunked`: the chunks' sizes alone)
+        moments, in_flight, params, states = made
+    elif chunked is None:
         moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device, step, state // s.layers)
     else:
         moments, in_flight, params, states = posted_fully_sharded_moments(s, chunked[0], order, chunked[1], device,
