@@ -1175,3 +1175,20 @@ def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeyp
         assert gc.get_freeze_count() >= frozen + len(kept) and gc.isenabled()
     finally:
         gc.unfreeze()
+
+
+def test_an_earlier_plans_validation_cells_are_never_read_as_this_ones(tmp_path, capsys):
+    """--validate's CSVs sit beside the JSON: an earlier plan's folder is refused in one line without
+    --overwrite, before any cell runs; with it, a cell's old CSV is removed before the cell runs, and
+    a cell that fails (here: refused by its parser) is a failure, not the old row."""
+    from minimind_parallel.tasks import plan as plan_task
+    from minimind_parallel.tasks.benchmark.outputs import Status
+    (tmp_path / "plan_validate").mkdir()
+    code, _ = run_plan(tmp_path, "--validate", "1")
+    assert code == 2 and not (tmp_path / "plan.json").exists()
+    err = capsys.readouterr().err
+    assert "--validate's results" in err and "--overwrite" in err
+    stale = tmp_path / "plan_validate" / "0_memory.csv"
+    stale.write_text("status,peak_mib\nok,1.0\n")
+    row = plan_task.run_cell(["benchmark", "--kind", "memory", "--", "--no_such_flag"], str(stale.parent), "0_memory")
+    assert row["status"] == Status.FAILED and not stale.exists()

@@ -169,6 +169,8 @@ def check(job: Job) -> None:
     check_layout(model_of(args), launcher_layout(launch), seq_len=args.seq_len)   # the model itself, on one rank
     check_new(args.output_json, args.overwrite, "--output_json")
     check_new(args.output_plot, args.overwrite, "--output_plot")
+    if args.validate:   # its cells' CSVs: an earlier plan's are never read as this one's
+        check_new(validation_dir(args.output_json), args.overwrite, "--validate's results")
 
 
 def check_new(path: str, overwrite: bool, what: str) -> None:
@@ -505,6 +507,11 @@ def plan_outputs(job: Job) -> int:
 
 # ---------------------------------------------------------------- --validate: predicted against measured
 
+def validation_dir(output_json: str) -> str:
+    """Where --validate's benchmark cells write their CSVs: beside the JSON, named after it."""
+    return os.path.splitext(output_json)[0] + "_validate"
+
+
 def validation_layouts(result, k: int, seed: int) -> list:
     """The top k fitting layouts and k others drawn at random from the rest."""
     top, rest = result.fitting[:k], result.fitting[k:]
@@ -512,8 +519,12 @@ def validation_layouts(result, k: int, seed: int) -> list:
 
 
 def run_cell(argv: list[str], out_dir: str, name: str) -> dict:
-    """One benchmark cell as its own command (its ranks launched by the benchmark); -> its CSV row."""
+    """One benchmark cell as its own command (its ranks launched by the benchmark); -> its CSV row, read
+    only where the cell ended well (an earlier plan's CSV of the same name, which --overwrite let be
+    replaced, is removed first: the benchmark refuses to overwrite it)."""
     csv_path = os.path.join(out_dir, f"{name}.csv")
+    if os.path.exists(csv_path):
+        os.remove(csv_path)
     cmd = [sys.executable, "-m", "evaluation.parallel", *argv, "--output_csv", csv_path]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -522,7 +533,7 @@ def run_cell(argv: list[str], out_dir: str, name: str) -> dict:
         if proc.poll() is None:   # interrupted: the benchmark ends its ranks on SIGTERM
             proc.terminate()
             proc.wait()
-    if not os.path.exists(csv_path):
+    if proc.returncode != 0 or not os.path.exists(csv_path):
         return {"status": Status.FAILED, "reason": (err or "").strip().splitlines()[-1:]}
     with open(csv_path) as f:
         return next(csv.DictReader(f))
@@ -536,7 +547,7 @@ def validate(result, args) -> dict:
     machine's rates measured just before it (--validate_calibrate) and the layouts predicted at
     them; each layout's predicted and measured time are the medians over the rounds."""
     chosen = validation_layouts(result, args.validate, args.seed)
-    out_dir = os.path.splitext(args.output_json)[0] + "_validate"
+    out_dir = validation_dir(args.output_json)
     os.makedirs(out_dir, exist_ok=True)
     device = args.device
     iters = ["--warmup_iters", "1", "--benchmark_iters", str(args.validate_iters)]
