@@ -208,6 +208,12 @@ MOE_SP_RECOMPUTE_CP = [
     (replace(_sized(128, 2, 8, 8, 128, False), use_moe=True, num_experts_per_tok=2, moe_intermediate_size=256),
      dict(tp=2, cp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True, recompute="full"),
      torch.bfloat16, 1, 256, 2, 0, "attention_backward"),
+    # bf16 under basic SP and --recompute selective: the lean norms save the block's input and middle
+    # residual stream, no temporaries beside the four [Nn, H] at the second microbatch's last add
+    (replace(_sized(128, 1, 8, 4, 128, True), use_moe=True, num_experts=2, num_experts_per_tok=1,
+             moe_intermediate_size=256),
+     dict(dp=2, tp=2, sequence_parallel=True, vocab_parallel=True, recompute="selective"), torch.bfloat16, 2, 256, 1, 0,
+     "block_forward_end(block 0)[1]"),
 ]
 
 
