@@ -208,6 +208,12 @@ MOE_SP_RECOMPUTE_CP = [
     (replace(_sized(128, 2, 8, 8, 128, False), use_moe=True, num_experts_per_tok=2, moe_intermediate_size=256),
      dict(tp=2, cp=2, sequence_parallel=True, shared_sp_gather=True, vocab_parallel=True, recompute="full"),
      torch.bfloat16, 1, 256, 2, 0, "attention_backward"),
+    # bf16 under basic SP and --recompute selective: the lean norms save the block's input and middle
+    # residual stream, no temporaries beside the four [Nn, H] at the second microbatch's last add
+    (replace(_sized(128, 1, 8, 4, 128, True), use_moe=True, num_experts=2, num_experts_per_tok=1,
+             moe_intermediate_size=256),
+     dict(dp=2, tp=2, sequence_parallel=True, vocab_parallel=True, recompute="selective"), torch.bfloat16, 2, 256, 1, 0,
+     "block_forward_end(block 0)[1]"),
 ]
 
 
@@ -361,6 +367,8 @@ def test_zero3_under_the_posted_schedules_is_the_estimate_to_the_byte_on_every_s
 
 # (layout, dtype, microbatches, routing, the moment at the peak): zero 3 under expert parallelism; a
 # routing as one EP group's tokens per expert per MoE layer: EP rank 0 (experts 0 and 1) receives the most
+FEW_TOKEN_EXPERTS = replace(_sized(128, 2, 8, 8, 512, True), use_moe=True, num_experts=4, num_experts_per_tok=1,
+                            moe_intermediate_size=64)
 SKEWED = {"model.layers.0.mlp": [100, 60, 60, 36], "model.layers.1.mlp": [30, 130, 20, 76]}
 EXPERT_SHARDED = [
     (dict(dp=2, ep=2), torch.float32, 1, RoutingPolicy.BALANCED, "expert_swiglu_backward"),   # experts whole
@@ -369,6 +377,10 @@ EXPERT_SHARDED = [
     (dict(dp=4, ep=2), torch.bfloat16, 1, RoutingPolicy.BALANCED, "expert_forward_end"),  # gathered in forward
     (dict(dp=4, ep=2), torch.float32, 1, SKEWED, "expert_pre_backward"),
     (dict(dp=4, ep=4), torch.bfloat16, 2, RoutingPolicy.BALANCED, "expert_swiglu_backward"),
+    # (model, seq_len, micro_batch_size): 16 tokens against H 128, the input norm's backward (the
+    # experts' grads .grad where whole, reduce-scattered where sharded), every block's weight grad in
+    (dict(dp=2, ep=2), torch.bfloat16, 2, RoutingPolicy.BALANCED, "input_norm_backward", FEW_TOKEN_EXPERTS, 16, 1),
+    (dict(dp=4, ep=2), torch.bfloat16, 1, RoutingPolicy.BALANCED, "input_norm_backward", FEW_TOKEN_EXPERTS, 16, 1),
 ]
 
 
@@ -378,16 +390,19 @@ def test_the_memory_model_of_zero3_under_expert_parallelism_is_the_estimate_to_t
     pre-backward, copied out at the grad of their output, reduce-scattered before the dispatch's
     backward; whole, outside FSDP2, where the EDP group is one rank): predict_memory equals the
     tracker on fake tensors on the worst EP rank (rank 0, under SKEWED too), fp32 and bf16, balanced
-    and a measured routing, dp2 ep2, dp4 ep2 and dp4 ep4; the planner plans it."""
+    and a measured routing, dp2 ep2, dp4 ep2 and dp4 ep4, and with few tokens the input
+    norm's backward (the experts' grads done by then); the planner plans it."""
     from minimind_parallel.planning import Candidate, Workload
     from minimind_parallel.planning.space import check_candidate
     config = replace(_config(2, 128, False), use_moe=True, num_experts=4, num_experts_per_tok=2)
     estimates = {}
-    for layout, dtype, microbatches, routing, moment in EXPERT_SHARDED:
+    for layout, dtype, microbatches, routing, moment, *sized in EXPERT_SHARDED:
+        model_config, seq_len, mbs = sized or (config, 32, 2)
         par = ParallelConfig(**layout, zero=3)
-        kw = dict(seq_len=32, micro_batch_size=2, dtype=dtype, num_microbatches=microbatches, routing=routing)
-        model = predict_memory(config, par, **kw)
-        estimates[str(par), dtype] = estimate = estimate_step_memory(config, par, iters=1, **kw)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, routing=routing)
+        model = predict_memory(model_config, par, **kw)
+        estimate = estimate_step_memory(model_config, par, iters=1, **kw)
+        estimates.update({} if sized else {(str(par), dtype): estimate})
         assert model.peak_at.startswith(moment), (layout, dtype, model.peak_at)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (layout, dtype)
     work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=4)

@@ -139,14 +139,18 @@ def _pre_forward(s: StageSizes, z: FsdpSizes, model: int, *, fresh_root: bool, s
 def _block_forward_end(s: StageSizes) -> tuple[int, int]:
     """The top block's last residual add (its parameters and all-gather output alive: the
     caller's): this microbatch's blocks saved; down_proj's output and the sum, and in half
-    precision the block's input and middle residual stream (the norms save their fp32 copies);
+    precision the block's input and middle residual stream (the norms save their fp32 copies; the
+    MoE model's lean norms under --recompute selective save them);
     under SP before it, down_proj's output [N, H] reduce-scattered into [Nn, H] (basic SP: the
     post-attention norm's output shard, which the MLP's gathers do not save, still bound). The MoE
     layer works on the tokens of the rank's shard (under SP too): its output [Nn, H] and the sum."""
     par, row = s.par, s.b * s.nn * s.hid
     pair = 0 if s.b == s.f else 2 * row
-    if s.expert_rows:   # the MoE layer's output and the sum [Nn, H] (selective: the attention's too, and the norm's)
-        return s.blocks, pair + (4 if par.recompute == Recompute.SELECTIVE else 2) * row
+    if s.expert_rows:   # the MoE layer's output and the sum [Nn, H] (selective: the attention's too, and the norm's,
+        # and no pair: the lean norms save their half-precision inputs, the block's saved tensors)
+        if par.recompute == Recompute.SELECTIVE:
+            return s.blocks, 4 * row
+        return s.blocks, pair + 2 * row
     if not par.sequence_parallel:
         return s.blocks, pair + 2 * row
     normed = row if not par.async_communication else 0
