@@ -413,17 +413,22 @@ print(gloo_threads())
 """
 
 
+def _gloo_threads_left_by(script: str) -> str:
+    """The gloo threads a one-rank `script` finds alive after its teardown (the last word it prints)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()[-1]
+
+
 def test_a_rank_with_an_optimizer_destroys_its_default_group_with_its_threads():
     """torch._dynamo imported after the default group exists (an optimizer's first use imports it)
     keeps that group alive past destroy_process_group, its gloo threads into the interpreter's
     finalization; the worker imports it first, so a rank's teardown leaves no gloo thread."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    done = subprocess.run([sys.executable, "-c", _RANK_WITH_AN_OPTIMIZER], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-1] == "0", done.stdout
+    assert _gloo_threads_left_by(_RANK_WITH_AN_OPTIMIZER) == "0"
 
 
 _RANK_WITH_FSDP2 = """
@@ -456,10 +461,4 @@ def test_a_rank_that_sharded_with_fsdp2_destroys_its_meshs_group_with_its_thread
     """FSDP2's DTensor parameters leave their device mesh -- and the mesh its process group -- in
     DTensor's sharding propagation caches; a rank's teardown clears them, so no gloo thread of the
     mesh's group outlives destroy_process_group (3 did before)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    done = subprocess.run([sys.executable, "-c", _RANK_WITH_FSDP2], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-1] == "0", done.stdout
+    assert _gloo_threads_left_by(_RANK_WITH_FSDP2) == "0"

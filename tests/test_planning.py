@@ -582,18 +582,11 @@ def test_zero_3_gathers_each_block_twice_and_scatters_its_grads_per_microbatch()
     assert t.optimizer == pytest.approx(params / 4 * ADAMW_ACCESSES * 2 / SLOW.memory_bandwidth)
 
 
-def test_zero_3s_step_time_gathers_what_a_counted_fsdp2_step_gathers(monkeypatch):
-    """The planner's --zero 3 step (ranking.evaluate) against the collectives of a fake FSDP2 step
-    counted at FSDP2's all-gather and reduce-scatter hooks: the same bytes (the unsharded parameters
-    gathered once in forward, the blocks' again in backward, every grad reduce-scattered once: not
-    this rank's shards) and the same calls; AdamW steps this rank's shards (divided once)."""
-    from minimind_parallel.config import DTYPES
+def _counted_fsdp2_collectives(monkeypatch) -> dict:
+    """FSDP2's all-gathers and reduce-scatters (distributed/comm.py) counted from now on: their calls,
+    and the bytes of the gathered outputs and of the unsharded grads they scatter."""
     from minimind_parallel.distributed import comm
-    from minimind_parallel.memory.estimate import estimate_step_memory
-    from minimind_parallel.planning.ranking import evaluate
-    k = Candidate(dp=4, micro_batch_size=2, zero=3)
     counted = {"calls": 0, "bytes": 0}
-    gather, scatter = comm.all_gather_into, comm.reduce_scatter_into
 
     def counting(collective, measured):
         def run(out, x, group, *args):
@@ -602,8 +595,21 @@ def test_zero_3s_step_time_gathers_what_a_counted_fsdp2_step_gathers(monkeypatch
             return collective(out, x, group, *args)
         return run
 
-    monkeypatch.setattr(comm, "all_gather_into", counting(gather, lambda out, x: out))        # the gathered
-    monkeypatch.setattr(comm, "reduce_scatter_into", counting(scatter, lambda out, x: x))     # the unsharded grads
+    monkeypatch.setattr(comm, "all_gather_into", counting(comm.all_gather_into, lambda out, x: out))
+    monkeypatch.setattr(comm, "reduce_scatter_into", counting(comm.reduce_scatter_into, lambda out, x: x))
+    return counted
+
+
+def test_zero_3s_step_time_gathers_what_a_counted_fsdp2_step_gathers(monkeypatch):
+    """The planner's --zero 3 step (ranking.evaluate) against the collectives of a fake FSDP2 step
+    counted at FSDP2's all-gather and reduce-scatter hooks: the same bytes (the unsharded parameters
+    gathered once in forward, the blocks' again in backward, every grad reduce-scattered once: not
+    this rank's shards) and the same calls; AdamW steps this rank's shards (divided once)."""
+    from minimind_parallel.config import DTYPES
+    from minimind_parallel.memory.estimate import estimate_step_memory
+    from minimind_parallel.planning.ranking import evaluate
+    k = Candidate(dp=4, micro_batch_size=2, zero=3)
+    counted = _counted_fsdp2_collectives(monkeypatch)
     dtype = DTYPES[WORK.dtype]
     estimate_step_memory(TINY, k.parallel, seq_len=WORK.seq_len, micro_batch_size=2, dtype=dtype, iters=1)
     assert counted["calls"] == 2 * TINY.num_hidden_layers + 1 + TINY.num_hidden_layers + 1
@@ -625,24 +631,12 @@ def test_a_zero_3_pipeline_stage_is_planned_with_its_gathers_counted_once(monkey
     all-gather and reduce-scatter hooks: every unit gathered once and reduce-scattered once, not per
     microbatch -- the same calls and bytes."""
     from minimind_parallel.config import DTYPES
-    from minimind_parallel.distributed import comm
     from minimind_parallel.memory.estimate import estimate_step_memory
     from minimind_parallel.planning.ranking import evaluate
     k = Candidate(dp=2, pp=2, micro_batch_size=1, num_microbatches=4, zero=3, pp_schedule=Schedule.ONE_F_ONE_B)
     check_candidate(WORK, k)
     assert any(v.zero == 3 and v.pp == 2 for v in enumerate_layouts(WORK)[0])
-    counted = {"calls": 0, "bytes": 0}
-    gather, scatter = comm.all_gather_into, comm.reduce_scatter_into
-
-    def counting(collective, measured):
-        def run(out, x, group, *args):
-            counted["calls"] += 1
-            counted["bytes"] += measured(out, x).numel() * measured(out, x).element_size()
-            return collective(out, x, group, *args)
-        return run
-
-    monkeypatch.setattr(comm, "all_gather_into", counting(gather, lambda out, x: out))
-    monkeypatch.setattr(comm, "reduce_scatter_into", counting(scatter, lambda out, x: x))
+    counted = _counted_fsdp2_collectives(monkeypatch)
     dtype = DTYPES[WORK.dtype]
     estimate_step_memory(TINY, k.parallel, seq_len=WORK.seq_len, micro_batch_size=1, dtype=dtype, iters=1,
                          num_microbatches=4, stage=1)

@@ -275,6 +275,13 @@ PIPELINED = [
 ]
 
 
+def _each_stage(config, par, kw: dict):
+    """(stage, the analytic model's prediction, the tracker's estimate on fake tensors) of every stage."""
+    for stage in range(par.pp):
+        yield stage, predict_memory(config, par, stage=stage, **kw), estimate_step_memory(config, par, iters=1,
+                                                                                          stage=stage, **kw)
+
+
 def test_the_memory_model_of_zero3_under_pipeline_parallelism_is_the_estimate_to_the_byte():
     """predict_memory under --zero 3 with PP (memory/analytic/fsdp_pipeline.py: the replicated
     stage's replay, the stage's groups gathered from the first forward on, the unsharded grads
@@ -284,9 +291,7 @@ def test_the_memory_model_of_zero3_under_pipeline_parallelism_is_the_estimate_to
         config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
         config = replace(config, **MOE_FIELDS) if moe else config
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
-        for stage in range(par.pp):
-            estimate = estimate_step_memory(config, par, iters=1, stage=stage, **kw)
-            model = predict_memory(config, par, stage=stage, **kw)
+        for stage, model, estimate in _each_stage(config, par, kw):
             assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
                 (layout, dtype, microbatches, schedule, moe, stage, model.peak_at)
 
@@ -319,9 +324,7 @@ def test_zero3_under_pipeline_parallelism_is_exact_at_one_microbatch_and_under_f
         config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
         config = replace(config, **MOE_FIELDS) if moe else config
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
-        for stage in range(par.pp):
-            estimate = estimate_step_memory(config, par, iters=1, stage=stage, **kw)
-            model = predict_memory(config, par, stage=stage, **kw)
+        for stage, model, estimate in _each_stage(config, par, kw):
             assert stage != at or model.peak_at == moment, (layout, moment, model.peak_at)
             assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
                 (layout, microbatches, stage, model.peak_at)
@@ -355,9 +358,7 @@ def test_zero3_under_the_posted_schedules_is_the_estimate_to_the_byte_on_every_s
     for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule in POSTED:
         config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
-        for stage in range(par.pp):
-            estimate = estimate_step_memory(config, par, iters=1, stage=stage, **kw)
-            model = predict_memory(config, par, stage=stage, **kw)
+        for stage, model, estimate in _each_stage(config, par, kw):
             assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
                 (layout, dtype, microbatches, schedule, stage, model.peak_at)
     work = Workload(model=_config(4, 128, True), seq_len=32, global_batch_size=8, world_size=4)
