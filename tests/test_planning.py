@@ -1068,11 +1068,8 @@ def test_the_layouts_predicted_by_groups_of_shared_sizes_come_back_in_the_spaces
     assert len(runs) == len(set(runs)) > 1
 
 
-def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
-    """A child's error is raised in the parent; an error of the parent's own part ends the children
-    still running (one sleeps); either way every child is reaped."""
-    import os
-    import time
+def _recorded_forks(monkeypatch) -> list:
+    """The pids of the children planning/forked.py forks from now on."""
     from minimind_parallel.planning import forked
     pids, fork = [], forked._fork
 
@@ -1081,6 +1078,16 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
         pids.append(pid)
         return pid, fd
     monkeypatch.setattr(forked, "_fork", recorded)
+    return pids
+
+
+def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
+    """A child's error is raised in the parent; an error of the parent's own part ends the children
+    still running (one sleeps); either way every child is reaped."""
+    import os
+    import time
+    from minimind_parallel.planning import forked
+    pids = _recorded_forks(monkeypatch)
 
     def child_fails(x):
         if x == 5:
@@ -1109,13 +1116,7 @@ def test_a_forked_call_returns_or_raises_here_and_its_child_is_reaped(monkeypatc
     the child still finishes its file whole and is reaped; fork=False runs it here."""
     import os
     from minimind_parallel.planning import forked
-    pids, fork = [], forked._fork
-
-    def recorded(fn, part):
-        pid, fd = fork(fn, part)
-        pids.append(pid)
-        return pid, fd
-    monkeypatch.setattr(forked, "_fork", recorded)
+    pids = _recorded_forks(monkeypatch)
     with forked.forked_call(lambda: os.getpid()) as result:
         assert result() not in (os.getpid(), None)
     with forked.forked_call(lambda: {}["missing"]) as result, pytest.raises(KeyError, match="missing"):
