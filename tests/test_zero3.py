@@ -140,13 +140,29 @@ FEW_TOKENS = [
     # block's pre-backward copy-out
     (_config(3, 128, False), dict(dp=2), torch.float32, 1, 16, 1, "mlp_input_backward(block 1)"),
     (_config(2, 128, False), dict(dp=2), torch.float32, 1, 8, 1, "pre_backward(block 0)"),
+    # --recompute full, an eighth of H tokens: the re-run block's input norm's backward after q/k/v's, at its
+    # weight grad's sum (bf16: the incoming grad's fp32 copy) and at its row means' grad (fp32)
+    (_sized(128, 2, 4, 2, 128, False), dict(dp=2, recompute="full"), torch.bfloat16, 1, 16, 1,
+     "input_norm_backward_weight(first block)"),
+    (_sized(128, 2, 8, 2, 128, False), dict(dp=2, recompute="full"), torch.float32, 1, 16, 1,
+     "input_norm_backward(first block)"),
+    # --recompute full, half H tokens: the lean SwiGLU's gate_proj input grad, the three MLP weight grads in
+    (_sized(128, 1, 4, 2, 512, True), dict(dp=2, recompute="full"), torch.float32, 1, 64, 1, "mlp_input_backward"),
+    # basic SP (each linear gathers its own input), an eighth of H tokens: q's input grad, k's and v's
+    # gathered inputs freed and their input grads scattered; with the shared gather the input norm's backward
+    (_sized(128, 2, 8, 4, 128, False), dict(dp=2, tp=2, sequence_parallel=True), torch.float32, 2, 16, 1,
+     "qkv_backward"),
+    (_sized(64, 2, 4, 2, 128, False), dict(dp=2, tp=2, sequence_parallel=True, shared_sp_gather=True),
+     torch.bfloat16, 2, 8, 1, "input_norm_backward["),
 ]
 
 
 def test_zero3_is_the_estimate_to_the_byte_at_any_token_count():
     """Fewer tokens per microbatch than hidden_size (once refused), and hidden_size tokens where a
     block's weights still hold the peak: the moments FSDP2 adds in the forward (a block's copy-out,
-    its last residual add, the lean SwiGLU) and the backward (q/k/v, SP + async's MLP input),
+    its last residual add, the lean SwiGLU) and the backward (q/k/v, under basic SP with k's and
+    v's gathered inputs freed; SP + async's MLP input; the lean SwiGLU's MLP input and, under
+    --recompute full, the re-run input norm's backward),
     each at the peak, the same bytes as the tracker on fake tensors on every category."""
     for config, layout, dtype, microbatches, seq_len, mbs, moment in FEW_TOKENS:
         par = ParallelConfig(**layout, zero=3)
@@ -238,12 +254,14 @@ def test_zero3_with_moe_under_sp_recompute_and_cp_is_the_estimate_to_the_byte():
     (dict(dp=2, zero=3, recompute="selective"), 32, False,
      "under --recompute selective is modelled at 2 x hidden_size tokens per microbatch on a rank or more; "
      "got seq_len / cp_size * micro_batch_size = 64 < 128"),
-    (dict(dp=2, cp=2, zero=3, recompute="full"), 32, False,
-     "under --recompute full is modelled at 1 x hidden_size tokens per microbatch on a rank or more; "
-     "got seq_len / cp_size * micro_batch_size = 32 < 64"),
-    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 8, False,
-     "with --sequence_parallel (without --async_communication) is modelled at hidden_size tokens per microbatch "
-     "on a rank or more; got seq_len / cp_size * micro_batch_size = 16 < 64"),
+    (dict(dp=2, tp=2, zero=3, sequence_parallel=True, recompute="full"), 8, False,
+     "with --sequence_parallel (without --async_communication) under --recompute full (use_moe=False) is modelled "
+     "at hidden_size tokens per microbatch on a rank or more (without --recompute: the dense model at any); "
+     "got seq_len / cp_size * micro_batch_size = 16 < 64"),
+    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 8, True,
+     "with --sequence_parallel (without --async_communication) under --recompute none (use_moe=True) is modelled "
+     "at hidden_size tokens per microbatch on a rank or more (without --recompute: the dense model at any); "
+     "got seq_len / cp_size * micro_batch_size = 16 < 64"),
 ])
 def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(layout, seq_len, moe, message):
     config = replace(_config(2, 128, False), use_moe=moe)

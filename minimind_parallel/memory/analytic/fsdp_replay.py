@@ -243,28 +243,34 @@ def fully_sharded_moments(s: StageSizes, order: list[Action], device: str,
 
 def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> None:
     """The --zero 3 layouts the model follows exactly, at any number of `tokens` per microbatch on
-    a rank (the MoE model at ep 1 too, under SP, --recompute and CP); the others refused in one
-    line: few tokens, where a block's weights outweigh its activations and the peak moves to
-    moments not modelled. The thresholds are measured (memory_model_sweep.py with them lifted),
-    not derived: SP's gathered linears without the async one (below hidden_size tokens: the
-    post-attention norm's backward, 3.7 and 5.0 KB under at an eighth of hidden_size),
-    --recompute selective (below 2 hidden_size tokens: the q/k/v backward, 8 KB under at a
-    quarter under SP + async and CP, 4.6 KB at a sixteenth with the MoE model; exact in 35 of 36
-    dense draws below it) and full (the re-run block's q/k/v backward, below hidden_size tokens:
-    6.4 to 12.8 KB under at a quarter and an eighth). (EP: the experts' own groups, fsdp_experts.py;
-    under PP, fsdp_pipeline.py, the same hold.) The MoE model at ep > 1 (the experts' own FSDP2 groups) stays refused
-    under SP, --recompute and CP: its experts' pre-backward under full recompute and ring CP was
-    17 KB under."""
+    a rank (the MoE model at ep 1 too, under SP, --recompute and CP), fsdp_moments.py listing the
+    moments that hold the peak where a block's weights outweigh its activations: without
+    --recompute and under --recompute full, with or without SP (basic SP: its gathered q/k/v
+    backward and input norm's; full: the re-run block's input norm backward and the lean SwiGLU's
+    MLP input). The others refused in one line, their thresholds measured
+    (memory_model_sweep.py with them lifted), not derived: --recompute selective below 2
+    hidden_size tokens (the q/k/v backward under SP + async, 8 KB under at a quarter of
+    hidden_size with CP, 51 KB at a half; the post-norm's, 28 KB; CP attention's, 1.4 to 11 KB;
+    4.6 KB at a sixteenth with the MoE model) and basic SP under --recompute below hidden_size
+    (full: CP attention's backward in the first block, 5.4 KB under at an eighth with the shared
+    gather; neither the re-run norm's nor q/k/v's moments are written for SP's own gathers under
+    the checkpoint), and with the MoE model below hidden_size (its q/k/v backward, 1 KB under at a
+    quarter with the shared gather: the router's weight grad [E, H]). (EP: the experts' own groups, fsdp_experts.py; under PP, fsdp_pipeline.py,
+    the same hold.) The MoE model at ep > 1 (the experts' own FSDP2 groups) stays refused under
+    SP, --recompute and CP: its experts' pre-backward under full recompute and ring CP was 17 KB
+    under."""
     if c.use_moe and par.ep > 1 and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
         raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe at ep_size > 1 is modelled without "
                                   f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="
                                   f"{par.sequence_parallel}, recompute={par.recompute}, cp_size={par.cp}")
-    if par.sequence_parallel and not par.async_communication and tokens < c.hidden_size:
+    basic_sp = par.sequence_parallel and not par.async_communication
+    if basic_sp and (par.recompute != Recompute.NONE or c.use_moe) and tokens < c.hidden_size:
         raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --sequence_parallel (without "
-                                  f"--async_communication) is modelled at hidden_size tokens per microbatch on a rank "
-                                  f"or more; got seq_len / cp_size * micro_batch_size = {tokens} < {c.hidden_size}")
-    least = {Recompute.SELECTIVE: 2 * c.hidden_size, Recompute.FULL: c.hidden_size}.get(par.recompute, 0)
-    if tokens < least:
-        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) under --recompute {par.recompute} is modelled at "
-                                  f"{least // c.hidden_size} x hidden_size tokens per microbatch on a rank or more; "
-                                  f"got seq_len / cp_size * micro_batch_size = {tokens} < {least}")
+                                  f"--async_communication) under --recompute {par.recompute} (use_moe={c.use_moe}) is "
+                                  f"modelled at hidden_size tokens per microbatch on a rank or more (without --recompute: "
+                                  f"the dense model at any); got seq_len / cp_size * micro_batch_size = "
+                                  f"{tokens} < {c.hidden_size}")
+    if par.recompute == Recompute.SELECTIVE and tokens < 2 * c.hidden_size:
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) under --recompute selective is modelled at "
+                                  f"2 x hidden_size tokens per microbatch on a rank or more; "
+                                  f"got seq_len / cp_size * micro_batch_size = {tokens} < {2 * c.hidden_size}")
