@@ -255,13 +255,17 @@ def test_zero3_with_moe_under_sp_recompute_and_cp_is_the_estimate_to_the_byte():
      "under --recompute selective is modelled at 2 x hidden_size tokens per microbatch on a rank or more; "
      "got seq_len / cp_size * micro_batch_size = 64 < 128"),
     (dict(dp=2, tp=2, zero=3, sequence_parallel=True, recompute="full"), 8, False,
-     "with --sequence_parallel (without --async_communication) under --recompute full (use_moe=False) is modelled "
-     "at hidden_size tokens per microbatch on a rank or more (without --recompute: the dense model at any); "
+     "with sequence_parallel=True (async_communication=False), --recompute full and use_moe=False is modelled at "
+     "hidden_size tokens per microbatch on a rank or more (fewer: the dense model, and basic SP without --recompute); "
      "got seq_len / cp_size * micro_batch_size = 16 < 64"),
     (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 8, True,
-     "with --sequence_parallel (without --async_communication) under --recompute none (use_moe=True) is modelled "
-     "at hidden_size tokens per microbatch on a rank or more (without --recompute: the dense model at any); "
+     "with sequence_parallel=True (async_communication=False), --recompute none and use_moe=True is modelled at "
+     "hidden_size tokens per microbatch on a rank or more (fewer: the dense model, and basic SP without --recompute); "
      "got seq_len / cp_size * micro_batch_size = 16 < 64"),
+    (dict(dp=2, cp=2, zero=3, recompute="full"), 32, True,
+     "with sequence_parallel=False (async_communication=False), --recompute full and use_moe=True is modelled at "
+     "hidden_size tokens per microbatch on a rank or more (fewer: the dense model, and basic SP without --recompute); "
+     "got seq_len / cp_size * micro_batch_size = 32 < 64"),
 ])
 def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(layout, seq_len, moe, message):
     config = replace(_config(2, 128, False), use_moe=moe)

@@ -254,8 +254,9 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
     4.6 KB at a sixteenth with the MoE model) and basic SP under --recompute below hidden_size
     (full: CP attention's backward in the first block, 5.4 KB under at an eighth with the shared
     gather; neither the re-run norm's nor q/k/v's moments are written for SP's own gathers under
-    the checkpoint), and with the MoE model below hidden_size (its q/k/v backward, 1 KB under at a
-    quarter with the shared gather: the router's weight grad [E, H]). (EP: the experts' own groups, fsdp_experts.py; under PP, fsdp_pipeline.py,
+    the checkpoint), and with the MoE model below hidden_size under basic SP (its q/k/v backward,
+    1 KB under at a quarter with the shared gather) and under --recompute full (the first block's
+    re-run input norm backward, 4 B over at an eighth under ring CP). (EP: the experts' own groups, fsdp_experts.py; under PP, fsdp_pipeline.py,
     the same hold.) The MoE model at ep > 1 (the experts' own FSDP2 groups) stays refused under
     SP, --recompute and CP: its experts' pre-backward under full recompute and ring CP was 17 KB
     under."""
@@ -264,12 +265,14 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
                                   f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="
                                   f"{par.sequence_parallel}, recompute={par.recompute}, cp_size={par.cp}")
     basic_sp = par.sequence_parallel and not par.async_communication
-    if basic_sp and (par.recompute != Recompute.NONE or c.use_moe) and tokens < c.hidden_size:
-        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --sequence_parallel (without "
-                                  f"--async_communication) under --recompute {par.recompute} (use_moe={c.use_moe}) is "
-                                  f"modelled at hidden_size tokens per microbatch on a rank or more (without --recompute: "
-                                  f"the dense model at any); got seq_len / cp_size * micro_batch_size = "
-                                  f"{tokens} < {c.hidden_size}")
+    # few tokens not followed: basic SP under --recompute or with the MoE model, the MoE model under full
+    unfollowed = basic_sp and (par.recompute != Recompute.NONE or c.use_moe) or c.use_moe and par.recompute == Recompute.FULL
+    if unfollowed and tokens < c.hidden_size:
+        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with sequence_parallel={par.sequence_parallel} "
+                                  f"(async_communication={par.async_communication}), --recompute {par.recompute} and "
+                                  f"use_moe={c.use_moe} is modelled at hidden_size tokens per microbatch on a rank or "
+                                  f"more (fewer: the dense model, and basic SP without --recompute); got seq_len / "
+                                  f"cp_size * micro_batch_size = {tokens} < {c.hidden_size}")
     if par.recompute == Recompute.SELECTIVE and tokens < 2 * c.hidden_size:
         raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) under --recompute selective is modelled at "
                                   f"2 x hidden_size tokens per microbatch on a rank or more; "
