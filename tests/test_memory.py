@@ -328,11 +328,19 @@ def test_zero_bubble_under_selective_recompute_peaks_at_the_first_blocks_input_n
 
 
 MOE_CHUNKED = replace(PIPE, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-MOE_CHUNKED_CASES = {  # (layout, dtype): the MoE model under interleaved's model chunks, pp2 V2 M4
-    "ep1": (ParallelConfig(pp=2, virtual_stages=2), torch.float32),
+# a measured routing (rows per expert, each layer): stage 0's layers load EP rank 0 (experts 0 and 1)
+# most, stage 1's rank 1 (layer 2, stage 0's second chunk, sends EP rank 1 236 of its 256 rows)
+MEASURED_ROUTING = {f"model.layers.{i}.mlp": rows for i, rows in
+                    enumerate([[120, 40, 60, 36], [20, 140, 80, 16], [10, 10, 200, 36], [64, 64, 64, 64]])}
+MOE_CHUNKED_CASES = {  # (layout, dtype, routing, the EP rank measured on each stage): pp2 V2 M4
+    "ep1": (ParallelConfig(pp=2, virtual_stages=2), torch.float32, RoutingPolicy.BALANCED, (0, 0)),
     "tp2 sp ep2 bf16": (ParallelConfig(pp=2, tp=2, dp=2, ep=2, sequence_parallel=True, virtual_stages=2),
-                        torch.bfloat16),
-    "vp cp2": (ParallelConfig(pp=2, tp=2, cp=2, vocab_parallel=True, virtual_stages=2), torch.float32),
+                        torch.bfloat16, RoutingPolicy.BALANCED, (0, 0)),
+    "vp cp2": (ParallelConfig(pp=2, tp=2, cp=2, vocab_parallel=True, virtual_stages=2), torch.float32,
+               RoutingPolicy.BALANCED, (0, 0)),
+    # each chunk's own rows: stage 0's worst EP rank (1) peaks inside its second chunk's combine
+    "dp2 ep2 measured": (ParallelConfig(pp=2, dp=2, ep=2, virtual_stages=2), torch.float32, MEASURED_ROUTING,
+                         (1, 0)),
 }
 
 
@@ -342,15 +350,20 @@ def test_the_moe_model_under_model_chunks_is_predicted_to_the_byte_on_every_stag
     backward and its reported aux share to the step's end (posted_replay.UnitTerms' MoE terms).
     Against --estimate on every stage (stage 0 peaks in a first chunk's weighting backward, stage
     1 in the head's backward with units of both chunks held), and the planner's remembered rows
-    (worst_only) give each stage the same bytes."""
-    for name, (par, dtype) in MOE_CHUNKED_CASES.items():
-        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=4, schedule="interleaved")
+    (worst_only) give each stage the same bytes. Under a measured routing each chunk's layers take
+    their own rows, and the stage's worst EP rank peaks in the combine of a skewed layer's forward
+    (moe_forward_moments.py), above the end of that forward."""
+    for name, (par, dtype, routing, ep_ranks) in MOE_CHUNKED_CASES.items():
+        kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=4, schedule="interleaved",
+                  routing=routing)
         fast = predict_memory(MOE_CHUNKED, par, worst_only=True, **kw)
         for stage in range(par.pp):
             pred = predict_memory(MOE_CHUNKED, par, stage=stage, **kw)
             assert fast.per_stage[stage] == pred.peak_bytes, (name, stage)
-            _check_model(pred, estimate_step_memory(MOE_CHUNKED, par, iters=1, stage=stage, **kw),
-                         f"{name} stage {stage}")
+            _check_model(pred, estimate_step_memory(MOE_CHUNKED, par, iters=1, stage=stage, ep_rank=ep_ranks[stage],
+                                                    **kw), f"{name} stage {stage}")
+            if routing is MEASURED_ROUTING and stage == 0:
+                assert pred.peak_at.startswith("moe_combine"), pred.peak_at
 
 
 def test_an_earlier_stage_under_selective_recompute_ends_its_forward_with_the_blocks_frame_bound():
@@ -378,13 +391,9 @@ MOE_ZERO_BUBBLE_CASES = {  # (model, layout, sizes, the worst EP rank of each st
                                   num_experts=4, num_experts_per_tok=1, moe_intermediate_size=64),
                    ParallelConfig(pp=4, tp=2, sequence_parallel=True),
                    dict(seq_len=128, dtype=torch.float32, num_microbatches=3), (0,) * 4),
-    # a measured routing (rows per expert, each layer): stage 0's layers load EP rank 0 (experts 0
-    # and 1) most, stage 1's rank 1
+    # a measured routing (MEASURED_ROUTING)
     "pp2 dp2 ep2 measured": (MOE_CHUNKED, ParallelConfig(pp=2, dp=2, ep=2),
-                             dict(seq_len=S, dtype=torch.float32, num_microbatches=4, routing={
-                                 f"model.layers.{i}.mlp": rows for i, rows in
-                                 enumerate([[120, 40, 60, 36], [20, 140, 80, 16], [10, 10, 200, 36],
-                                            [64, 64, 64, 64]])}),
+                             dict(seq_len=S, dtype=torch.float32, num_microbatches=4, routing=MEASURED_ROUTING),
                              (0, 1)),
     # CP ring under --recompute full: the first block's attention backward, every block above W-pending
     "pp2 cp2 ring full": (MiniMindConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=8,
@@ -416,12 +425,6 @@ def test_the_moe_model_under_zero_bubble_is_predicted_to_the_byte_on_every_stage
                          f"{name} stage {stage}")
             peaks.add(pred.peak_at.split("[")[0])
         assert MOE_ZERO_BUBBLE_PEAKS[name] in peaks, (name, peaks)
-    # the measured routing of each model chunk under interleaved is not modelled: refused in one line
-    measured = MOE_ZERO_BUBBLE_CASES["pp2 dp2 ep2 measured"][2]
-    message = one_line_error(NotImplementedError, predict_memory, MOE_CHUNKED,
-                             ParallelConfig(pp=2, dp=2, ep=2, virtual_stages=2), micro_batch_size=B,
-                             **{**measured, "schedule": "interleaved"})
-    assert "a measured routing is modelled under gpipe, 1f1b and zb" in message, message
     # under --zero 3 (FSDP2's gathers beside the experts' B moments) the MoE model's zb stays refused
     from minimind_parallel.memory.analytic.zero_bubble_moments import unmodelled
     assert "not modelled with --use_moe under --zero 3" in unmodelled(use_moe=True, zero=3)
@@ -960,6 +963,32 @@ def test_the_moe_steps_small_terms_are_predicted_to_the_byte():
         _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
 
 
+SKEWED_CASES = {  # (model, layout, sizes, routing, the moment): an earlier stage's own moments
+    # every token on EP rank 0's experts (M = 2 R): the combine's backward, three [M, H] live
+    "gpipe pp2 dp2 ep2 worst": (replace(MOE_CHUNKED, num_hidden_layers=2), ParallelConfig(pp=2, dp=2, ep=2),
+                                dict(seq_len=S, micro_batch_size=B, dtype=torch.float32, num_microbatches=1,
+                                     schedule="gpipe"), RoutingPolicy.WORST, "combine_backward[0]"),
+    # the first forward's end, before the stage's summed aux loss is made (tp4 pp2 M1 bf16, ep 1)
+    "1f1b pp2 tp4 M1 bf16": (MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
+                                            num_key_value_heads=8, vocab_size=128, tie_word_embeddings=False,
+                                            max_position_embeddings=256, use_moe=True, num_experts=2,
+                                            num_experts_per_tok=1, moe_intermediate_size=64),
+                             ParallelConfig(tp=4, pp=2), dict(seq_len=64, micro_batch_size=1, dtype=torch.bfloat16,
+                                                              num_microbatches=1, schedule="1f1b"),
+                             RoutingPolicy.BALANCED, "forward_end[0]"),
+}
+
+
+def test_an_earlier_stages_combine_backward_and_first_forward_end_are_predicted_to_the_byte():
+    """Stage 0 against --estimate where the peak is the combine's backward of a rank whose experts
+    receive every token (moe_backward_moments' combine_backward), and where it is the end of the
+    step's first forward (nothing of the stage's summed aux loss made yet: schedule_replay.moe_unmade)."""
+    for name, (c, par, sizes, routing, moment) in SKEWED_CASES.items():
+        pred = predict_memory(c, par, stage=0, routing=routing, **sizes)
+        assert pred.peak_at == moment, (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, stage=0, routing=routing, **sizes), name)
+
+
 def test_the_estimate_follows_the_worst_case_and_a_given_histogram_as_the_model_does():
     """--estimate on fake tensors cannot route: each MoE layer's dispatch and experts take the rows
     from the routing given (moe/fake_routing.py), so the estimate of the worst case and of a skewed
@@ -995,14 +1024,33 @@ def test_a_routing_per_microbatch_is_predicted_as_the_estimate_follows_it():
     assert pred.routing.startswith("the given histograms, one per microbatch"), pred.routing
     singles = {predict_memory(MOE_SMALL_VOCAB, par, routing=h, **kw).peak_bytes for h in each}
     assert pred.peak_bytes not in singles, (pred.peak_bytes, singles)
-    # one per microbatch, and not under model chunks: one line each
+    # one per microbatch (one line otherwise), and not under --zero 3: one line
     message = one_line_error(ValueError, predict_memory, MOE_SMALL_VOCAB, par, routing=each[:2], **kw)
     assert "routing histograms: one per microbatch, num_microbatches=3; got 2" in message, message
-    chunked = replace(MOE_SMALL_VOCAB, num_hidden_layers=4)
-    message = one_line_error(NotImplementedError, predict_memory, chunked, ParallelConfig(pp=2, virtual_stages=2),
-                             seq_len=S, micro_batch_size=B, num_microbatches=4, schedule="interleaved",
-                             routing=[{f"model.layers.{i}.mlp": [32, 32, 32, 32] for i in range(4)}] * 4)
-    assert "a routing per microbatch is modelled under gpipe and 1f1b" in message, message
+    message = one_line_error(NotImplementedError, predict_memory, MOE_SMALL_VOCAB, replace(par, zero=3),
+                             routing=each, **kw)
+    assert "a routing per microbatch is modelled without --zero 3" in message, message
+
+
+def test_a_routing_per_microbatch_under_model_chunks_gives_each_unit_its_own_rows():
+    """Interleaved with a routing per microbatch: each unit (microbatch, chunk) saves by its
+    microbatch's rows of its chunk's layers (posted_replay's per-unit terms), and the estimate's
+    fake dispatch takes each layer's forwards in turn. pp2 V2 dp2 ep2 M4, stage 0's both EP ranks
+    against --estimate (one peaks in a combine's backward, the other in a weighting's); the
+    prediction is none of the single histograms' (each taken for every microbatch)."""
+    par = ParallelConfig(pp=2, dp=2, ep=2, virtual_stages=2)
+    kw = dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16, num_microbatches=4, schedule="interleaved",
+              stage=0)
+    each = [MEASURED_ROUTING] + [{f"model.layers.{i}.mlp": rows for i, rows in enumerate(layers)} for layers in (
+        [[200, 20, 20, 16], [10, 10, 200, 36], [64, 64, 64, 64], [20, 140, 80, 16]],
+        [[64, 64, 64, 64], [120, 40, 60, 36], [10, 10, 30, 206], [100, 60, 50, 46]],
+        [[10, 20, 200, 26], [64, 64, 64, 64], [180, 50, 10, 16], [10, 10, 200, 36]])]
+    pred = predict_memory(MOE_CHUNKED, par, routing=each, **kw)
+    est = max((estimate_step_memory(MOE_CHUNKED, par, iters=1, routing=each, ep_rank=r, **kw) for r in (0, 1)),
+              key=lambda rep: rep.peak_bytes)
+    _check_model(pred, est, pred.peak_at)
+    singles = {predict_memory(MOE_CHUNKED, par, routing=h, **kw).peak_bytes for h in each}
+    assert pred.peak_bytes not in singles, (pred.peak_bytes, singles)
 
 
 WEIGHTING_CASES = {  # (model fields, layout, sizes): the peak in the weighting's backward, every grad made
