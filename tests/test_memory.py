@@ -976,13 +976,19 @@ SKEWED_CASES = {  # (model, layout, sizes, routing, the moment): an earlier stag
                              ParallelConfig(tp=4, pp=2), dict(seq_len=64, micro_batch_size=1, dtype=torch.bfloat16,
                                                               num_microbatches=1, schedule="1f1b"),
                              RoutingPolicy.BALANCED, "forward_end[0]"),
+    # no aux loss (router_aux_loss_coef 0): no backward root held per microbatch, the sum not kept
+    "gpipe pp2 dp2 ep2 M2 coef 0": (replace(MOE_CHUNKED, num_hidden_layers=2, router_aux_loss_coef=0.0),
+                                    ParallelConfig(pp=2, dp=2, ep=2),
+                                    dict(seq_len=S, micro_batch_size=B, dtype=torch.float32, num_microbatches=2,
+                                         schedule="gpipe"), RoutingPolicy.BALANCED, "weighting_backward[0]"),
 }
 
 
 def test_an_earlier_stages_combine_backward_and_first_forward_end_are_predicted_to_the_byte():
     """Stage 0 against --estimate where the peak is the combine's backward of a rank whose experts
-    receive every token (moe_backward_moments' combine_backward), and where it is the end of the
-    step's first forward (nothing of the stage's summed aux loss made yet: schedule_replay.moe_unmade)."""
+    receive every token (moe_backward_moments' combine_backward), where it is the end of the
+    step's first forward (nothing of the stage's summed aux loss made yet: schedule_replay.moe_unmade),
+    and without an aux loss (moe_sizes.moe_temporaries, schedule_replay.moe_held)."""
     for name, (c, par, sizes, routing, moment) in SKEWED_CASES.items():
         pred = predict_memory(c, par, stage=0, routing=routing, **sizes)
         assert pred.peak_at == moment, (name, pred.peak_at)

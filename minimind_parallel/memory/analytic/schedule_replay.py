@@ -121,7 +121,7 @@ def _moe_per_microbatch(s: StageSizes, finished: int, held: int) -> int:
     aux loss's backward root (an earlier stage)."""
     if not s.top_k:
         return 0
-    per_held = 0 if s.last and s.par.cp > 1 else s.f
+    per_held = moe_held(s)
     return max(finished - 1, 0) * s.f + max(held - 1, 0) * per_held
 
 
@@ -142,7 +142,9 @@ def moe_held(s: StageSizes) -> int:
     held microbatch, for the posted replay's units."""
     if not s.top_k:
         return 0
-    return 0 if s.last and s.par.cp > 1 else s.f
+    if s.last:
+        return 0 if s.par.cp > 1 else s.f
+    return s.f if s.aux_loss_experts else 0   # without an aux loss no root (its loss a constant 0)
 
 
 def moe_lingering(s: StageSizes) -> tuple[int, int]:
@@ -164,7 +166,8 @@ def moe_unmade(s: StageSizes) -> tuple[int, int]:
     if not s.top_k:
         return 0, 0
     if not s.last:   # and before the stage's first forward has finished, the layers' summed aux loss
-        return 2 * s.f, s.f
+        # (without an aux loss the first microbatch's terms are its share alone, made after its forward)
+        return (2 * s.f, s.f) if s.aux_loss_experts else (0, s.f)
     later = _not_made_inside_the_loss(s, 1)
     return later, _not_made_inside_the_loss(s, 0) - later
 
