@@ -353,6 +353,7 @@ def test_the_moe_model_under_model_chunks_is_predicted_to_the_byte_on_every_stag
     (worst_only) give each stage the same bytes. Under a measured routing each chunk's layers take
     their own rows, and the stage's worst EP rank peaks in the combine of a skewed layer's forward
     (moe_forward_moments.py), above the end of that forward."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (par, dtype, routing, ep_ranks) in MOE_CHUNKED_CASES.items():
         kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=4, schedule="interleaved",
                   routing=routing)
@@ -360,7 +361,7 @@ def test_the_moe_model_under_model_chunks_is_predicted_to_the_byte_on_every_stag
         for stage in range(par.pp):
             pred = predict_memory(MOE_CHUNKED, par, stage=stage, **kw)
             assert fast.per_stage[stage] == pred.peak_bytes, (name, stage)
-            _check_model(pred, estimate_step_memory(MOE_CHUNKED, par, iters=1, stage=stage, ep_rank=ep_ranks[stage],
+            _check_model(pred, estimate_step_memory(MOE_CHUNKED, par, iters=1, memo=memo, stage=stage, ep_rank=ep_ranks[stage],
                                                     **kw), f"{name} stage {stage}")
             if routing is MEASURED_ROUTING and stage == 0:
                 assert pred.peak_at.startswith("moe_combine"), pred.peak_at
@@ -414,6 +415,7 @@ def test_the_moe_model_under_zero_bubble_is_predicted_to_the_byte_on_every_stage
     the router's and experts' made in B (zero_bubble_moments._moe_mlp, _moe_moments): against
     --estimate on every stage, peak and every category, at ep 1 and ep 2, balanced and under a
     measured routing; the planner's remembered rows (worst_only) give each stage the same bytes."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (c, par, sizes, ep_ranks) in MOE_ZERO_BUBBLE_CASES.items():
         kw = dict(micro_batch_size=B, schedule="zb", **sizes)
         fast = predict_memory(c, par, worst_only=True, **kw)
@@ -421,7 +423,7 @@ def test_the_moe_model_under_zero_bubble_is_predicted_to_the_byte_on_every_stage
         for stage in range(par.pp):
             pred = predict_memory(c, par, stage=stage, **kw)
             assert fast.per_stage[stage] == pred.peak_bytes, (name, stage)
-            _check_model(pred, estimate_step_memory(c, par, iters=1, stage=stage, ep_rank=ep_ranks[stage], **kw),
+            _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, stage=stage, ep_rank=ep_ranks[stage], **kw),
                          f"{name} stage {stage}")
             peaks.add(pred.peak_at.split("[")[0])
         assert MOE_ZERO_BUBBLE_PEAKS[name] in peaks, (name, peaks)
@@ -448,6 +450,7 @@ def test_a_chunks_last_received_input_outlives_its_backward_through_the_moe_laye
     chunk's received input (its grad's accumulator): the input of a chunk's last forward lives past
     that unit's backward until the chunk's next forward, or through the optimizer step
     (schedule_replay.moe_lingering). Against --estimate where that is the peak."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (layers, vocab, par, sizes) in MOE_LINGERING_CASES.items():
         c = MiniMindConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                            vocab_size=vocab, tie_word_embeddings=False, max_position_embeddings=256, use_moe=True,
@@ -455,7 +458,7 @@ def test_a_chunks_last_received_input_outlives_its_backward_through_the_moe_laye
         kw = {**dict(micro_batch_size=B, dtype=torch.float32), **sizes}
         pred = predict_memory(c, par, **kw)
         assert pred.peak_at.startswith("optimizer" if vocab > 512 else "weighting_backward"), (name, pred.peak_at)
-        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, **kw), name)
 
 
 def test_an_earlier_stage_of_the_moe_model_under_cp_keeps_its_aux_root():
@@ -782,12 +785,13 @@ def test_analytic_model_matches_the_estimate_of_expert_parallel_layouts():
     """Each EP rank's share of the experts and what its dispatch saves (the regroup's and the
     combine's int64 indices), against --estimate, whose dispatch follows the balanced policy (every
     rank sends N*k/P rows to every rank, so each receives N*k)."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (config, par, kw) in MOE_EP_MODES.items():
         kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16), **kw}
         pred = predict_memory(config, par, **kw)
         assert pred.peak_at.startswith(("head_backward", "optimizer")), (name, pred.peak_at)
         assert pred.activations_by_kind["block.moe"] > 0, name
-        _check_model(pred, estimate_step_memory(config, par, iters=1, **kw), name)
+        _check_model(pred, estimate_step_memory(config, par, iters=1, memo=memo, **kw), name)
 
 
 def measure_routing(configs, par, seq_len, rows):
@@ -865,6 +869,7 @@ def test_the_moe_layers_own_backward_is_predicted_to_the_byte():
     """A small vocabulary against N k I_e: the peak is an expert's backward (the last expert's
     down_proj or SwiGLU, every other expert's weight grads made), the post-attention norm's after
     the layer, or under SP the TP-partial grads' sum; against --estimate (the balanced routing)."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (par, dtype, kw) in MOE_BACKWARD_MODES.items():
         kw = dict(kw)
         stage = kw.pop("stage", None)
@@ -873,7 +878,7 @@ def test_the_moe_layers_own_backward_is_predicted_to_the_byte():
         pred = predict_memory(config, par, stage=stage, **sizes)
         want = ("partial_grad_sum",) if par.sequence_parallel else ("expert_", "post_norm_backward")
         assert pred.peak_at.startswith(want), (name, pred.peak_at)
-        _check_model(pred, estimate_step_memory(config, par, iters=1, stage=stage or 0, **sizes), name)
+        _check_model(pred, estimate_step_memory(config, par, iters=1, memo=memo, stage=stage or 0, **sizes), name)
 
 
 def test_a_routing_histogram_that_does_not_fit_the_layout_is_refused_in_one_line():
@@ -923,6 +928,7 @@ def test_each_microbatch_of_the_moe_model_adds_its_aux_share_and_its_objective_o
     """Each finished forward's reported aux share lives to the step's end, each held microbatch's
     objective (last stage) or aux backward root (earlier stage, made after its forward) to its
     backward: against --estimate at a head's backward and an earlier stage's forward end."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (fields, par, sizes) in MOE_MICROBATCH_CASES.items():
         c = replace(MOE, **fields)
         kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16), **sizes}
@@ -930,7 +936,7 @@ def test_each_microbatch_of_the_moe_model_adds_its_aux_share_and_its_objective_o
         # a later microbatch's moment, or several held: more than one microbatch's scalars alive
         later = not pred.peak_at.endswith("[0]") or pred.held_at_peak > 1
         assert pred.peak_at.startswith(("head_backward", "forward_end")) and later, (name, pred.peak_at)
-        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, **kw), name)
 
 
 MOE_SMALL_TERM_CASES = {  # (model fields, layout, sizes): the MoE step's small terms, to the byte
@@ -956,11 +962,12 @@ MOE_SMALL_TERM_CASES = {  # (model fields, layout, sizes): the MoE step's small 
 def test_the_moe_steps_small_terms_are_predicted_to_the_byte():
     """The aux loss's token count, the dispatch's index, the last stage's aux share and objective
     (not made yet inside the loss) and the router's re-made input against --estimate."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (fields, par, sizes) in MOE_SMALL_TERM_CASES.items():
         c = replace(MOE, **fields)
         kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.bfloat16), **sizes}
         pred = predict_memory(c, par, **kw)
-        _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), name)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, **kw), name)
 
 
 SKEWED_CASES = {  # (model, layout, sizes, routing, the moment): an earlier stage's own moments
@@ -989,10 +996,11 @@ def test_an_earlier_stages_combine_backward_and_first_forward_end_are_predicted_
     receive every token (moe_backward_moments' combine_backward), where it is the end of the
     step's first forward (nothing of the stage's summed aux loss made yet: schedule_replay.moe_unmade),
     and without an aux loss (moe_sizes.moe_temporaries, schedule_replay.moe_held)."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (c, par, sizes, routing, moment) in SKEWED_CASES.items():
         pred = predict_memory(c, par, stage=0, routing=routing, **sizes)
         assert pred.peak_at == moment, (name, pred.peak_at)
-        _check_model(pred, estimate_step_memory(c, par, iters=1, stage=0, routing=routing, **sizes), name)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, stage=0, routing=routing, **sizes), name)
 
 
 def test_the_estimate_follows_the_worst_case_and_a_given_histogram_as_the_model_does():
@@ -1002,11 +1010,12 @@ def test_the_estimate_follows_the_worst_case_and_a_given_histogram_as_the_model_
     backward where each expert's rows count, and differs from the balanced one."""
     par, kw = ParallelConfig(dp=2, ep=2), dict(seq_len=S, micro_batch_size=B, dtype=torch.float32)
     histogram = {"model.layers.0.mlp": [100, 60, 50, 46], "model.layers.1.mlp": [10, 20, 200, 26]}
-    balanced = estimate_step_memory(MOE_SMALL_VOCAB, par, iters=1, **kw).peak_bytes
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
+    balanced = estimate_step_memory(MOE_SMALL_VOCAB, par, iters=1, memo=memo, **kw).peak_bytes
     for routing, ep_ranks in ((RoutingPolicy.WORST, [0]), (histogram, [0, 1])):
         pred = predict_memory(MOE_SMALL_VOCAB, par, routing=routing, **kw)
         assert pred.peak_at.startswith("expert_"), pred.peak_at
-        est = max((estimate_step_memory(MOE_SMALL_VOCAB, par, iters=1, routing=routing, ep_rank=r, **kw)
+        est = max((estimate_step_memory(MOE_SMALL_VOCAB, par, iters=1, memo=memo, routing=routing, ep_rank=r, **kw)
                    for r in ep_ranks), key=lambda rep: rep.peak_bytes)
         _check_model(pred, est, pred.routing)
         assert est.peak_bytes != balanced, pred.routing
@@ -1073,9 +1082,10 @@ WEIGHTING_CASES = {  # (model fields, layout, sizes): the peak in the weighting'
 def test_the_weighting_backward_of_an_moe_layer_is_predicted_to_the_byte():
     """The MoE layer's first backward moment, the weighting's (the grads of the weighted output,
     the experts' output and their product, [R, H] each), against --estimate."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (fields, par, sizes) in WEIGHTING_CASES.items():
         c = replace(MOE, vocab_size=128, tie_word_embeddings=False, **fields)
         kw = {**dict(seq_len=S, micro_batch_size=B, dtype=torch.float32), **sizes}
         pred = predict_memory(c, par, **kw)
         assert pred.peak_at.startswith("weighting_backward"), (name, pred.peak_at)
-        _check_model(pred, estimate_step_memory(c, par, iters=1, **{"stage": 0, **kw}), name)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, **{"stage": 0, **kw}), name)
