@@ -251,8 +251,8 @@ def test_a_time_difference_within_the_cells_spread_is_marked_as_noise(monkeypatc
     assert cli.main(["benchmark", "--tp_size", "2", "--", "--modes", "ddp", "tp", "--num_hidden_layers", "1", "2",
                      *TINY, *outputs(tmp_path)]) == 0
     rows = read_csv(tmp_path / "b.csv")
-    assert list(rows[0])[-4:] == ["step_ms_min", "step_ms_max", "delta_step_within_spread",  # added at the end
-                                  "tokens_per_expert"]
+    assert list(rows[0])[-5:] == ["step_ms_min", "step_ms_max", "delta_step_within_spread",  # added at the end
+                                  "tokens_per_expert", "routing_per_microbatch"]
     assert [(r["step_ms_min"], r["step_ms"], r["step_ms_max"]) for r in rows] == [
         ("95", "100", "105"), ("40", "60", "90"), ("70", "100", "130"), ("115", "120", "125")]
     assert [r["delta_step_within_spread"] for r in rows] == ["", "False", "", "True"]

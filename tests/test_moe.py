@@ -1,7 +1,10 @@
 """MiniMind's MoE model: the grouped experts against a faithful reimplementation of MiniMind's
 MOEFeedForward loop (tests/minimind_moe_reference.py) -- outputs, aux loss and every grad."""
+import json
+
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from minimind_parallel import ConfigError, MiniMindConfig, MiniMindForCausalLM, ParallelConfig
 from minimind_parallel.config import check_layout
@@ -162,19 +165,36 @@ def test_moe_model_under_tensor_and_sequence_parallelism_equals_dense_in_float64
 
 
 def test_the_routing_histogram_counts_every_routed_slot_per_layer_summed_over_ranks():
-    from minimind_parallel.moe import routing_histogram
-    from minimind_parallel.tasks.benchmark.outputs import routing_text
-    from minimind_parallel.tasks.benchmark.rank import merged_routing
+    """Each microbatch's tokens per expert (moe.recorded_routing: one per forward, the last one the
+    layers' own `tokens_per_expert`, none for a checkpointed forward re-run inside backward), summed
+    over the ranks microbatch by microbatch (the benchmark's `routing_per_microbatch`, a --routing
+    file's JSON, and `tokens_per_expert`, the last microbatch's)."""
+    from minimind_parallel.moe import recorded_routing, routing_histogram
+    from minimind_parallel.tasks.benchmark.outputs import routing_json, routing_text
+    from minimind_parallel.tasks.benchmark.rank import merged_routing, routing_result
     config = moe_config(num_experts_per_tok=2)
     model = MiniMindForCausalLM(config)
-    model(torch.randint(0, config.vocab_size, (3, 8)))
+    torch.manual_seed(0)
+    with recorded_routing(model) as each:
+        for i in range(3):   # three microbatches, the last one's re-run inside backward
+            ids = torch.randint(0, config.vocab_size, (3, 8))
+            if i < 2:
+                model(ids)
+            else:
+                checkpoint(model, ids, use_reentrant=False).logits.sum().backward()
     hist = routing_histogram(model)
+    assert len(each) == 3 and each[-1] == hist and each[0] != each[1], each
     assert list(hist) == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    assert all(sum(counts) == 3 * 8 * 2 and len(counts) == 4 for counts in hist.values())
-    other = {"module." + k: [1, 0, 0, 1] for k in hist}            # another replica's (DDP-wrapped) counts
-    merged = merged_routing([{"routing": hist}, {"routing": other}])
+    assert all(sum(counts) == 3 * 8 * 2 and len(counts) == 4 for h in each for counts in h.values())
+    other = [{"module." + k: [1, 0, 0, 1] for k in hist}] * 3      # another replica's (DDP-wrapped) counts
+    result = routing_result([{"routing": each}, {"routing": other}])
+    merged = result["tokens_per_expert"]
+    assert merged == merged_routing([hist, other[2]]) and len(result["routing_per_microbatch"]) == 3
     assert merged["model.layers.1.mlp"] == [a + b for a, b in zip(hist["model.layers.1.mlp"], [1, 0, 0, 1])]
-    assert routing_text(merged).count("|") == 1 and routing_text({}) is None
+    assert result["routing_per_microbatch"][0] == merged_routing([each[0], other[0]])
+    assert json.loads(routing_json(result["routing_per_microbatch"])) == result["routing_per_microbatch"]
+    assert routing_text(merged).count("|") == 1 and routing_text({}) is None and routing_json([]) is None
+    assert routing_result([{"routing": []}]) == {"tokens_per_expert": {}, "routing_per_microbatch": []}
 
 
 # pipeline layouts: each stage's MoE aux loss enters backward on its own stage (one launch)

@@ -6,12 +6,14 @@ model/model_minimind.py, `MOEFeedForward`), computed as grouped GEMMs over token
     experts.py      the local experts (MiniMind's `experts.{e}.{gate,up,down}_proj`) as one GEMM each
     dispatcher.py   how the sorted tokens reach the ranks holding their experts (here: in place)
     feed_forward.py `MOEFeedForward`: route -> sort -> dispatch -> experts -> combine -> weighted sum
+    routing_record.py each microbatch's tokens per expert over a step (`recorded_routing`)
 """
 from .aux_loss import RouterStats, load_balancing_loss, local_stats, summed_over
 from .dispatcher import LocalDispatcher
 from .experts import Expert, GroupedExperts
 from .feed_forward import MOEFeedForward, routing_histogram
 from .router import Routing, route
+from .routing_record import recorded_routing
 
 __all__ = ["Expert", "GroupedExperts", "LocalDispatcher", "MOEFeedForward", "RouterStats", "Routing",
-           "load_balancing_loss", "local_stats", "route", "routing_histogram", "summed_over"]
+           "load_balancing_loss", "local_stats", "recorded_routing", "route", "routing_histogram", "summed_over"]

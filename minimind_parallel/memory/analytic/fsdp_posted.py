@@ -71,7 +71,7 @@ def gathered_walk(s: StageSizes, chunks: list[StageSizes], units: list, order: l
         g, a, t = moment
         if peak_only and not first and g + a + t + held[0] + held[1] <= best[0]:
             return   # (a first forward's all-gather output is added below)
-        name = (f"forward_end[{i}.{c}]" if step is Step.FORWARD else f"weight[{i}.{c}]#{label}"
+        name = (f"{label or 'forward_end'}[{i}.{c}]" if step is Step.FORWARD else f"weight[{i}.{c}]#{label}"
                 if step is Step.WEIGHT else f"{label}[{i}.{c}]")
         here = {name: (0, a + held[0], t + g + held[1])}
         if first:

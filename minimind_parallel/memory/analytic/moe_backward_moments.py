@@ -12,6 +12,10 @@ Autograd runs the layer backward from its output (moe/feed_forward.py, moe/exper
                           experts' output [R, H], the sorted weights [R] and the sort's order
                           freed (EP: the combine's backward too, its index [M] freed); the grad of
                           the experts' output [M, H] and of the routing weights [R] live
+    combine_backward      EP: inside the combine's backward, before `start`: the reverse
+                          all-to-all's grad [M, H], the zeroed [M, H] and index_add's output (the
+                          experts' output grad) live, the regroup index not freed yet; above the
+                          weighting's when a skewed routing sends this rank more rows (M > R)
     per local expert, the last one first (its nodes are the newest), m rows of the M received:
       down_backward       down_proj's weight grad [H, I_e] and input grad [m, I_e]
       swiglu_backward     the product freed, the grads of silu and up [m, I_e] (the last expert:
@@ -68,6 +72,8 @@ def expert_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict
         acts, redone = top_block_saved(s, start + freed)       # --recompute full: the re-run's
         return grads, acts, temps + live + redone
 
+    if index:   # EP: the combine's backward, its regroup undone into a zeroed [M, H] (the received grad alive)
+        out["combine_backward"] = moment(grads, -index, 2 * b * m_all * hid)
     grads, freed = s.head_grads, 0
     for j in reversed(range(len(rows))):
         m, out_grad = rows[j], (b * m_all * hid if j == 0 else 0)

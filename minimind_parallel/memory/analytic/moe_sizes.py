@@ -191,6 +191,8 @@ def moe_temporaries(c: MiniMindConfig, par: ParallelConfig, layers: int, *, f: i
     if not c.use_moe:
         return 0, 0
     objective = 0 if par.cp > 1 and last else f
+    if not last and c.router_aux_loss_coef <= 0:   # a constant 0 aux loss: no root, the sum not kept
+        return layers * (8 * c.num_experts + f), f
     return layers * (8 * c.num_experts + f), 2 * f + objective + loss_copy
 
 

@@ -27,6 +27,7 @@ from typing import Callable
 
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
+from .moe_forward_moments import combine_beyond_forward_end
 from .schedule_replay import (backward_seed, batch_saved, forward_moment, moe_held, moe_lingering, moe_unmade,
                               targets_saved)
 from .stage_sizes import StageSizes
@@ -68,6 +69,8 @@ class UnitTerms:
     moe_unmade_first: int = 0   # more, while no forward has finished on the stage
     moe_linger_acts: int = 0    # its received input past its backward, if the chunk's last forward's
     moe_linger_temps: int = 0   # (until the chunk's next forward: schedule_replay.moe_lingering)
+    moe_combine: tuple = ()     # inside its top MoE layer's combine, beyond forward_end: (the chunk's first
+    # forward, a later one), each None where not modelled (moe_forward_moments)
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ def unit_terms(cs: StageSizes, zb: bool) -> UnitTerms:
                      forward_end=forward_moment(cs, 0, 0, 0, 0), backward_first=moments, backward_later=moments,
                      weight_first=tuple(enumerate(weights[0])), weight_later=tuple(enumerate(weights[1])),
                      moe_held=moe_held(cs), moe_seed=0 if cs.last else backward_seed(cs), moe_unmade=unmade,
-                     moe_unmade_first=unmade_first, moe_linger_acts=linger_acts, moe_linger_temps=linger_temps)
+                     moe_unmade_first=unmade_first, moe_linger_acts=linger_acts, moe_linger_temps=linger_temps,
+                     moe_combine=(combine_beyond_forward_end(cs, first=True), combine_beyond_forward_end(cs, first=False)))
 
 
 def stage_terms(s: StageSizes) -> StageTerms:
@@ -132,9 +136,11 @@ class _Sums:
 Emit = Callable[[Step, object, tuple, tuple, int], None]
 
 
-def walk(st: StageTerms, units: list[UnitTerms], order: list[Action], releases: dict[int, int], emit: Emit) -> None:
-    """Every moment of the stage's posted `order`, in order, to `emit`; `units[c]`: chunk c's terms,
-    `releases` the send release points. Only sums of the terms (times counts): see the module."""
+def walk(st: StageTerms, units: list[UnitTerms] | dict[tuple, UnitTerms], order: list[Action],
+         releases: dict[int, int], emit: Emit) -> None:
+    """Every moment of the stage's posted `order`, in order, to `emit`; `units[c]`: chunk c's terms
+    (a dict: `units[(i, c)]` unit (i, c)'s own), `releases` the send release points. Only sums of
+    the terms (times counts): see the module."""
     held: dict = {}                 # unit -> its terms, forwarded and not backwarded
     backwarded: set = set()         # chunks whose grads exist
     made = deferred = 0             # their grads, and the share W makes
@@ -150,9 +156,10 @@ def walk(st: StageTerms, units: list[UnitTerms], order: list[Action], releases: 
     held_sums = _Sums()             # the held units' (activations, temporaries)
     waiting_sums = _Sums()          # the waiting units' (X, dY)
     zb = is_zero_bubble(order)
+    per_unit = isinstance(units, dict)
     for k, action in enumerate(order):
         unit = action.unit
-        u = units[unit[1]]
+        u = units[unit] if per_unit else units[unit[1]]
         for v in releasing.pop(k, ()):   # released after this receive
             sent -= v
         grads = made - (0 if weighted else deferred)      # zb: the deferred weight grads from the stage's first W on
@@ -184,6 +191,10 @@ def walk(st: StageTerms, units: list[UnitTerms], order: list[Action], releases: 
             g, a, t = u.forward_end
             t -= u.moe_unmade + (u.moe_unmade_first if n_fwd == 0 else 0)
             emit(Step.FORWARD, None, unit, (grads + g, saved + a + others_acts, extra + t + others_temps), len(held) + 1)
+            combine = u.moe_combine[unit[1] in last_forward] if u.moe_combine else None
+            if combine is not None:
+                emit(Step.FORWARD, "moe_combine", unit, (grads + g, saved + a + others_acts + combine[0],
+                                                         extra + t + others_temps + combine[1]), len(held) + 1)
             held[unit] = u
             held_sums.add(u.held_acts, u.held_temps)
             moe_held += u.moe_held
@@ -214,20 +225,23 @@ def walk(st: StageTerms, units: list[UnitTerms], order: list[Action], releases: 
 
 
 def replay_posted(s: StageSizes, chunks: list[StageSizes], order: list[Action],
-                  releases: dict[int, int]) -> tuple[dict, dict]:
+                  releases: dict[int, int], each: list[list[StageSizes]] | None = None) -> tuple[dict, dict]:
     """Every moment of the stage's posted `order` (chunks or W steps) -> (grads, activations,
     temporaries), and how many units each finds held. `s`: the stage's sizes (batch, loss
-    scalars), `chunks[c]` those of its chunk c, `releases` the send release points."""
+    scalars), `chunks[c]` those of its chunk c, `releases` the send release points. `each[i][c]`:
+    unit (i, c)'s own sizes (MoE: a routing per microbatch), in place of `chunks`."""
     moments, in_flight = {}, {}
 
     def emit(step: Step, label, unit: tuple, moment: tuple, n: int) -> None:
         i, c = unit
-        name = (f"forward_end[{i}.{c}]" if step is Step.FORWARD else f"weight[{i}.{c}]#{label}"
+        name = (f"{label or 'forward_end'}[{i}.{c}]" if step is Step.FORWARD else f"weight[{i}.{c}]#{label}"
                 if step is Step.WEIGHT else f"{label}[{i}.{c}]")
         moments[name], in_flight[name] = moment, n
 
     zb = is_zero_bubble(order)
-    walk(stage_terms(s), [unit_terms(cs, zb) for cs in chunks], order, releases, emit)
+    units = ([unit_terms(cs, zb) for cs in chunks] if each is None else
+             {(i, c): unit_terms(cs, zb) for i, mine in enumerate(each) for c, cs in enumerate(mine)})
+    walk(stage_terms(s), units, order, releases, emit)
     return moments, in_flight
 
 

@@ -144,8 +144,7 @@ def _routed(c: MiniMindConfig, par: ParallelConfig, routing: Routing, stage: int
         return {}
     one = dict(dtype=dtype, seq_len=seq_len, micro_batch_size=micro_batch_size)
     if is_per_microbatch(routing):
-        each = tuple(_stage_routed(c, par, r, stage, ep_rank, **one)
-                     for r in microbatch_routings(routing, num_microbatches))
+        each = tuple(_routed(c, par, r, stage, ep_rank, **one) for r in microbatch_routings(routing, num_microbatches))
         return {**each[0], "microbatches": each}
     if par.pp == 1:
         return _stage_routed(c, par, routing, stage, ep_rank, **one)
@@ -174,14 +173,16 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     """One pipeline stage (or the whole model when pp = 1) over a step, on CP rank `cp_rank`:
     every moment of the schedule that can hold the peak, each a sum of what is alive then. With
     a `memo` (one layout's: predict_memory's worst_only) only the moments that can be the first largest.
-    `microbatches`: each microbatch's own `routed` and `expert_rows` (a routing per microbatch);
+    `microbatches`: each microbatch's own `routed` and `expert_rows` (a routing per microbatch; under
+    PP its `chunk_routes` too);
     `chunk_routes`: each model chunk's, under a measured routing (the posted orders' chunks)."""
     sized = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                  dtype=as_dtype(dtype), cp_rank=cp_rank, routed=routed, expert_rows=expert_rows)
     memo = None if microbatches else memo
     kind = stage_kind(c, par, stage, memo, **sized) if memo is not None and (par.zero != 3 or par.pp > 1) else None
     s = kind.sizes if kind else stage_sizes(c, par, stage, **sized)
-    each = [stage_sizes(c, par, stage, **{**sized, **m}) for m in microbatches] if microbatches else None
+    each = ([stage_sizes(c, par, stage, **{**sized, "routed": m["routed"], "expert_rows": m["expert_rows"]})
+             for m in microbatches] if microbatches else None)
     model = model_key(c, memo) if memo is not None else None   # Frozen(c), once per layout
     layouts = zero_layouts(c, par, stage, as_dtype(dtype), bucket_size_mb, model=model)
     # the flat buffers: padding too
@@ -189,12 +190,9 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order_key = (par.pp, stage, num_microbatches, schedule, par.virtual_stages)
     order = stage_order(*order_key)
-    if chunk_routes and par.virtual_stages > 1:
-        raise NotImplementedError(f"predict_memory: a measured routing is modelled under gpipe, 1f1b and zb; got "
-                                  f"the {schedule} schedule's {par.virtual_stages} model chunks per stage")
-    if each is not None and (par.zero == 3 or posted(order)):
-        raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled under gpipe and 1f1b "
-                                  f"without --zero 3; got the {schedule} schedule, --zero {par.zero}")
+    if each is not None and par.zero == 3:
+        raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled without --zero 3; "
+                                  f"got the {schedule} schedule, --zero {par.zero}")
     if par.zero == 3 and kind:   # the planner's: of the walks the first largest moments, remembered
         return _predict_remembered_fully_sharded(kind, order, order_key, c, par, stage, device, memo, cp_rank=cp_rank,
                                                  seq_len=seq_len, micro_batch_size=micro_batch_size,
@@ -221,8 +219,10 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
             chunks = [k.sizes for k in kinds]
         else:
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
-            chunks = chunk_sizes(c, par, stage, each=chunk_routes, **kw)
-            moments, in_flight = replay_posted(s, chunks, order, releases)
+            # a routing per microbatch: each unit's chunk sizes its microbatch's (the last's linger)
+            units = [chunk_sizes(c, par, stage, each=m["chunk_routes"], **kw) for m in microbatches]
+            chunks = units[-1] if units else chunk_sizes(c, par, stage, each=chunk_routes, **kw)
+            moments, in_flight = replay_posted(s, chunks, order, releases, each=units or None)
     else:
         moments, in_flight = (_replayed(kind, order, order_key, not layouts) if kind
                               else replay_schedule(s, order, each=each))

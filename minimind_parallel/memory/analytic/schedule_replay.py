@@ -24,6 +24,7 @@ from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .saved_kinds import target_copy
 from .stage_sizes import StageSizes, chunk_rows
+from .moe_forward_moments import combine_beyond_forward_end
 from .zero_bubble_moments import received_pending
 
 
@@ -120,7 +121,7 @@ def _moe_per_microbatch(s: StageSizes, finished: int, held: int) -> int:
     aux loss's backward root (an earlier stage)."""
     if not s.top_k:
         return 0
-    per_held = 0 if s.last and s.par.cp > 1 else s.f
+    per_held = moe_held(s)
     return max(finished - 1, 0) * s.f + max(held - 1, 0) * per_held
 
 
@@ -141,7 +142,9 @@ def moe_held(s: StageSizes) -> int:
     held microbatch, for the posted replay's units."""
     if not s.top_k:
         return 0
-    return 0 if s.last and s.par.cp > 1 else s.f
+    if s.last:
+        return 0 if s.par.cp > 1 else s.f
+    return s.f if s.aux_loss_experts else 0   # without an aux loss no root (its loss a constant 0)
 
 
 def moe_lingering(s: StageSizes) -> tuple[int, int]:
@@ -162,8 +165,9 @@ def moe_unmade(s: StageSizes) -> tuple[int, int]:
     `_not_made_inside_the_loss` says."""
     if not s.top_k:
         return 0, 0
-    if not s.last:
-        return 2 * s.f, 0
+    if not s.last:   # and before the stage's first forward has finished, the layers' summed aux loss
+        # (without an aux loss the first microbatch's terms are its share alone, made after its forward)
+        return (2 * s.f, s.f) if s.aux_loss_experts else (0, s.f)
     later = _not_made_inside_the_loss(s, 1)
     return later, _not_made_inside_the_loss(s, 0) - later
 
@@ -208,10 +212,15 @@ def replay_schedule(s: StageSizes, order: list[Action], grads_count: bool | None
         extra += backward_seed(s) if action.step is Step.BACKWARD else 0
         if action.step is Step.FORWARD:
             # an earlier stage: this microbatch's aux share and backward root are made after its forward
-            extra += _moe_per_microbatch(s, n_fwd, n_held + 1) - (2 * s.f if s.top_k and not s.last else 0)
-            extra -= _not_made_inside_the_loss(s, n_fwd)
+            unmade, unmade_first = moe_unmade(s)
+            extra += _moe_per_microbatch(s, n_fwd, n_held + 1) - unmade - (unmade_first if n_fwd == 0 else 0)
             moments[f"forward_end[{i}]"] = forward_moment(mine, n_held, grads, saved, extra)
             in_flight[f"forward_end[{i}]"] = n_held + 1
+            combine = combine_beyond_forward_end(mine, first=n_fwd == 0)   # MoE: inside the top layer's combine
+            if combine is not None:
+                g, a, t = moments[f"forward_end[{i}]"]
+                moments[f"moe_combine[{i}]"] = (g, a + combine[0], t + combine[1])
+                in_flight[f"moe_combine[{i}]"] = n_held + 1
             n_held, n_fwd = n_held + 1, n_fwd + 1
             held.append(i)
             last_forward = i

@@ -43,7 +43,10 @@ COLUMNS = ("kind", "mode", "swept", "value", "num_hidden_layers", "seq_len", "tp
            "step_ms_min", "step_ms_max", "delta_step_within_spread",
            # MoE cells: tokens routed to each expert in the last measured microbatch, per layer ("|" between
            # layers, the global batch's rows of that microbatch); --estimate: the balanced split it assumes
-           "tokens_per_expert")
+           "tokens_per_expert",
+           # MoE cells: every microbatch's of the last measured step, as JSON (a list of histograms, one per
+           # microbatch: what `--routing FILE` takes, so a cell's prediction can use each microbatch's)
+           "routing_per_microbatch")
 
 
 @dataclass
@@ -280,6 +283,8 @@ class Table:
                      f"workspaces {r['cuda_workspace_mib']:.2f} + block rounding {r['cuda_rounding_mib']:.2f}")
         if r.get("tokens_per_expert"):
             line += f"\n    tokens per expert, last microbatch, layer by layer: {r['tokens_per_expert']}"
+        if r.get("routing_per_microbatch"):
+            line += "\n    every microbatch's: the routing_per_microbatch column (a --routing file's JSON)"
         if r["status"] != Status.OK:
             line += f"\n    {r['status']}: {r['reason']}"
         return line.rstrip()
@@ -366,3 +371,8 @@ def plot_step_times(ax, timed: list[dict], color: str, mode: str) -> None:
 def routing_text(histogram: dict[str, list[int]]) -> str | None:
     """"130 126 128 128 | 140 ..." : each MoE layer's tokens per expert, layer by layer (None: dense)."""
     return " | ".join(" ".join(str(n) for n in counts) for counts in histogram.values()) or None
+
+
+def routing_json(each: list[dict[str, list[int]]]) -> str | None:
+    """Each microbatch's histogram as one line of JSON, the form `--routing FILE` reads (None: dense)."""
+    return json.dumps(each, separators=(",", ":")) if each else None

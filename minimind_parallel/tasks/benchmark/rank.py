@@ -21,7 +21,7 @@ from ...files import atomic_path
 from ...groups import ProcessGroups, first_on_node
 from ...job import Job
 from ...model import MiniMindForCausalLM
-from ...moe import routing_histogram
+from ...moe import recorded_routing
 from ...options import collective_timeout
 from ...training import build_parallel_model, make_optimizer, train_step, wrap_data_parallel
 from .cells import job_run
@@ -79,9 +79,11 @@ def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
     del steps[:]
     meter = memory.MemoryMeter(device, model, optimizer) if kind == Kind.MEMORY else None
     with meter or nullcontext():
-        times = [timed_step() for _ in range(args.benchmark_iters)]
+        times = [timed_step() for _ in range(args.benchmark_iters - 1)]
+        with recorded_routing(model) as each:   # the last measured step's, microbatch by microbatch
+            times.append(timed_step())
     mine = {"step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            **stage_numbers(groups, steps), "routing": own_routing(model, groups)}
+            **stage_numbers(groups, steps), "routing": own_routing(each, groups)}
     if meter is not None:
         report = meter.report()
         mine.update(peak_bytes=int(report.peak_bytes), breakdown={k: int(v) for k, v in report.breakdown.items()})
@@ -92,22 +94,33 @@ def measure(kind, model, optimizer, groups, ids, targets, args, device) -> dict:
             "step_ms_max": 1e3 * max(r["max_s"] for r in ranks),
             "peak_bytes": worst.get("peak_bytes"), "breakdown": worst.get("breakdown"),
             "peak_bytes_per_rank": [r.get("peak_bytes") for r in ranks],
-            "per_rank": per_rank(ranks), "tokens_per_expert": merged_routing(ranks)}
+            "per_rank": per_rank(ranks), **routing_result(ranks)}
 
 
-def own_routing(model, groups) -> dict[str, list[int]]:
-    """This rank's MoE layers' tokens per expert of the last microbatch, when its tokens are its own:
-    without SP every TP rank routes the same tokens, so TP rank 0 alone counts them."""
+def own_routing(each: list[dict[str, list[int]]], groups) -> list[dict[str, list[int]]]:
+    """This rank's MoE layers' tokens per expert of each microbatch of the last measured step
+    (moe.recorded_routing), when its tokens are its own: without SP every TP rank routes the same
+    tokens, so TP rank 0 alone counts them."""
     if groups.tp_rank != 0 and not groups.par.sequence_parallel:
-        return {}
-    return routing_histogram(model)
+        return []
+    return each
 
 
-def merged_routing(ranks: list[dict]) -> dict[str, list[int]]:
-    """Every MoE layer's tokens per expert summed over the ranks holding different tokens (DP, CP, SP)."""
+def routing_result(ranks: list[dict]) -> dict:
+    """The result's routing: each microbatch's histogram summed over the ranks
+    (`routing_per_microbatch`, a list in `--routing FILE`'s form) and the last one's
+    (`tokens_per_expert`); none without MoE layers."""
+    count = max((len(r["routing"]) for r in ranks), default=0)
+    each = [merged_routing([r["routing"][i] for r in ranks if i < len(r["routing"])]) for i in range(count)]
+    return {"tokens_per_expert": each[-1] if each else {}, "routing_per_microbatch": each}
+
+
+def merged_routing(histograms: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    """Every MoE layer's tokens per expert summed over the ranks holding different tokens (DP, CP,
+    SP; each rank's histogram of one microbatch, pipeline stages their own layers)."""
     out: dict[str, list[int]] = {}
-    for r in ranks:
-        for name, counts in r["routing"].items():
+    for histogram in histograms:
+        for name, counts in histogram.items():
             name = name.removeprefix("module.")
             out[name] = [a + b for a, b in zip(out[name], counts)] if name in out else list(counts)
     return dict(sorted(out.items(), key=lambda kv: _layer_index(kv[0])))

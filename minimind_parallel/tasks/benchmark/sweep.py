@@ -134,6 +134,7 @@ def launch_cell(job: Job, run: CellRun, row: dict, paths, *, timeout: float | No
     if result["peak_bytes"] is not None:
         outputs.fill_memory(row, result["peak_bytes"], result["breakdown"])
     row["tokens_per_expert"] = outputs.routing_text(result.get("tokens_per_expert") or {})
+    row["routing_per_microbatch"] = outputs.routing_json(result.get("routing_per_microbatch") or [])
     if par.pp > 1:
         fill_pipeline(row, result, par)
 
