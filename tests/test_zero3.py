@@ -252,15 +252,50 @@ def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(
     assert "\n" not in str(refused.value)
 
 
-def test_zero3_with_moe_at_ep2_under_sp_recompute_or_cp_is_refused_in_one_line():
-    """The experts' own FSDP2 groups (ep > 1) are not followed under SP, --recompute or CP: refused
-    in one line, where the same layouts at ep 1 are predicted."""
-    config = replace(_config(2, 128, False), use_moe=True)
-    for layout in (dict(tp=2, sequence_parallel=True), dict(recompute="full"), dict(cp=2)):
-        check_fully_sharded(config, ParallelConfig(dp=4, zero=3, **layout), 1024)   # ep 1: followed
-        with pytest.raises(NotImplementedError, match="with --use_moe at ep_size > 1 is modelled without") as refused:
-            check_fully_sharded(config, ParallelConfig(dp=4, ep=2, zero=3, **layout), 1024)
-        assert "\n" not in str(refused.value)
+# (layout, dtype, microbatches, seq_len, micro_batch_size, schedule, the moment of the peak, its breakdown too):
+# the MoE model at ep 2 under --zero 3, the experts' own FSDP2 groups (fsdp_experts.py, fsdp_pipeline.py)
+EXPERTS_SP_RECOMPUTE_CP_PP = [
+    # --recompute full: the re-run of the MoE layer in its backward, at its experts' forward end: their
+    # all-gather output (prefetched by the block's pre-backward) and the unsharded experts both alive
+    (dict(dp=4, ep=2, recompute="full"), torch.bfloat16, 1, 64, 2, "1f1b", "expert_rerun_forward_end", True),
+    (dict(dp=2, cp=2, ep=2, recompute="full", cp_comm_type="a2a"), torch.float32, 1, 128, 1, "1f1b",
+     "expert_rerun_forward_end", True),
+    (dict(dp=2, cp=2, ep=2), torch.float32, 2, 64, 2, "1f1b", "expert_pre_backward", True),   # CP
+    (dict(dp=2, tp=2, ep=2, sequence_parallel=True), torch.bfloat16, 1, 64, 2, "1f1b", "head_backward", True),
+    (dict(dp=4, ep=2, recompute="selective"), torch.float32, 1, 128, 2, "1f1b", "expert_swiglu_backward", True),
+    # under PP: each block's experts a group of their own, gathered in the stage's first forward and kept
+    (dict(dp=4, pp=2, ep=2), torch.bfloat16, 2, 32, 2, "1f1b", "", True),
+    # one EDP rank: the experts whole outside FSDP2 (their grads .grad, filed as the replicated stage's)
+    (dict(dp=2, pp=2, ep=2), torch.float32, 2, 32, 2, "gpipe", "", False),
+]
+
+
+def test_zero3_with_moe_at_ep2_under_sp_recompute_cp_and_pp_is_the_estimate_to_the_byte():
+    """The experts' own FSDP2 groups (ep > 1) under SP, --recompute (full: the re-run's copy-out of the
+    experts, `expert_rerun_forward_end`), CP and under PP (gpipe, 1f1b; every stage): predict_memory
+    equals the tracker on fake tensors, once refused; the posted schedules at ep > 1 under PP stay
+    refused in one line, which the planner cuts."""
+    from helpers import one_line_error
+    from minimind_parallel.config import ConfigError
+    from minimind_parallel.planning import Candidate, Workload
+    from minimind_parallel.planning.space import check_candidate
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    config = replace(_config(2, 128, False), **MOE_FIELDS)
+    for layout, dtype, microbatches, seq_len, mbs, schedule, moment, split in EXPERTS_SP_RECOMPUTE_CP_PP:
+        par = ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
+        for stage, model, estimate in _each_stage(config, par, kw):
+            assert model.peak_at.startswith(moment), (layout, stage, model.peak_at)
+            assert model.peak_bytes == estimate.peak_bytes, (layout, stage, model.peak_at)
+            assert model.breakdown == estimate.breakdown or not split, (layout, stage)
+    work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=8)
+    check_candidate(work, Candidate(dp=4, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2))   # not cut
+    posted = Candidate(dp=4, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2,
+                       pp_schedule=Schedule.ZERO_BUBBLE)
+    refused = one_line_error(NotImplementedError, predict_memory, config, posted.parallel, seq_len=32,
+                             micro_batch_size=2, num_microbatches=2, schedule=Schedule.ZERO_BUBBLE)
+    assert "--zero 3 with --ep_size > 1 under pipeline parallelism is modelled under the gpipe and 1f1b" in refused
+    assert refused.split("predict_memory: ")[1] in one_line_error(ConfigError, check_candidate, work, posted)
 
 
 MOE_FIELDS = dict(use_moe=True, num_experts=4, num_experts_per_tok=2)
@@ -409,14 +444,6 @@ def test_the_memory_model_of_zero3_under_expert_parallelism_is_the_estimate_to_t
     work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=4)
     for ep in (2, 4):
         check_candidate(work, Candidate(dp=4, ep=ep, zero=3, micro_batch_size=2))   # not cut
-    # under PP (the experts' groups over a stage gathered through the schedule): refused in one line, cut
-    from helpers import one_line_error
-    from minimind_parallel.config import ConfigError
-    staged = Candidate(dp=2, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2)
-    refused = one_line_error(NotImplementedError, predict_memory, config, staged.parallel, seq_len=32,
-                             micro_batch_size=2, num_microbatches=2)
-    assert "--zero 3 with --ep_size > 1 is modelled without pipeline parallelism" in refused, refused
-    assert refused.split("predict_memory: ")[1] in one_line_error(ConfigError, check_candidate, work, staged)
     # dp4 ep2: rank 0 holds experts 0 and 1 of each layer, sharded over its EDP group (ranks 0, 2), the
     # rest over the 4 DP ranks; AdamW's two states of rank 0's Shard(0) rows and a float32 step per parameter
     from minimind_parallel.moe.placement import expert_of

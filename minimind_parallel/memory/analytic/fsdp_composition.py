@@ -5,8 +5,11 @@ block's forward and backward, the copy-out, the free, the reduce-scatter. Under 
 (ep_size > 1, zero/fully_shard.py) each MoE layer's experts are a second FSDP2 group of the block,
 over the EDP mesh, or whole outside FSDP2 on one EDP rank: fsdp_experts.py replays that timeline
 (their gather between the dispatch and the experts, the block's pre-backward prefetch of them, their
-copy-out at the grad of their output, their reduce-scatter before the dispatch's backward), not
-under pipeline parallelism (refused).
+copy-out at the grad of their output, their reduce-scatter before the dispatch's backward). Under
+gpipe and 1f1b fsdp_pipeline.py keeps each block's experts a group of their own, gathered inside
+the MoE layer of the stage's first forward and kept to the schedule's end (whole, outside FSDP2,
+on one EDP rank); under the posted schedules (interleaved, zb) the chunks' experts' groups are not
+replayed (refused).
 
 Under pipeline parallelism every schedule is replayed: gpipe and 1f1b by fsdp_pipeline.py, the
 posted ones (interleaved, zb) by fsdp_posted.py (the MoE model and few tokens as
@@ -22,9 +25,10 @@ def composition_refusal(par: ParallelConfig, schedule: Schedule, num_microbatche
     """Why the --zero 3 layout `par` (under `schedule`, `num_microbatches`) is not modelled; None where it is."""
     if par.pp == 1:
         return None
-    if par.ep > 1:
-        return (f"--zero 3 with --ep_size > 1 is modelled without pipeline parallelism (the experts' FSDP2 groups "
-                f"over a stage gathered through the schedule are not replayed); got pp_size={par.pp}, ep_size={par.ep}")
+    if par.ep > 1 and schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        return (f"--zero 3 with --ep_size > 1 under pipeline parallelism is modelled under the gpipe and 1f1b "
+                f"schedules (the experts' FSDP2 groups of a posted schedule's chunks are not replayed); got the "
+                f"{schedule} schedule, pp_size={par.pp}, ep_size={par.ep}")
     return None
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from ...config import Recompute
 from ...pipeline_parallel.order import Action, Step
 from .fsdp_pipeline import (StageGroups, _after_the_schedule, first_forward_end, gathered_moments, grouped_reduces,
-                            optimized, stage_groups)
+                            optimized, stage_groups, with_whole_experts)
 from .orders import stage_order
 from .posted_peak import _name, _rows
 from .remembered_sizes import SizesKind
@@ -43,7 +43,8 @@ def kind_groups(kind: SizesKind) -> StageGroups:
 
 def first_largest_reduces(s: StageSizes, z: StageGroups, order: list[Action]) -> dict:
     """Of fsdp_pipeline.reduces only the first largest moment (by its total)."""
-    return _first_largest_reduces(z.each, *_after_the_schedule(s, order), s.par.recompute == Recompute.FULL)
+    return with_whole_experts(_first_largest_reduces(z.each, *_after_the_schedule(s, order),
+                                                     s.par.recompute == Recompute.FULL), z)
 
 
 @functools.lru_cache(maxsize=4096)

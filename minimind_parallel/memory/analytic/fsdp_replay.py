@@ -251,14 +251,8 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
     --recompute selective (below 2 hidden_size tokens: the q/k/v backward, 8 KB under at a
     quarter under SP + async and CP, 4.6 KB at a sixteenth with the MoE model; exact in 35 of 36
     dense draws below it) and full (the re-run block's q/k/v backward, below hidden_size tokens:
-    6.4 to 12.8 KB under at a quarter and an eighth). (EP: the experts' own groups, fsdp_experts.py;
-    under PP, fsdp_pipeline.py, the same hold.) The MoE model at ep > 1 (the experts' own FSDP2 groups) stays refused
-    under SP, --recompute and CP: its experts' pre-backward under full recompute and ring CP was
-    17 KB under."""
-    if c.use_moe and par.ep > 1 and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
-        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe at ep_size > 1 is modelled without "
-                                  f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="
-                                  f"{par.sequence_parallel}, recompute={par.recompute}, cp_size={par.cp}")
+    6.4 to 12.8 KB under at a quarter and an eighth). (EP: the experts' own groups, fsdp_experts.py,
+    under SP, --recompute and CP too; under PP, fsdp_pipeline.py, the same hold.)"""
     if par.sequence_parallel and not par.async_communication and tokens < c.hidden_size:
         raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --sequence_parallel (without "
                                   f"--async_communication) is modelled at hidden_size tokens per microbatch on a rank "
