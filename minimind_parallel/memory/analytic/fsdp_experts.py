@@ -21,6 +21,10 @@ Over more than one EDP rank (ep < D x C), per MoE layer, E its experts' gathered
                 own reduce-scatter input [E] made from the unsharded grads (`expert_reduce`)
     after       the rest of the block's backward: their sharded grads (.grad), their reduce-scatter
                 input kept to the block's post-backward
+    rerun       --recompute full: the MoE layer's re-run in the block's backward gathers them (its
+                copy-out, no copy-out at their pre-backward then); at their forward's end
+                (`expert_rerun_forward_end`) their all-gather output and the unsharded experts
+                both alive beside the re-run's tensors so far
 
 With one EDP rank (ep = D x C) the experts stay whole outside FSDP2: whole parameters and AdamW
 states, and their grads registered .grad as autograd makes them (accumulated into in place on
@@ -32,7 +36,8 @@ from ...config import Recompute
 from .fsdp_sizes import FsdpSizes
 from .stage_sizes import StageSizes
 
-_PHASES = (("weighting_backward", "prefetch"), ("expert_pre_backward", "copy-out"), ("expert_rerun_forward_end", "rerun"), ("expert_reduce", "reduce"),
+_PHASES = (("weighting_backward", "prefetch"), ("expert_pre_backward", "copy-out"), ("expert_rerun_forward_end", "rerun"),
+           ("expert_reduce", "reduce"),
            ("expert_down_backward", "experts"), ("expert_swiglu_backward", "experts"),
            ("expert_up_backward", "experts"), ("expert_gate_backward", "experts"),
            ("expert_gather_backward", "after"), ("post_norm_backward", "after"), ("qkv_backward", "after"),
@@ -53,6 +58,7 @@ def with_expert_group_moments(s: StageSizes, z: FsdpSizes, inner: dict) -> dict:
     post-backward before each gather backward (that moment's without the scatter's [Nn, H])."""
     if not z.experts:
         return inner
+    # --recompute full: the re-run's experts' forward end before each weighting backward, no copy-out after it
     full, out = s.par.recompute == Recompute.FULL, {}
     for name, (block, (grads, acts, temps)) in inner.items():
         if full and name.startswith("weighting_backward"):

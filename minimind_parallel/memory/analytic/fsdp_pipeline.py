@@ -58,12 +58,15 @@ def _grouped(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
 
 
 def group_bytes(s: StageSizes) -> tuple[dict, dict, dict]:
-    """Per parameter of the stage: this rank's shard (dim 0 padded to a multiple of W = dp x cp),
-    the dense tensor, the padded gathered one (bytes)."""
+    """Per parameter of the stage: this rank's shard (dim 0 padded to a multiple of W = dp x cp; under
+    expert parallelism an expert's of the EDP ranks, W / ep), the dense tensor, the padded gathered
+    one (bytes; none for an expert whole outside FSDP2, on one EDP rank)."""
     world, b = s.par.dp * s.par.cp, s.b
-    shard = {n: b * -(-shape[0] // world) * numel(shape[1:]) for n, shape in s.shapes.items()}
+    edp = world // s.par.ep if s.par.ep > 1 else world
+    over = {n: edp if expert_of(n) is not None else world for n in s.shapes}
+    shard = {n: b * -(-shape[0] // over[n]) * numel(shape[1:]) for n, shape in s.shapes.items()}
     dense = {n: b * numel(shape) for n, shape in s.shapes.items()}
-    return shard, dense, {n: world * v for n, v in shard.items()}
+    return shard, dense, {n: over[n] * v if over[n] > 1 else 0 for n, v in shard.items()}
 
 
 @dataclass(frozen=True)

@@ -73,11 +73,11 @@ def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_ke
     seen, firsts = _gathered_rows(m.rows, tuple(k.sizes.layers for k in chunks))
     root_unsaved = z.embedding if not s.tied_here else 0
     full = s.par.recompute == Recompute.FULL
-    blocks = seen * z.block                          # the forwarded chunks' blocks gathered, per row
+    blocks = seen * (z.block + z.experts)            # the forwarded chunks' blocks (and experts) gathered, per row
     totals = m.with_grads @ f + (z.each[0][0] + blocks)   # with the root's
     extra = None                                     # (row, bytes): the last chunk's cross-entropy in its first forward
     for r, c in firsts:                              # a chunk's first forward: its top block's all-gather output
-        added = _first_forward_added(chunks[c].sizes, z.block)
+        added = _first_forward_added(chunks[c].sizes, z.experts or z.block)
         totals[r] += added[0]
         extra = (r, added[1]) if len(added) > 1 else extra
     ranked = totals if extra is None else np.insert(totals, extra[0] + 1, totals[extra[0]] + extra[1])
