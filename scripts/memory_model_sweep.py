@@ -116,12 +116,14 @@ def with_moe(rng: random.Random, case, zero_bubble: bool = False):
     return c, replace(par, ep=ep), sizes
 
 
-def with_expert_data_parallel(rng: random.Random, c: MiniMindConfig, par: ParallelConfig) -> ParallelConfig:
-    """--zero 3 with MoE: DP 2 or 4 and the experts over 1, 2 or 4 of the DP x CP ranks, so that the
-    experts' own FSDP2 group spans one EDP rank (ep = dp x cp: the experts whole) or more."""
+def with_expert_data_parallel(rng: random.Random, c: MiniMindConfig, par: ParallelConfig,
+                              eps: tuple = (1, 2, 4)) -> ParallelConfig | None:
+    """--zero 3 with MoE: DP 2 or 4 and the experts over 1, 2 or 4 (`eps`: those of them) of the DP x CP
+    ranks, so that the experts' own FSDP2 group spans one EDP rank (ep = dp x cp: the experts whole)
+    or more (None: no EP size of `eps` fits)."""
     dp = rng.choice([2, 4])
-    ep = rng.choice([e for e in (1, 2, 4) if (dp * par.cp) % e == 0 and c.num_experts % e == 0])
-    return replace(par, dp=dp, ep=ep)
+    fits = [e for e in eps if (dp * par.cp) % e == 0 and c.num_experts % e == 0]
+    return replace(par, dp=dp, ep=rng.choice(fits)) if fits else None
 
 
 def refused(par: ParallelConfig, sizes: dict) -> bool:
@@ -162,6 +164,9 @@ def main() -> int:
     ap.add_argument("--zero3_pipeline", action="store_true",
                     help="with --zero 3, draw only pipeline layouts (pp_size > 1, fsdp_pipeline.py), with --recompute "
                          "none/selective/full (the draws it refuses are skipped)")
+    ap.add_argument("--ep", type=int, nargs="+", choices=[1, 2, 4], default=None,
+                    help="with --zero 3 --moe, the experts over only these EP sizes (e.g. 2 4: only expert parallelism), "
+                         "with --zero3_pipeline under PP too (DP 2 or 4)")
     ap.add_argument("--schedules", nargs="+", type=Schedule, choices=list(MODELLED_SCHEDULES), default=None,
                     help="draw only these schedules, and only pipeline layouts (pp > 1), where they differ")
     args = ap.parse_args()
@@ -187,11 +192,11 @@ def main() -> int:
                 continue   # under PP modelled by fsdp_pipeline (--zero3_pipeline draws it, and only it)
             if par.zero == 3 and args.zero3_pipeline and not args.cp:
                 par = replace(par, recompute=rng.choice(list(Recompute)))
-            if par.zero == 3 and par.pp > 1:
-                par = replace(par, ep=1)   # predict_memory refuses --zero 3 at ep > 1 under PP (fsdp_composition)
-            if par.zero == 3 and par.pp == 1 and c.use_moe:
-                par = with_expert_data_parallel(rng, c, par)
-            if refused(par, sizes):
+            if par.zero == 3 and par.pp > 1 and not (args.ep and c.use_moe):
+                par = replace(par, ep=1)   # the default draws: ep 1 under PP, as before ep > 1 was modelled there
+            if par.zero == 3 and (par.pp == 1 or args.ep) and c.use_moe:
+                par = with_expert_data_parallel(rng, c, par, tuple(args.ep or (1, 2, 4)))
+            if par is None or refused(par, sizes):
                 continue
         try:
             pred = predict_memory(c, par, **sizes)

@@ -195,12 +195,13 @@ def test_the_memory_model_of_zero3_with_moe_is_the_estimate_to_the_byte():
     the norm after the MoE layer and, with few tokens, a later forward's copy-out (the step's aux
     tensors of this microbatch not made yet), each at the peak; the same bytes as the tracker on
     fake tensors."""
+    memo = {}   # the estimate's fake dispatch remembered across the layouts (the same bytes, less time)
     for moe, dtype, microbatches, layers, moment, *sized in MOE_FULLY_SHARDED:
         seq_len, vocab = sized or (64, 128)
         config = replace(_config(layers, vocab, False), use_moe=True, **moe)
         par = ParallelConfig(dp=2, zero=3)
         kw = dict(seq_len=seq_len, micro_batch_size=1, dtype=dtype, num_microbatches=microbatches)
-        estimate = estimate_step_memory(config, par, iters=1, **kw)
+        estimate = estimate_step_memory(config, par, iters=1, memo=memo, **kw)
         model = predict_memory(config, par, **kw)
         assert model.peak_at.startswith(moment), (moe, model.peak_at)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), moe
@@ -239,10 +240,11 @@ def test_zero3_with_moe_under_sp_recompute_and_cp_is_the_estimate_to_the_byte():
     (once refused): the top block's last residual add, the CP attention's backward and a CP rank
     that holds no rows of the router, each where it decides the peak; the same bytes as the
     tracker on fake tensors."""
+    memo = {}   # the estimate's fake dispatch remembered across the layouts (the same bytes, less time)
     for config, layout, dtype, microbatches, seq_len, mbs, cp_rank, moment in MOE_SP_RECOMPUTE_CP:
         par = ParallelConfig(**layout, zero=3)
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches)
-        estimate = estimate_step_memory(config, par, iters=1, cp_rank=cp_rank, **kw)
+        estimate = estimate_step_memory(config, par, iters=1, cp_rank=cp_rank, memo=memo, **kw)
         model = predict_memory(config, par, cp_rank=cp_rank, **kw)
         assert model.peak_at.startswith(moment), (layout, moment, model.peak_at)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (layout, moment)
@@ -275,15 +277,59 @@ def test_zero3_layouts_the_memory_model_does_not_follow_are_refused_in_one_line(
     assert "\n" not in str(refused.value)
 
 
-def test_zero3_with_moe_at_ep2_under_sp_recompute_or_cp_is_refused_in_one_line():
-    """The experts' own FSDP2 groups (ep > 1) are not followed under SP, --recompute or CP: refused
-    in one line, where the same layouts at ep 1 are predicted."""
-    config = replace(_config(2, 128, False), use_moe=True)
-    for layout in (dict(tp=2, sequence_parallel=True), dict(recompute="full"), dict(cp=2)):
-        check_fully_sharded(config, ParallelConfig(dp=4, zero=3, **layout), 1024)   # ep 1: followed
-        with pytest.raises(NotImplementedError, match="with --use_moe at ep_size > 1 is modelled without") as refused:
-            check_fully_sharded(config, ParallelConfig(dp=4, ep=2, zero=3, **layout), 1024)
-        assert "\n" not in str(refused.value)
+# (layout, dtype, microbatches, layers, seq_len, micro_batch_size, schedule, the moment of the peak, its
+# breakdown too):
+# the MoE model at ep 2 under --zero 3, the experts' own FSDP2 groups (fsdp_experts.py, fsdp_pipeline.py)
+EXPERTS_SP_RECOMPUTE_CP_PP = [
+    # --recompute full: the re-run of the MoE layer in its backward, at its experts' forward end: their
+    # all-gather output (prefetched by the block's pre-backward) and the unsharded experts both alive
+    (dict(dp=4, ep=2, recompute="full"), torch.bfloat16, 1, 2, 64, 2, "1f1b", "expert_rerun_forward_end", True),
+    (dict(dp=2, cp=2, ep=2, recompute="full", cp_comm_type="a2a"), torch.float32, 1, 2, 128, 1, "1f1b",
+     "expert_rerun_forward_end", True),
+    (dict(dp=2, cp=2, ep=2), torch.float32, 2, 2, 64, 2, "1f1b", "expert_pre_backward", True),   # CP
+    (dict(dp=2, tp=2, ep=2, sequence_parallel=True), torch.bfloat16, 1, 2, 64, 2, "1f1b", "head_backward", True),
+    (dict(dp=4, ep=2, recompute="selective"), torch.float32, 1, 2, 128, 2, "1f1b", "expert_swiglu_backward", True),
+    # under PP: each block's experts a group of their own, gathered in the stage's first forward and kept
+    (dict(dp=4, pp=2, ep=2), torch.bfloat16, 2, 2, 32, 2, "1f1b", "", True),
+    # one EDP rank: the experts whole outside FSDP2 (their grads .grad, filed as the replicated stage's)
+    (dict(dp=2, pp=2, ep=2), torch.float32, 2, 2, 32, 2, "gpipe", "", False),
+    # interleaved: each chunk's blocks and experts gathered from the chunk's first forward
+    (dict(dp=4, pp=2, ep=2, virtual_stages=2), torch.float32, 2, 4, 32, 1, "interleaved", "", True),
+    (dict(dp=2, pp=2, ep=2, virtual_stages=2), torch.bfloat16, 2, 4, 32, 2, "interleaved", "", False),
+]
+
+
+def test_zero3_with_moe_at_ep2_under_sp_recompute_cp_and_pp_is_the_estimate_to_the_byte():
+    """The experts' own FSDP2 groups (ep > 1) under SP, --recompute (full: the re-run's copy-out of the
+    experts, `expert_rerun_forward_end`), CP and under PP (gpipe, 1f1b, interleaved; every stage):
+    predict_memory equals the tracker on fake tensors, once refused; zb at ep > 1 stays refused in
+    one line, which the planner cuts."""
+    from helpers import one_line_error
+    from minimind_parallel.config import ConfigError
+    from minimind_parallel.planning import Candidate, Workload
+    from minimind_parallel.planning.space import check_candidate
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    memo = {}
+    for layout, dtype, microbatches, layers, seq_len, mbs, schedule, moment, split in EXPERTS_SP_RECOMPUTE_CP_PP:
+        config, par = replace(_config(layers, 128, False), **MOE_FIELDS), ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
+        for stage, model, estimate in _each_stage(config, par, kw, memo):
+            assert model.peak_at.startswith(moment), (layout, stage, model.peak_at)
+            assert model.peak_bytes == estimate.peak_bytes, (layout, stage, model.peak_at)
+            assert model.breakdown == estimate.breakdown or not split, (layout, stage)
+    config = replace(_config(2, 128, False), **MOE_FIELDS)
+    work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=8)
+    check_candidate(work, Candidate(dp=4, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2))   # not cut
+    posted = Candidate(dp=4, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2,
+                       pp_schedule=Schedule.ZERO_BUBBLE)
+    refused = one_line_error(NotImplementedError, predict_memory, config, posted.parallel, seq_len=32,
+                             micro_batch_size=2, num_microbatches=2, schedule=Schedule.ZERO_BUBBLE)
+    assert "--zero 3 with --ep_size > 1 under pipeline parallelism is modelled under the gpipe, 1f1b and " \
+           "interleaved schedules" in refused, refused
+    assert refused.split("predict_memory: ")[1] in one_line_error(ConfigError, check_candidate, work, posted)
+    whole = ParallelConfig(dp=2, pp=2, ep=2, zero=3, recompute="full")   # the experts whole, under full recompute
+    assert "modelled without --recompute full" in one_line_error(NotImplementedError, predict_memory, config, whole,
+                                                                 seq_len=32, micro_batch_size=2, num_microbatches=2)
 
 
 MOE_FIELDS = dict(use_moe=True, num_experts=4, num_experts_per_tok=2)
@@ -298,11 +344,12 @@ PIPELINED = [
 ]
 
 
-def _each_stage(config, par, kw: dict):
-    """(stage, the analytic model's prediction, the tracker's estimate on fake tensors) of every stage."""
+def _each_stage(config, par, kw: dict, memo: dict | None = None):
+    """(stage, the analytic model's prediction, the tracker's estimate on fake tensors) of every stage
+    (`memo`: the estimate's fake dispatch remembered across calls, the same bytes in less time)."""
     for stage in range(par.pp):
         yield stage, predict_memory(config, par, stage=stage, **kw), estimate_step_memory(config, par, iters=1,
-                                                                                          stage=stage, **kw)
+                                                                                          stage=stage, memo=memo, **kw)
 
 
 def test_the_memory_model_of_zero3_under_pipeline_parallelism_is_the_estimate_to_the_byte():
@@ -310,11 +357,12 @@ def test_the_memory_model_of_zero3_under_pipeline_parallelism_is_the_estimate_to
     stage's replay, the stage's groups gathered from the first forward on, the unsharded grads
     temporaries, the reduces after the schedule) equals the tracker on fake tensors on every stage:
     fp32 and bf16, tied, dp2 and dp4, gpipe and 1f1b, TP (SP, async, VP) and the MoE model."""
+    memo = {}   # the estimate's fake dispatch remembered across the layouts (the same bytes, less time)
     for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule, moe in PIPELINED:
         config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
         config = replace(config, **MOE_FIELDS) if moe else config
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
-        for stage, model, estimate in _each_stage(config, par, kw):
+        for stage, model, estimate in _each_stage(config, par, kw, memo):
             assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
                 (layout, dtype, microbatches, schedule, moe, stage, model.peak_at)
 
@@ -343,11 +391,12 @@ def test_zero3_under_pipeline_parallelism_is_exact_at_one_microbatch_and_under_f
     copy-outs, the top block's all-gather output to the model's return, the reduces after the
     schedule), each at the peak on its stage, the same bytes as the tracker on fake tensors on every
     category and every stage; too few tokens under --recompute refused in one line, as at pp 1."""
+    memo = {}   # the estimate's fake dispatch remembered across the layouts (the same bytes, less time)
     for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule, moe, at, moment in PIPELINED_MOMENTS:
         config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
         config = replace(config, **MOE_FIELDS) if moe else config
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
-        for stage, model, estimate in _each_stage(config, par, kw):
+        for stage, model, estimate in _each_stage(config, par, kw, memo):
             assert stage != at or model.peak_at == moment, (layout, moment, model.peak_at)
             assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
                 (layout, microbatches, stage, model.peak_at)
@@ -378,10 +427,11 @@ def test_zero3_under_the_posted_schedules_is_the_estimate_to_the_byte_on_every_s
     from minimind_parallel.pipeline_parallel.order import Schedule
     from minimind_parallel.planning import Candidate, Workload
     from minimind_parallel.planning.space import check_candidate
+    memo = {}   # the estimate's fake dispatch remembered across the layouts (the same bytes, less time)
     for layout, dtype, microbatches, layers, seq_len, mbs, vocab, tied, schedule in POSTED:
         config, par = _config(layers, vocab, tied), ParallelConfig(**layout, zero=3)
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule=schedule)
-        for stage, model, estimate in _each_stage(config, par, kw):
+        for stage, model, estimate in _each_stage(config, par, kw, memo):
             assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
                 (layout, dtype, microbatches, schedule, stage, model.peak_at)
     work = Workload(model=_config(4, 128, True), seq_len=32, global_batch_size=8, world_size=4)
@@ -419,27 +469,19 @@ def test_the_memory_model_of_zero3_under_expert_parallelism_is_the_estimate_to_t
     from minimind_parallel.planning import Candidate, Workload
     from minimind_parallel.planning.space import check_candidate
     config = replace(_config(2, 128, False), use_moe=True, num_experts=4, num_experts_per_tok=2)
-    estimates = {}
+    estimates, memo = {}, {}   # (the estimate's fake dispatch remembered across the layouts: the same bytes)
     for layout, dtype, microbatches, routing, moment, *sized in EXPERT_SHARDED:
         model_config, seq_len, mbs = sized or (config, 32, 2)
         par = ParallelConfig(**layout, zero=3)
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, routing=routing)
         model = predict_memory(model_config, par, **kw)
-        estimate = estimate_step_memory(model_config, par, iters=1, **kw)
+        estimate = estimate_step_memory(model_config, par, iters=1, memo=memo, **kw)
         estimates.update({} if sized else {(str(par), dtype): estimate})
         assert model.peak_at.startswith(moment), (layout, dtype, model.peak_at)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (layout, dtype)
     work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=4)
     for ep in (2, 4):
         check_candidate(work, Candidate(dp=4, ep=ep, zero=3, micro_batch_size=2))   # not cut
-    # under PP (the experts' groups over a stage gathered through the schedule): refused in one line, cut
-    from helpers import one_line_error
-    from minimind_parallel.config import ConfigError
-    staged = Candidate(dp=2, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2)
-    refused = one_line_error(NotImplementedError, predict_memory, config, staged.parallel, seq_len=32,
-                             micro_batch_size=2, num_microbatches=2)
-    assert "--zero 3 with --ep_size > 1 is modelled without pipeline parallelism" in refused, refused
-    assert refused.split("predict_memory: ")[1] in one_line_error(ConfigError, check_candidate, work, staged)
     # dp4 ep2: rank 0 holds experts 0 and 1 of each layer, sharded over its EDP group (ranks 0, 2), the
     # rest over the 4 DP ranks; AdamW's two states of rank 0's Shard(0) rows and a float32 step per parameter
     from minimind_parallel.moe.placement import expert_of

@@ -464,9 +464,10 @@ def fsdp_host_seconds(k: Candidate, hw: Hardware, *, layers: int, root: bool = T
     `Hardware.fsdp_collective_s` per collective: on the rank's own thread, never hidden. At pp 1
     `fsdp_collectives_per_microbatch` per microbatch, and each block's experts' group (`experts`:
     sharded over more than one EDP rank) gathered twice and scattered once more; under PP each unit
-    gathered once and reduce-scattered once a step (`root`: the stage holds the root's parameters)."""
+    gathered once and reduce-scattered once a step (`root`: the stage holds the root's parameters; the
+    experts' groups too)."""
     if k.pp > 1:
-        return 2 * (layers + int(root)) * hw.fsdp_collective_s
+        return 2 * (layers + int(root) + (layers if experts else 0)) * hw.fsdp_collective_s
     per = fsdp_collectives_per_microbatch(layers) + (3 * layers if experts else 0)
     return k.num_microbatches * per * hw.fsdp_collective_s
 

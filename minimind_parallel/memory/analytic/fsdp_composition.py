@@ -5,8 +5,13 @@ block's forward and backward, the copy-out, the free, the reduce-scatter. Under 
 (ep_size > 1, zero/fully_shard.py) each MoE layer's experts are a second FSDP2 group of the block,
 over the EDP mesh, or whole outside FSDP2 on one EDP rank: fsdp_experts.py replays that timeline
 (their gather between the dispatch and the experts, the block's pre-backward prefetch of them, their
-copy-out at the grad of their output, their reduce-scatter before the dispatch's backward), not
-under pipeline parallelism (refused).
+copy-out at the grad of their output, their reduce-scatter before the dispatch's backward). Under
+gpipe and 1f1b fsdp_pipeline.py keeps each block's experts a group of their own, gathered inside
+the MoE layer of the stage's first forward and kept to the schedule's end (whole, outside FSDP2,
+on one EDP rank), under interleaved fsdp_posted.py each chunk's blocks' and experts' from the
+chunk's first forward; under zb (its W steps) the experts' groups are not replayed (refused), nor
+the whole experts (one EDP rank) under --recompute full (116 KB under at tp4 x pp4 x dp2 x ep2 with
+SP, 1f1b, bf16: refused).
 
 Under pipeline parallelism every schedule is replayed: gpipe and 1f1b by fsdp_pipeline.py, the
 posted ones (interleaved, zb) by fsdp_posted.py (the MoE model and few tokens as
@@ -14,7 +19,7 @@ fsdp_replay.check_fully_sharded says, zb's variants as zero_bubble_moments.unmod
 """
 from __future__ import annotations
 
-from ...config import ParallelConfig
+from ...config import ParallelConfig, Recompute
 from ...pipeline_parallel.order import Schedule
 
 
@@ -22,9 +27,14 @@ def composition_refusal(par: ParallelConfig, schedule: Schedule, num_microbatche
     """Why the --zero 3 layout `par` (under `schedule`, `num_microbatches`) is not modelled; None where it is."""
     if par.pp == 1:
         return None
-    if par.ep > 1:
-        return (f"--zero 3 with --ep_size > 1 is modelled without pipeline parallelism (the experts' FSDP2 groups "
-                f"over a stage gathered through the schedule are not replayed); got pp_size={par.pp}, ep_size={par.ep}")
+    if par.ep > 1 and par.ep == par.dp * par.cp and par.recompute == Recompute.FULL:
+        return (f"--zero 3 with the experts whole (ep_size = dp_size x cp_size) under pipeline parallelism is "
+                f"modelled without --recompute full (its re-run's experts' backward not replayed); got pp_size={par.pp}, "
+                f"ep_size={par.ep}, dp_size x cp_size={par.dp * par.cp}, recompute={par.recompute}")
+    if par.ep > 1 and schedule == Schedule.ZERO_BUBBLE:
+        return (f"--zero 3 with --ep_size > 1 under pipeline parallelism is modelled under the gpipe, 1f1b and "
+                f"interleaved schedules (the experts' FSDP2 groups under zb's W steps are not replayed); got the "
+                f"{schedule} schedule, pp_size={par.pp}, ep_size={par.ep}")
     return None
 
 

@@ -21,6 +21,10 @@ Over more than one EDP rank (ep < D x C), per MoE layer, E its experts' gathered
                 own reduce-scatter input [E] made from the unsharded grads (`expert_reduce`)
     after       the rest of the block's backward: their sharded grads (.grad), their reduce-scatter
                 input kept to the block's post-backward
+    rerun       --recompute full: the MoE layer's re-run in the block's backward gathers them (its
+                copy-out, no copy-out at their pre-backward then); at their forward's end
+                (`expert_rerun_forward_end`) their all-gather output and the unsharded experts
+                both alive beside the re-run's tensors so far
 
 With one EDP rank (ep = D x C) the experts stay whole outside FSDP2: whole parameters and AdamW
 states, and their grads registered .grad as autograd makes them (accumulated into in place on
@@ -28,10 +32,12 @@ later microbatches), reduced as under DDP by `finalize_grads` after the step's b
 """
 from __future__ import annotations
 
+from ...config import Recompute
 from .fsdp_sizes import FsdpSizes
 from .stage_sizes import StageSizes
 
-_PHASES = (("weighting_backward", "prefetch"), ("expert_pre_backward", "copy-out"), ("expert_reduce", "reduce"),
+_PHASES = (("weighting_backward", "prefetch"), ("expert_pre_backward", "copy-out"), ("expert_rerun_forward_end", "rerun"),
+           ("expert_reduce", "reduce"),
            ("expert_down_backward", "experts"), ("expert_swiglu_backward", "experts"),
            ("expert_up_backward", "experts"), ("expert_gate_backward", "experts"),
            ("expert_gather_backward", "after"), ("post_norm_backward", "after"), ("qkv_backward", "after"),
@@ -52,18 +58,41 @@ def with_expert_group_moments(s: StageSizes, z: FsdpSizes, inner: dict) -> dict:
     post-backward before each gather backward (that moment's without the scatter's [Nn, H])."""
     if not z.experts:
         return inner
-    out = {}
+    # --recompute full: the re-run's experts' forward end before each weighting backward, no copy-out after it
+    full, out = s.par.recompute == Recompute.FULL, {}
     for name, (block, (grads, acts, temps)) in inner.items():
+        if full and name.startswith("weighting_backward"):
+            out["expert_rerun_forward_end" + name[len("weighting_backward"):]] = (
+                block, (grads, acts, temps + _rerun_forward_end_shift(s, name.endswith("(first block)"))))
         if name.startswith("expert_gather_backward"):
             out["expert_reduce" + name[len("expert_gather_backward"):]] = (
                 block, (grads, acts, temps - s.b * s.nn * s.hid))
         first = f"expert_down_backward(e{len(s.expert_rows[-1]) - 1})"   # the last local expert's, made first
-        if name.startswith(first):
+        if name.startswith(first) and not full:   # --recompute full: the re-run gathered them (above)
             rows = s.expert_rows[0 if name.endswith("(first block)") else -1][-1]
             out["expert_pre_backward" + name[len(first):]] = (
                 block, (grads, acts, temps - s.b * s.hid * s.expert_inter - s.b * rows * s.expert_inter))
         out[name] = (block, (grads, acts, temps))
     return out
+
+
+def _rerun_forward_end_shift(s: StageSizes, first_block: bool) -> int:
+    """--recompute full: the temporaries by which the re-run of a block's MoE layer in its backward,
+    at its experts' forward end (their outputs [m, H] concatenated into [M, H]), differs from the
+    layer's weighting backward that follows: the experts' all-gather output is alive beside the
+    unsharded experts (their copy-out ran inside the re-run: no copy-out at their pre-backward
+    then; the phase's shift, `rerun`), the re-run has not yet saved the combine's, weighting's and aux
+    loss's tensors (the combine's index [M], the sort's order [R], the sorted weights [R], the
+    combined output [R, H]; the weighted output [R, H] the weighting backward has let go already),
+    the outputs and their concatenation [M, H] each, the routing weights [N, k] and the counts [E]
+    and [E_local] live, none of the weighting backward's three [R, H] nor the aux loss's grad [E]
+    (a float scalar of the aux loss alive, f bytes). Measured with the
+    tracker's timeline (bf16 and fp32, CP ring and a2a, tp 1 and 2), not derived."""
+    b, hid, r = s.b, s.hid, s.routed_rows
+    rows = s.expert_rows[0 if first_block else -1]
+    aux_grad = s.aux_backward[1]
+    return (-4 * b * r * hid + 2 * b * sum(rows) * hid + 8 * len(rows) + 8 * len(rows) * s.par.ep
+            - aux_grad + (s.f if aux_grad else 0))
 
 
 def expert_group_shift(s: StageSizes, z: FsdpSizes, name: str, block: int, new_grads: int, *,
@@ -83,7 +112,10 @@ def expert_group_shift(s: StageSizes, z: FsdpSizes, name: str, block: int, new_g
     grads = above * z.experts_shard + (z.experts_shard if phase == "after" else 0) if first_backward else 0
     below = z.block if block > 0 else 0     # the block below's all-gather, prefetched by fsdp_replay
     kept = z.block if block < top else 0    # the block above's reduce-scatter input, kept by fsdp_replay
+    # rerun: --recompute full, the re-run's copy-out (its all-gather output and the unsharded experts, which
+    # only the re-run saves: temporaries)
     shift = {"prefetch": (0, z.experts - below), "copy-out": (z.experts, z.experts - below),
+             "rerun": (0, 2 * z.experts - below),
              "experts": (z.experts, 0), "reduce": (0, z.experts - kept),
              "after": (0, z.experts - kept - z.experts_dense)}.get(phase, (0, 0))
     return grads, shift[0], shift[1]

@@ -29,6 +29,7 @@ import functools
 from dataclasses import dataclass
 
 from ...config import Recompute
+from ...moe.placement import expert_of
 from ...pipeline_parallel.order import Action, Step
 from .fsdp_replay import _forward_moments
 from .fsdp_sizes import FsdpSizes
@@ -57,26 +58,34 @@ def _grouped(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
 
 
 def group_bytes(s: StageSizes) -> tuple[dict, dict, dict]:
-    """Per parameter of the stage: this rank's shard (dim 0 padded to a multiple of W = dp x cp),
-    the dense tensor, the padded gathered one (bytes)."""
+    """Per parameter of the stage: this rank's shard (dim 0 padded to a multiple of W = dp x cp; under
+    expert parallelism an expert's of the EDP ranks, W / ep), the dense tensor, the padded gathered
+    one (bytes; none for an expert whole outside FSDP2, on one EDP rank)."""
     world, b = s.par.dp * s.par.cp, s.b
-    shard = {n: b * -(-shape[0] // world) * numel(shape[1:]) for n, shape in s.shapes.items()}
+    edp = world // s.par.ep if s.par.ep > 1 else world
+    over = {n: edp if expert_of(n) is not None else world for n in s.shapes}
+    shard = {n: b * -(-shape[0] // over[n]) * numel(shape[1:]) for n, shape in s.shapes.items()}
     dense = {n: b * numel(shape) for n, shape in s.shapes.items()}
-    return shard, dense, {n: world * v for n, v in shard.items()}
+    return shard, dense, {n: over[n] * v if over[n] > 1 else 0 for n, v in shard.items()}
 
 
 @dataclass(frozen=True)
 class StageGroups:
-    """The stage's FSDP2 groups in bytes (group_bytes summed per group, in groups_of's order)."""
+    """The stage's FSDP2 groups in bytes (group_bytes summed per group, in FSDP2's order: the root's,
+    then each block's, under expert parallelism each followed by its experts' over the EDP ranks)."""
 
     each: tuple        # per group: (gathered, dense, shard, its last parameter's dense; None: no parameters)
     shards: tuple      # every parameter's shard on this rank, in the model's order (AdamW's)
     embedding: int     # the gathered embedding (0: not on this stage)
+    experts: int = 0   # one MoE layer's experts gathered over their EDP ranks (0: in their block's group)
+    experts_shard: int = 0
+    experts_dense: int = 0
+    whole_experts: int = 0   # one EDP rank (ep = dp x cp): every expert of the stage whole, outside FSDP2
 
     @property
     def block(self) -> int:
-        """One block's gathered bytes (the top one's; every block holds the same shapes)."""
-        return self.each[-1][0]
+        """One block's gathered bytes (the top one's; every block holds the same shapes), its experts' not."""
+        return self.each[-2 if self.experts else -1][0]
 
     @property
     def blocks(self) -> int:
@@ -88,18 +97,38 @@ class StageGroups:
 
 
 def stage_groups(s: StageSizes) -> StageGroups:
-    """StageGroups of `s`, remembered by what they read: the parameters' shapes, W and the dtype."""
-    return _stage_groups(tuple(s.shapes.items()), s.par.dp * s.par.cp, s.b)
+    """StageGroups of `s`, remembered by what they read: the parameters' shapes, W, the EDP ranks
+    the experts shard over under expert parallelism (zero/fully_shard.py's `shard_experts`; W
+    otherwise) and the dtype."""
+    world = s.par.dp * s.par.cp
+    return _stage_groups(tuple(s.shapes.items()), world, s.b, world // s.par.ep if s.par.ep > 1 else world)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_groups(shapes: tuple, world: int, b: int) -> StageGroups:
-    shard = {n: b * -(-shape[0] // world) * numel(shape[1:]) for n, shape in shapes}
+def _stage_groups(shapes: tuple, world: int, b: int, edp: int | None = None) -> StageGroups:
+    edp = world if edp is None else edp
+    own = edp != world   # the experts in groups of their own (one EDP rank: outside FSDP2, whole)
+    shard = {n: b * -(-shape[0] // (edp if own and expert_of(n) is not None else world)) * numel(shape[1:])
+             for n, shape in shapes}
     dense = {n: b * numel(shape) for n, shape in shapes}
-    each = tuple((world * sum(shard[n] for n in names), sum(dense[n] for n in names), sum(shard[n] for n in names),
-                  dense[names[-1]] if names else None) for names in _grouped(tuple(shard)))
+    groups = _grouped(tuple(shard))
+    if own:   # each block's group, then its experts' (FSDP2's state order: a module before its children)
+        groups = (groups[0], *(part for names in groups[1:] for part in _experts_apart(names)[:2 if edp > 1 else 1]))
+    each = tuple(((edp if own and names and expert_of(names[0]) is not None else world) * sum(shard[n] for n in names),
+                  sum(dense[n] for n in names), sum(shard[n] for n in names),
+                  dense[names[-1]] if names else None) for names in groups)
+    experts = each[-1] if own and len(groups) > 1 and expert_of(groups[-1][0]) is not None else (0, 0, 0)
     return StageGroups(each=each, shards=tuple(shard.values()),
-                       embedding=world * shard[EMBEDDING] if EMBEDDING in shard else 0)
+                       embedding=world * shard[EMBEDDING] if EMBEDDING in shard else 0,
+                       experts=experts[0] if edp > 1 else 0, experts_shard=experts[2], experts_dense=experts[1],
+                       whole_experts=sum(dense[n] for n in dense if own and edp == 1 and expert_of(n) is not None))
+
+
+def _experts_apart(names: tuple) -> tuple:
+    """A block's parameter names as FSDP2's groups: its own, then its experts' (where it has any)."""
+    experts = tuple(n for n in names if expert_of(n) is not None)
+    rest = tuple(n for n in names if expert_of(n) is None)
+    return (rest, experts) if experts else (rest,)
 
 
 def first_forward_end(s: StageSizes, name: str, moment: tuple, last_gather: int) -> dict:
@@ -118,17 +147,21 @@ def first_forward_end(s: StageSizes, name: str, moment: tuple, last_gather: int)
     return {name: moment, f"cross_entropy{name[len('forward_end'):]}": (g, a, t - unmade + last_gather)}
 
 
-def _first_forward(s: StageSizes, i: int, block: int, root: int, moe_step: int, moe_layer_state: int) -> dict:
+def _first_forward(s: StageSizes, i: int, block: int, root: int, moe_step: int, moe_layer_state: int,
+                   experts: tuple = (0, 0, 0)) -> dict:
     """FSDP2's moments of the stage's first forward (microbatch `i`), where its groups are
     gathered (fsdp_replay's: each block's copy-out, the top block's last residual add and lean
     SwiGLU), with the blocks below still gathered (saved; --recompute full: not) and the root's
-    gathered parameters (`root` bytes; `block`: one block's) not saved by anything yet.
+    gathered parameters (`root` bytes; `block`: one block's) not saved by anything yet. Under expert
+    parallelism `experts`: one MoE layer's experts' (gathered, shard, dense) bytes, their own group
+    (fsdp_experts.py's forward moments), the blocks below holding theirs too.
     -> name: (grads, activations, temporaries)."""
-    z = FsdpSizes(block=block, block_shard=0, root=root, root_shard=0, root_unsaved=0, shards=())
+    z = FsdpSizes(block=block, block_shard=0, root=root, root_shard=0, root_unsaved=0, shards=(),
+                  experts=experts[0], experts_shard=experts[1], experts_dense=experts[2])
     saved, unsaved = batch_saved(s), targets_saved(s)   # (the targets are not saved before the loss)
     out = {}
     for name, (a, t) in _forward_moments(s, z, fresh_root=True, seen=False, unmade_state=moe_layer_state).items():
-        below = int(name.split()[-1][:-1]) * block
+        below = int(name.split()[-1][:-1]) * (block + z.experts)
         a, t = (a, t + below) if s.par.recompute == Recompute.FULL else (a + below, t)
         out[f"{name}[{i}]"] = (0, saved - unsaved + a, s.batch - saved + unsaved + root + t - moe_step)
     return out
@@ -149,7 +182,13 @@ def reduces(s: StageSizes, z: StageGroups, order: list[Action]) -> dict:
     grads copied into its reduce-scatter input (its parameters resharded), then the output (its
     sharded grads) made, of its unsharded grads the last one still bound (by foreach_reduce's
     loop over them); the later groups still gathered. -> name: (grads, activations, temporaries)."""
-    return grouped_reduces(z.each, *_after_the_schedule(s, order), s.par.recompute == Recompute.FULL)
+    return with_whole_experts(grouped_reduces(z.each, *_after_the_schedule(s, order), s.par.recompute == Recompute.FULL), z)
+
+
+def with_whole_experts(reduced: dict, z: StageGroups) -> dict:
+    """The reduces' moments with the whole experts' grads (one EDP rank: .grad since their backward,
+    reduced by finalize_grads after the groups, as under DDP)."""
+    return {k: (g + z.whole_experts, a, t) for k, (g, a, t) in reduced.items()} if z.whole_experts else reduced
 
 
 def grouped_reduces(each: tuple, saved: int, batch: int, full: bool) -> dict:
@@ -188,13 +227,14 @@ def gathered_moments(s: StageSizes, z: StageGroups, order: list[Action], replaye
     unsaved = z.embedding if not s.tied_here else 0
     if s.par.recompute == Recompute.FULL:   # a block's checkpoint saves nothing of its forward (nor its re-run)
         unsaved += z.blocks
-    last_gather = z.block
+    last_gather = z.experts or z.block   # the top block's experts' all-gather, the last (fsdp_experts.py)
     replayed, in_flight = replayed
     first = f"forward_end[{order[0].microbatch}]"   # the stage's first forward: every group gathered in it
     whole = sum(e[0] for e in z.each)
     moments = {k: (0, a + whole - unsaved, t + g + unsaved) for k, (g, a, t) in replayed.items()}
     moments.update(first_forward_end(s, first, moments[first], last_gather))
-    moments.update(_first_forward(s, order[0].microbatch, last_gather, z.each[0][0], moe_step, moe_layer_state))
+    moments.update(_first_forward(s, order[0].microbatch, z.block, z.each[0][0], moe_step, moe_layer_state,
+                                  (z.experts, z.experts_shard, z.experts_dense)))
     moments.update(reduced(s, z, order))
     return optimized(s, z, moments, in_flight, device)
 

@@ -18,6 +18,7 @@ then the reduces after the schedule and AdamW over the shards, as fsdp_pipeline.
 from __future__ import annotations
 
 from ...config import Recompute
+from ...moe.placement import expert_of
 from ...pipeline_parallel.order import Action, Step
 from .fsdp_pipeline import first_forward_end, group_bytes, groups_of, optimized, reduces, stage_groups
 from .posted_replay import is_zero_bubble, stage_terms, unit_terms, walk
@@ -25,13 +26,15 @@ from .stage_sizes import StageSizes
 
 
 def _chunk_gathered(s: StageSizes, chunks: list[StageSizes], gathered: dict) -> list[tuple[int, int, int]]:
-    """Each chunk's blocks gathered: (saved, unsaved, its top block's all-gather output) bytes."""
+    """Each chunk's blocks gathered: (saved, unsaved, its top block's last all-gather output) bytes."""
     full = s.par.recompute == Recompute.FULL
     out = []
     for cs in chunks:
         blocks = groups_of(cs)[1:]
         whole = sum(gathered[n] for names in blocks for n in names)
-        out.append((0 if full else whole, whole if full else 0, sum(gathered[n] for n in blocks[-1])))
+        # the top block's last all-gather: its experts' where they are a group of their own (fsdp_experts.py)
+        experts = sum(gathered[n] for n in blocks[-1] if expert_of(n) is not None and s.par.ep > 1)
+        out.append((0 if full else whole, whole if full else 0, experts or sum(gathered[n] for n in blocks[-1])))
     return out
 
 

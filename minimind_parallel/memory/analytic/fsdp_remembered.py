@@ -27,7 +27,7 @@ import numpy as np
 from ...config import Recompute
 from ...pipeline_parallel.order import Action, Step
 from .fsdp_pipeline import (StageGroups, _after_the_schedule, first_forward_end, gathered_moments, grouped_reduces,
-                            optimized, stage_groups)
+                            optimized, stage_groups, with_whole_experts)
 from .orders import stage_order
 from .posted_peak import _name, _rows
 from .remembered_sizes import SizesKind
@@ -43,7 +43,8 @@ def kind_groups(kind: SizesKind) -> StageGroups:
 
 def first_largest_reduces(s: StageSizes, z: StageGroups, order: list[Action]) -> dict:
     """Of fsdp_pipeline.reduces only the first largest moment (by its total)."""
-    return _first_largest_reduces(z.each, *_after_the_schedule(s, order), s.par.recompute == Recompute.FULL)
+    return with_whole_experts(_first_largest_reduces(z.each, *_after_the_schedule(s, order),
+                                                     s.par.recompute == Recompute.FULL), z)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -72,11 +73,11 @@ def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_ke
     seen, firsts = _gathered_rows(m.rows, tuple(k.sizes.layers for k in chunks))
     root_unsaved = z.embedding if not s.tied_here else 0
     full = s.par.recompute == Recompute.FULL
-    blocks = seen * z.block                          # the forwarded chunks' blocks gathered, per row
+    blocks = seen * (z.block + z.experts)            # the forwarded chunks' blocks (and experts) gathered, per row
     totals = m.with_grads @ f + (z.each[0][0] + blocks)   # with the root's
     extra = None                                     # (row, bytes): the last chunk's cross-entropy in its first forward
     for r, c in firsts:                              # a chunk's first forward: its top block's all-gather output
-        added = _first_forward_added(chunks[c].sizes, z.block)
+        added = _first_forward_added(chunks[c].sizes, z.experts or z.block)
         totals[r] += added[0]
         extra = (r, added[1]) if len(added) > 1 else extra
     ranked = totals if extra is None else np.insert(totals, extra[0] + 1, totals[extra[0]] + extra[1])

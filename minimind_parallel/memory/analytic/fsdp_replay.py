@@ -256,14 +256,8 @@ def check_fully_sharded(c: MiniMindConfig, par: ParallelConfig, tokens: int) -> 
     gather; neither the re-run norm's nor q/k/v's moments are written for SP's own gathers under
     the checkpoint), and with the MoE model below hidden_size under basic SP (its q/k/v backward,
     1 KB under at a quarter with the shared gather) and under --recompute full (the first block's
-    re-run input norm backward, 4 B over at an eighth under ring CP). (EP: the experts' own groups, fsdp_experts.py; under PP, fsdp_pipeline.py,
-    the same hold.) The MoE model at ep > 1 (the experts' own FSDP2 groups) stays refused under
-    SP, --recompute and CP: its experts' pre-backward under full recompute and ring CP was 17 KB
-    under."""
-    if c.use_moe and par.ep > 1 and (par.sequence_parallel or par.recompute != Recompute.NONE or par.cp > 1):
-        raise NotImplementedError(f"predict_memory: --zero 3 (FSDP2) with --use_moe at ep_size > 1 is modelled without "
-                                  f"--sequence_parallel, --recompute and context parallelism; got sequence_parallel="
-                                  f"{par.sequence_parallel}, recompute={par.recompute}, cp_size={par.cp}")
+    re-run input norm backward, 4 B over at an eighth under ring CP). (EP: the experts' own groups,
+    fsdp_experts.py, under SP, --recompute and CP too; under PP, fsdp_pipeline.py, the same hold.)"""
     basic_sp = par.sequence_parallel and not par.async_communication
     # few tokens not followed: basic SP under --recompute or with the MoE model, the MoE model under full
     unfollowed = basic_sp and (par.recompute != Recompute.NONE or c.use_moe) or c.use_moe and par.recompute == Recompute.FULL
