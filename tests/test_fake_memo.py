@@ -2,6 +2,8 @@
 exactly what FakeTensorMode and a whole warm-up step measure: every report byte-identical, over
 layouts that reach every path of a step (DDP, TP + SP + async, PP stages, ZeRO 1 and 3, CP,
 selective recompute, MoE with experts over DP), also with one memo shared by all of them."""
+import gc
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -52,11 +54,30 @@ def _estimate(config, par, kw, **how):
                                 **kw, **how)
 
 
+def _no_tensor_in_a_cycle(tracker) -> None:
+    """After a step (the estimate pauses the cyclic collector): the garbage of the reference cycles
+    the estimate made so far (the objects before it are frozen) holds no tensor, so a collection
+    during the step would have freed none, and the pause changes no measurement."""
+    gc.set_debug(gc.DEBUG_SAVEALL)   # keep what it finds, to look at
+    try:
+        gc.collect()
+        tensors = [o for o in gc.garbage if isinstance(o, (torch.Tensor, torch.UntypedStorage))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not tensors, tensors[:3]
+
+
 def test_the_remembered_fake_dispatch_measures_what_fake_tensor_mode_measures():
     shared: dict = {}
     for config, par, kw in LAYOUTS:
         plain = _estimate(config, par, kw, remember=False)
-        got = _estimate(config, par, kw, memo=shared, tracker_type=_Counting)   # what the layouts before left
+        gc.freeze()   # what exists now is not looked at: only what this estimate makes
+        try:
+            got = _estimate(config, par, kw, memo=shared, tracker_type=_Counting,   # what the layouts before left
+                            on_step=_no_tensor_in_a_cycle)
+        finally:
+            gc.unfreeze()
         assert (got.peak_bytes, got.breakdown) == (plain.peak_bytes, plain.breakdown), (par, kw)
     assert _Counting.answered == {"aten", "c10d"}   # ops and collectives answered without FakeTensorMode
     remembered = [recipe for recipe in shared.values() if recipe is not None]

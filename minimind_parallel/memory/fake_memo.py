@@ -56,6 +56,7 @@ _MISSING = object()
 _DEVICE = torch.ops.prim.device.default
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_META = torch.device("meta")
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 # Refused by FakeTensorMode's own cache only for unbacked symbolic sizes, which never occur here.
 _REMEMBERED_THOUGH_FAKE_CACHE_REFUSES = frozenset({torch.ops.aten._unsafe_view.default})
@@ -85,7 +86,7 @@ class _NotRemembered(Exception):
 
 def _meta(t: torch.Tensor) -> tuple:
     """What decides an op's output metadata about one fake input (no symbolic sizes here)."""
-    return (t.dtype, t.shape, t.stride(), t.storage_offset(), t.fake_device, t.layout,
+    return (t.dtype, t.shape, t.stride(), t.storage_offset(), t._fake_device, t.layout,
             t.requires_grad, t.is_conj(), t.is_neg())
 
 
@@ -118,7 +119,7 @@ class RememberingFakeTensorMode(FakeTensorMode):
         super().__init__(**kwargs)
         self.memo = {} if memo is None else memo   # key -> outputs' recipe, or None: always dispatch
         self.replayed = 0                          # ops answered from the memo (for tests)
-        self._template = None                      # a plain FakeTensor's attributes (`_wrap`)
+        self._templates: dict = {}                 # device -> a plain FakeTensor's attributes (`_wrap`)
         self._meta_kernels: dict = {}              # op -> whether it has a Meta kernel (a computed one for views)
         self._constant_updates = _ConstantUpdates()  # in-place pointwise ops (AdamW's `step += 1`)
 
@@ -336,26 +337,20 @@ class RememberingFakeTensorMode(FakeTensorMode):
         """(the outputs as the op returns them, the output tensors in order)."""
         self.replayed += 1
         container, specs = recipe
-        outs = []
-        for spec in specs:
-            kind = spec[0]
-            if kind is Made.NONE:
-                outs.append(None)
-            elif kind is Made.SAME:
-                outs.append(tensors[spec[1]])
-            else:
-                outs.append(self._make(spec, tensors))
+        with torch._C._DisableTorchDispatch():   # plain meta tensors: no mode, no FakeTensor, sees these
+            outs = [None if spec[0] is Made.NONE else tensors[spec[1]] if spec[0] is Made.SAME
+                    else self._make(spec, tensors) for spec in specs]
         made = [o for o in outs if o is not None]
         if container is None:
             return outs[0], made
         return (container(*outs) if hasattr(container, "_fields") else container(outs)), made
 
     def _make(self, spec, tensors) -> FakeTensor:
+        """A remembered output (a new storage, or a view of an input's), with dispatch disabled."""
         kind, shape, stride, offset, dtype, device, conj, neg = (spec[0], *spec[-7:])
-        with torch._C._DisableTorchDispatch():   # plain meta tensors: no mode, no FakeTensor, sees these
-            empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            if kind is Made.VIEW:
-                empty.set_(tensors[spec[1]].untyped_storage(), offset, shape, stride)
+        empty = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+        if kind is Made.VIEW:
+            empty.set_(tensors[spec[1]].untyped_storage(), offset, shape, stride)
         if conj:
             torch._C._set_conj(empty, True)
         if neg:
@@ -364,14 +359,14 @@ class RememberingFakeTensorMode(FakeTensorMode):
 
     def _wrap(self, empty: torch.Tensor, device: torch.device) -> FakeTensor:
         """FakeTensor(self, empty, device), made faster: what its constructor sets on a plain fake
-        tensor (no constant, real tensor or subclass type) is the same for every one of this mode's,
-        so it is taken from one made by the constructor (`_template`, checked equal by
-        tests/test_fake_memo.py) and only the device is set."""
-        if self._template is None:
+        tensor (no constant, real tensor or subclass type) on a device is the same for every one of
+        this mode's, so it is taken from one made by the constructor (`_templates`, per device, the
+        device normalised as the constructor does it; checked equal by tests/test_fake_memo.py)."""
+        attributes = self._templates.get(device)
+        if attributes is None:
             made = FakeTensor(self, empty, device)
-            if FakeTensorConfig.debug:   # each keeps its own trace: no template
-                return made
-            self._template = {k: v for k, v in vars(made).items() if k != "fake_device"}
+            if not FakeTensorConfig.debug:   # in debug each keeps its own trace: no template
+                self._templates[device] = dict(vars(made))
             return made
         t = torch.Tensor._make_subclass(FakeTensor, empty, False, dispatch_device=True,
                                         device_for_backend_keys=device)
@@ -379,6 +374,5 @@ class RememberingFakeTensorMode(FakeTensorMode):
             torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
         else:
             torch._C._set_throw_on_mutable_data_ptr(t)
-        t.__dict__.update(self._template)
-        t.fake_device = device
+        t.__dict__.update(attributes)
         return t
