@@ -337,25 +337,29 @@ class RememberingFakeTensorMode(FakeTensorMode):
         """(the outputs as the op returns them, the output tensors in order)."""
         self.replayed += 1
         container, specs = recipe
+        outs = []
         with torch._C._DisableTorchDispatch():   # plain meta tensors: no mode, no FakeTensor, sees these
-            outs = [None if spec[0] is Made.NONE else tensors[spec[1]] if spec[0] is Made.SAME
-                    else self._make(spec, tensors) for spec in specs]
+            for spec in specs:
+                kind = spec[0]
+                if kind is Made.NEW:
+                    _, shape, stride, offset, dtype, device, conj, neg = spec
+                    empty = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+                elif kind is Made.VIEW:
+                    _, j, shape, stride, offset, dtype, device, conj, neg = spec
+                    empty = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+                    empty.set_(tensors[j].untyped_storage(), offset, shape, stride)
+                else:
+                    outs.append(None if kind is Made.NONE else tensors[spec[1]])
+                    continue
+                if conj:
+                    torch._C._set_conj(empty, True)
+                if neg:
+                    torch._C._set_neg(empty, True)
+                outs.append(self._wrap(empty, device))
         made = [o for o in outs if o is not None]
         if container is None:
             return outs[0], made
         return (container(*outs) if hasattr(container, "_fields") else container(outs)), made
-
-    def _make(self, spec, tensors) -> FakeTensor:
-        """A remembered output (a new storage, or a view of an input's), with dispatch disabled."""
-        kind, shape, stride, offset, dtype, device, conj, neg = (spec[0], *spec[-7:])
-        empty = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
-        if kind is Made.VIEW:
-            empty.set_(tensors[spec[1]].untyped_storage(), offset, shape, stride)
-        if conj:
-            torch._C._set_conj(empty, True)
-        if neg:
-            torch._C._set_neg(empty, True)
-        return self._wrap(empty, device)
 
     def _wrap(self, empty: torch.Tensor, device: torch.device) -> FakeTensor:
         """FakeTensor(self, empty, device), made faster: what its constructor sets on a plain fake
