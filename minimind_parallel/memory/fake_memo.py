@@ -266,8 +266,13 @@ class RememberingFakeTensorMode(FakeTensorMode):
     def _key(self, func, args, kwargs, tensors: list) -> tuple:
         if func.namespace != "aten":
             raise _NotRemembered
-        parts = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
-        self._flatten(args, parts, tensors)
+        parts = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled(), len(args)]
+        for x in args:   # the arguments' own level inline (most are this mode's tensors): as _flatten
+            if type(x) is FakeTensor and x.fake_mode is self and x.constant is None:
+                parts.append(_meta(x))
+                tensors.append(x)
+            else:
+                self._flatten(x, parts, tensors)
         for name, value in kwargs.items():
             parts.append(name)
             self._flatten(value, parts, tensors)
