@@ -2,6 +2,8 @@
 exactly what FakeTensorMode and a whole warm-up step measure: every report byte-identical, over
 layouts that reach every path of a step (DDP, TP + SP + async, PP stages, ZeRO 1 and 3, CP,
 selective recompute, MoE with experts over DP), also with one memo shared by all of them."""
+import gc
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -52,11 +54,30 @@ def _estimate(config, par, kw, **how):
                                 **kw, **how)
 
 
+def _no_tensor_in_a_cycle(tracker) -> None:
+    """After a step (the estimate pauses the cyclic collector): the garbage of the reference cycles
+    the estimate made so far (the objects before it are frozen) holds no tensor, so a collection
+    during the step would have freed none, and the pause changes no measurement."""
+    gc.set_debug(gc.DEBUG_SAVEALL)   # keep what it finds, to look at
+    try:
+        gc.collect()
+        tensors = [o for o in gc.garbage if isinstance(o, (torch.Tensor, torch.UntypedStorage))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not tensors, tensors[:3]
+
+
 def test_the_remembered_fake_dispatch_measures_what_fake_tensor_mode_measures():
     shared: dict = {}
     for config, par, kw in LAYOUTS:
         plain = _estimate(config, par, kw, remember=False)
-        got = _estimate(config, par, kw, memo=shared, tracker_type=_Counting)   # what the layouts before left
+        gc.freeze()   # what exists now is not looked at: only what this estimate makes
+        try:
+            got = _estimate(config, par, kw, memo=shared, tracker_type=_Counting,   # what the layouts before left
+                            on_step=_no_tensor_in_a_cycle)
+        finally:
+            gc.unfreeze()
         assert (got.peak_bytes, got.breakdown) == (plain.peak_bytes, plain.breakdown), (par, kw)
     assert _Counting.answered == {"aten", "c10d"}   # ops and collectives answered without FakeTensorMode
     remembered = [recipe for recipe in shared.values() if recipe is not None]
@@ -117,3 +138,73 @@ def test_the_warm_up_makes_the_optimizer_states_a_whole_step_makes():
     grads, states = _states(_create_optimizer_states)
     assert all(g is None for g in grads) and all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in states)
     assert (grads, states) == _states(_whole_step)
+
+
+def _counting(dispatch, calls: list):
+    """FakeTensorMode's own dispatch (RememberingFakeTensorMode's too), noting each op in `calls`."""
+    def counted(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return dispatch(self, func, types, args, kwargs)
+    return counted
+
+
+def _views(flat):
+    """View ops at offsets not seen before (slices of a flat buffer, as training's _all_reduce_grads
+    makes), several outputs, an alias of a dtype, a transpose of a slice."""
+    x = flat[6:30]
+    return [x, flat[30:42].view(3, 4), x.view(4, 6).t(), x.view(2, 12)[1], torch.as_strided(flat, (2, 3), (1, 2), 9),
+            *flat[1:13].split([5, 7]), x.view(4, 6).unbind(1)[2], x.view(4, 6).expand(2, 4, 6), x.view(torch.int32)]
+
+
+def test_a_view_at_a_new_offset_is_the_view_fake_tensor_mode_makes(monkeypatch):
+    with FakeTensorMode():
+        plain = _views(torch.empty(48))
+    calls: list = []
+    monkeypatch.setattr(FakeTensorMode, "__torch_dispatch__", _counting(FakeTensorMode.__torch_dispatch__, calls))
+    with RememberingFakeTensorMode() as mode:
+        flat = torch.empty(48)
+        del calls[:]
+        made = _views(flat)
+    assert not calls   # each answered by the op's own Meta kernel, none by FakeTensorMode
+    for got, want in zip(made, plain, strict=True):
+        assert type(got) is FakeTensor and got.untyped_storage()._cdata == flat.untyped_storage()._cdata
+        assert (got.shape, got.stride(), got.storage_offset(), got.dtype, got.device) == \
+            (want.shape, want.stride(), want.storage_offset(), want.dtype, want.device)
+        assert torch._C._dispatch_keys(got) == torch._C._dispatch_keys(want) and vars(got).keys() == vars(want).keys()
+    with RememberingFakeTensorMode(mode.memo):   # remembered: replayed
+        again = _views(torch.empty(48))
+    assert [(t.shape, t.stride(), t.storage_offset()) for t in again] == \
+        [(t.shape, t.stride(), t.storage_offset()) for t in made]
+
+
+_CALLS: list = []   # FakeTensorMode's own dispatches (`_fake_tensor_mode_calls`)
+
+
+def _step_counts(mode, updated):
+    """AdamW's step count under `mode`: torch.tensor(0.0), then `updated(mode, step)` three times."""
+    with mode:
+        step = torch.tensor(0.0)
+        for _ in range(3):
+            updated(mode, step)
+        made = list(_CALLS)
+        return step, step.item(), made
+
+
+def test_a_constant_is_made_and_updated_as_fake_tensor_mode_does(monkeypatch):
+    want, want_value, _ = _step_counts(FakeTensorMode(), lambda mode, step: step.add_(1))
+    monkeypatch.setattr(FakeTensorMode, "__torch_dispatch__", _counting(FakeTensorMode.__torch_dispatch__, _CALLS))
+    for updated in (lambda mode, step: step.add_(1),   # as the warm-up runs it, and under the tracker:
+                    lambda mode, step: mode.answer(torch.ops.aten.add_.Tensor, (step, 1), {})):
+        mode = RememberingFakeTensorMode()
+        del _CALLS[:]
+        got, value, calls = _step_counts(mode, updated)
+        assert not calls and value == want_value == 3.0   # made and updated without FakeTensorMode
+        assert type(got) is FakeTensor and vars(got).keys() == vars(want).keys()
+        mine = ("constant", "fake_mode", "_fake_device")   # its own value, mode (and the device, compared below)
+        assert {k: v for k, v in vars(got).items() if k not in mine} == \
+            {k: v for k, v in vars(want).items() if k not in mine} and got.fake_mode is mode
+        assert torch.equal(got.constant, want.constant) and got.constant.dtype == want.constant.dtype
+        assert torch._C._dispatch_keys(got) == torch._C._dispatch_keys(want)
+        assert (got.shape, got.stride(), got.dtype, got.device, got.untyped_storage().nbytes()) == \
+            (want.shape, want.stride(), want.dtype, want.device, want.untyped_storage().nbytes())
+        assert mode.fake_tensor_converter._get_memo(got.constant) is got   # as FakeTensorMode's converter has it

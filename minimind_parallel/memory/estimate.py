@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..collector import paused_collector
 from ..config import ConfigError, MiniMindConfig, ParallelConfig, check_layout
 from ..context_parallel import ContextLayout
 from ..data.batches import Batch, cp_tokens, shift_labels
@@ -105,6 +106,7 @@ def _create_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer)
     optimizer.zero_grad(set_to_none=True)
 
 
+@paused_collector()   # no tensor of a step is in a reference cycle (tests/test_fake_memo.py): the collector frees none
 def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len: int,
                          micro_batch_size: int, dtype=torch.bfloat16, iters: int = 2, warmup: bool = True,
                          num_microbatches: int = 1, schedule: Schedule = Schedule.ONE_F_ONE_B, stage: int = 0,
@@ -127,6 +129,11 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
     remember: the fake dispatch remembers what each op made and makes it again without asking
     FakeTensorMode (memory/fake_memo.py: the same report, to the byte, in about half the time);
     `memo` may carry what it remembered from one call to the next (the benchmark's sweep).
+    Python's cyclic collector is paused meanwhile (`collector.paused_collector`): every tensor of
+    a step is freed by its last reference going, none by the collector (no tensor is ever in a
+    cycle's garbage: tests/test_fake_memo.py), so the measurement is the same without it; each of
+    its full collections walked every object alive (the memo, the model, torch's modules), a
+    fifth of the benchmark's --estimate sweep.
 
     MoE: fake tensors have no routing to read, so each MoE layer's dispatch and experts split their
     rows by `routing` (predict_memory's: balanced, the worst case, or a histogram of tokens per

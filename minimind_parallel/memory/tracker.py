@@ -59,9 +59,9 @@ def _describe(func, out) -> str:
     return f"{func.__name__} -> {' '.join(shapes)}"
 
 
-# Ops that only answer a question about a tensor: the autograd engine asks every tensor's device
+# The op that only answers a question about a tensor: the autograd engine asks every tensor's device
 # (prim.device, dispatched to the mode for fake tensors), more often than all other ops together.
-_METADATA_QUERIES = frozenset({torch.ops.prim.device.default})
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def _tensors(tree):
@@ -197,7 +197,7 @@ class StorageTracker(TorchDispatchMode):
 
     # -- the mode ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _METADATA_QUERIES:   # a question about a tensor (its device): no storage made or touched
+        if func is _DEVICE_QUERY:   # a question about a tensor (its device): no storage made or touched
             if type(args[0]) is FakeTensor:   # the fake device, as FakeTensorMode would answer
                 return args[0].fake_device
             return func(*args, **(kwargs or {}))

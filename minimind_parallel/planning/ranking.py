@@ -4,10 +4,9 @@ rounding, estimated by allocator_rounding.py) and step time
 (time_model.py), the fitting ones ranked by predicted tokens/s, the others with why they were cut."""
 from __future__ import annotations
 
-import contextlib
-import gc
 from dataclasses import dataclass, field
 
+from ..collector import paused_collector
 from ..config import DTYPES
 from ..memo import Frozen
 from ..memory import MemoryPrediction, predict_memory
@@ -131,28 +130,6 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
     result.over_budget.sort(key=lambda e: e.peak_bytes)
     return result
-
-
-@contextlib.contextmanager
-def paused_collector():
-    """Python's cyclic garbage collector paused (and then as it was): the predictions make millions of
-    objects in no cycle (sizes, moments, entries), and each collection it would start walks every
-    object alive -- a sixth of the plan's time. Where it turns the collector back on, the objects
-    made meanwhile are moved out of the youngest generation unwalked (gc.freeze): re-enabled with
-    them there, its next two collections (of the youngest, then the middle generation) would walk
-    them all, about 0.7 s after a plan. Where nothing was frozen before, they are then unfrozen
-    into the oldest generation (collected, as any old object, by a full collection); where the
-    process keeps its objects frozen (cli.process_main), they stay frozen with them."""
-    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.freeze()
-            if not frozen:
-                gc.unfreeze()
-            gc.enable()
 
 
 def _in_order(valid: list[Candidate], predict) -> list[PlanEntry]:
