@@ -272,12 +272,12 @@ def _predict_remembered_fully_sharded(kind: SizesKind, order: tuple, order_key: 
     """_predict_pipelined_fully_sharded's prediction (peak_only) of the stage `kind` from remembered
     pieces (fsdp_remembered.py): a posted order's walk over its chunk kinds' cut terms, gpipe's and
     1f1b's replay the kind's."""
-    if posted(order):
-        chunks = chunk_kinds(c, par, stage, memo, **kw)
-        made = remembered_posted_moments(kind, chunks, order_key, device)
-        return _predict_pipelined_fully_sharded(kind.sizes, order, c, device, ([k.sizes for k in chunks],), made=made)
     s = kind.sizes
     state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+    if posted(order):
+        chunks = chunk_kinds(c, par, stage, memo, **kw)
+        made = remembered_posted_moments(kind, chunks, order_key, device, step, state // s.layers)
+        return _predict_pipelined_fully_sharded(s, order, c, device, ([k.sizes for k in chunks],), made=made)
     made = remembered_pipelined_moments(kind, order, _replayed(kind, order, order_key, True), device, step,
                                         state // s.layers)
     return _predict_pipelined_fully_sharded(s, order, c, device, made=made)
@@ -309,7 +309,7 @@ def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindCon
         moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device, step, state // s.layers)
     else:
         moments, in_flight, params, states = posted_fully_sharded_moments(s, chunked[0], order, chunked[1], device,
-                                                                          peak_only)
+                                                                          peak_only, step, state // s.layers)
     report = moe_report(c, last=s.last, f=s.f)
     linger = [sum(x) for x in zip((0, 0), *(moe_lingering(cs) for cs in (chunked[0] if chunked else [s])))]
     shares = sum(a.step is Step.FORWARD for a in order) * s.f if c.use_moe else 0
