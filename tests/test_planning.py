@@ -264,7 +264,7 @@ def test_the_space_plans_every_schedule_and_zero_level_the_memory_model_declares
         if k.pp > 1:
             check_schedule(k.pp_schedule, k.parallel, k.num_microbatches)
     reasons = {c.constraint for c in cuts}
-    # --zero 2 under the posted orders where each grad buffer has a staging buffer per bucket (one here)
+    # --zero 2 under every schedule (the posted orders: staging buffers made up front, zero/staging.py)
     assert {k.pp_schedule for k in piped if k.zero == 2} == set(Schedule)
     assert "--pp_schedule interleaved needs num_microbatches a multiple of pp_size (Megatron-LM's groups of P " \
            "microbatches per chunk)" in reasons

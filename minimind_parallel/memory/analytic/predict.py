@@ -27,7 +27,7 @@ from .saved_kinds import as_dtype
 from .schedule_replay import moe_lingering, optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
 from .zero_bubble_moments import unmodelled
-from .zero_sizes import (optimizer_state_bytes, posted_zero2_refusal, slice_sizes, staging_bytes, zero2_moments,
+from .zero_sizes import (optimizer_state_bytes, slice_sizes, staging_bytes, staging_plans, zero2_moments,
                          zero_layouts)
 
 
@@ -209,9 +209,6 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
-        refusal = posted_zero2_refusal(c, par, as_dtype(dtype), bucket_size_mb) if par.zero == 2 else None
-        if refusal is not None:
-            raise NotImplementedError(f"predict_memory: {refusal}; got the {schedule} schedule")
         kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None and not chunk_routes:   # the first largest moment alone, by the total the peak is taken by
@@ -241,9 +238,10 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments["optimizer"] = optimizer_step(s, slice_sizes(layouts, s.b), grads=stored)
     else:   # the slices and the staging buffers all step; AdamW over the slices
         states = optimizer_state_bytes(layouts, s.b, device)
-        moments = zero2_moments(moments, layouts, s.b)
+        plans = staging_plans(c, par, stage, layouts, schedule)
+        moments = zero2_moments(moments, layouts, plans, s.b)
         grads, a, t = optimizer_step(s, slice_sizes(layouts, s.b), grads=sum(s.b * x.shard_numel for x in layouts))
-        moments["optimizer"] = (grads, a, t + staging_bytes(layouts, s.b))
+        moments["optimizer"] = (grads, a, t + staging_bytes(layouts, plans, s.b))
     if not layouts and s.partial_grads_flat:
         moments["partial_grad_sum"] = partial_grad_sum(s)
     report = moe_report(c, last=s.last, f=s.f)
