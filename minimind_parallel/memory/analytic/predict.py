@@ -271,7 +271,7 @@ def _predict_remembered_fully_sharded(kind: SizesKind, order: tuple, order_key: 
     pieces (fsdp_remembered.py): a posted order's walk over its chunk kinds' cut terms, gpipe's and
     1f1b's replay the kind's."""
     s = kind.sizes
-    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
     if posted(order):
         chunks = chunk_kinds(c, par, stage, memo, **kw)
         made = remembered_posted_moments(kind, chunks, order_key, device, step, state // s.layers)
@@ -300,7 +300,7 @@ def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindCon
     (its reduces, the optimizer step) each chunk's last received input lingers (moe_lingering);
     while the groups reduce, each unit's reported aux share is alive, not the backward's terms."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
-    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
     if made is not None:   # the moments made already (fsdp_remembered.py; `chunked`: the chunks' sizes alone)
         moments, in_flight, params, states = made
     elif chunked is None:
