@@ -377,8 +377,8 @@ MOE_ZERO_BUBBLE = [
     (dict(dp=2, pp=2, tp=2, sequence_parallel=True, async_communication=True), torch.bfloat16, 3,
      replace(_config(4, 256, False), **MOE_FIELDS, moe_intermediate_size=64), 64, 2, ("weighting_backward", "head_backward")),
     # CP ring: an earlier stage keeps its objective's term (only the last stage's is the CP-scaled copy)
-    (dict(cp=2, pp=2, cp_comm_type="ring"), torch.float32, 2, replace(_sized(32, 2, 8, 4, 512, False), use_moe=True,
-                                                                    num_experts=8, moe_intermediate_size=16), 128, 2,
+    (dict(cp=2, pp=2, cp_comm_type="ring"), torch.float32, 1, replace(_sized(32, 2, 8, 4, 512, False), use_moe=True,
+                                                                    num_experts=8, moe_intermediate_size=16), 64, 1,
      ("attention_backward", "head_backward")),
 ]
 
