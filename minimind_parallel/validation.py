@@ -203,7 +203,7 @@ def compare_with_dense(config: MiniMindConfig, par: ParallelConfig, groups: Proc
                  schedule=pp_schedule, backward=check_backward or optimizer_steps > 0, atol=atol, rtol=rtol,
                  later_rtol=max(rtol, PARAM_RTOL[dtype]))
     opt_dense = make_optimizer(dense, lr)
-    opt_par = pair.optimizer = make_optimizer(pair.model, lr, groups, bucket_size_mb)
+    opt_par = pair.optimizer = make_optimizer(pair.model, lr, groups, bucket_size_mb, pp_schedule)
     rows = pair.step(0, compare=True)
     if check_backward:
         rows += pair.grad_rows(rtol)

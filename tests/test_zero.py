@@ -24,7 +24,7 @@ from minimind_parallel.pipeline_parallel import forward_backward
 from minimind_parallel.loss_normalisation import equal_replicas_mean
 from minimind_parallel.memory import MemoryMeter, estimate_step_memory, predict_memory
 from minimind_parallel.memory.analytic.predict import MODELLED_ZERO_LEVELS
-from minimind_parallel.memory.analytic.zero_sizes import zero_layouts
+from minimind_parallel.memory.analytic.zero_sizes import staging_plans, zero_layouts
 from minimind_parallel.model import MiniMindForCausalLM
 from minimind_parallel.training import build_parallel_model, make_optimizer, train_step, unwrap, wrap_data_parallel
 from minimind_parallel.validation import compare_with_dense, dense_slice, failures, format_report
@@ -52,9 +52,9 @@ VALIDATE = {
     "dp2 pp2 zero2 tied": (dict(dp=2, pp=2, zero=2), dict(tied=True, micro_batch_size=1, num_microbatches=4)),
     # buckets spanning two model chunks, or filled by W steps: set-based readiness, the last fill flushed
     "dp2 pp2 v2 interleaved zero2": (dict(dp=2, pp=2, zero=2, virtual_stages=2),
-                                     dict(layers=4, pp_schedule="interleaved", micro_batch_size=1, num_microbatches=4)),
+                                     dict(layers=4, pp_schedule="interleaved", micro_batch_size=1, num_microbatches=2)),
     "dp2 pp2 zb zero2 tied": (dict(dp=2, pp=2, zero=2), dict(tied=True, pp_schedule="zb", micro_batch_size=1,
-                                                             num_microbatches=4)),
+                                                             num_microbatches=2)),
     "dp2 cp2 zero2": (dict(dp=2, cp=2, zero=2), dict()),
     "dp2 zero3 tied": (dict(dp=2, zero=3), dict(tied=True)),
     "dp4 zero3": (dict(dp=4, zero=3), dict()),
@@ -229,14 +229,16 @@ def test_the_memory_model_of_zero_is_the_estimate_to_the_byte(zero):
     """predict_memory under --zero 1 and 2 (memory/analytic/zero_sizes.py) against the tracker on
     fake tensors, over TP (SP, async, VP), PP stages with tied copies, CP, accumulation, one bucket
     or several; bfloat16, and float32 with small buckets. --zero 2: the slices and the staging
-    buffers, no parameter's grad past its hook."""
+    buffers, no parameter's grad past its hook. One fake dispatch remembered over the rows (the
+    estimate's `memo`: the same reports, as the sweep does)."""
+    memo: dict = {}
     for (config, layout, microbatches, stage), dtype, bucket in (
             [(case, torch.bfloat16, bucket) for case in ESTIMATE_LAYOUTS for bucket in (SMALL_BUCKETS, 25.0)]
             + [(case, torch.float32, SMALL_BUCKETS) for case in ESTIMATE_LAYOUTS[1::2]]):
         par = ParallelConfig(**layout, zero=zero)
         kw = dict(seq_len=32, micro_batch_size=2, dtype=dtype, num_microbatches=microbatches, stage=stage,
                   bucket_size_mb=bucket)
-        estimate = estimate_step_memory(ESTIMATE_CONFIGS[config], par, iters=1, **kw)
+        estimate = estimate_step_memory(ESTIMATE_CONFIGS[config], par, iters=1, memo=memo, **kw)
         model = predict_memory(ESTIMATE_CONFIGS[config], par, **kw)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
             (config, layout, stage, dtype, bucket, model.peak_at)
@@ -245,7 +247,7 @@ def test_the_memory_model_of_zero_is_the_estimate_to_the_byte(zero):
         config, par, kw = MOE_EP_MODES[name]
         par, kw = replace(par, zero=zero), dict(seq_len=32, micro_batch_size=2, dtype=torch.bfloat16,
                                                 bucket_size_mb=SMALL_BUCKETS, **kw)
-        estimate = estimate_step_memory(config, par, iters=1, **kw)
+        estimate = estimate_step_memory(config, par, iters=1, memo=memo, **kw)
         model = predict_memory(config, par, **kw)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (name, model.peak_at)
 
@@ -490,28 +492,42 @@ def test_a_zero3_run_trains_checkpoints_under_tp_and_resumes_at_zero0(corpus, tm
         assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step
 
 
-@pytest.mark.parametrize("schedule, virtual_stages", [("interleaved", 2), ("zb", 1)])
-def test_zero2_under_a_posted_schedule_is_predicted_where_each_bucket_has_a_staging_buffer(schedule, virtual_stages):
-    """--zero 2 under interleaved (pp2 V2 dp2) and zb (pp2 dp2): a bucket completes before another
-    chunk's (or a W step's) grads of it come, which fill it again; with no more buckets than staging
-    buffers (one bucket at the default size) each bucket fills its own, and the model equals the
-    estimate on every stage and category (the planner's remembered rows give each stage's peak).
-    With more (a 0.01 MiB bucket: several fill at once, and the optimizer makes a staging buffer
-    more mid-step) predict_memory refuses it in one line."""
-    from helpers import one_line_error
-    from minimind_parallel.pipeline_parallel.order import check_schedule
+# (schedule, model chunks per stage, bucket MiB): --zero 2 under the posted orders; 0.01 MiB: several
+# buckets fill at once (a block's B and W grads in one, two chunks' in one)
+POSTED_ZERO2 = [("interleaved", 2, SMALL_BUCKETS), ("zb", 1, SMALL_BUCKETS), ("interleaved", 2, 25.0)]
+
+
+@pytest.mark.parametrize("schedule, virtual_stages, bucket", POSTED_ZERO2)
+def test_zero2_under_a_posted_schedule_makes_its_staging_buffers_up_front_and_is_predicted(schedule, virtual_stages,
+                                                                                          bucket):
+    """--zero 2 under interleaved (pp2 V2 dp2) and zb (pp2 dp2): a bucket whose grads come in
+    several actions (two model chunks' parameters, or a block's B and W weights) stays filling while
+    others fill, so it has a staging buffer of its own, made with the pool at the start
+    (zero/staging.py): every step holds the same buffers, none is made mid-step (the optimizer
+    refuses to), and the model equals the estimate over two steps on every stage and category (the
+    planner's remembered rows give each stage's peak, and the planner keeps such a layout). One
+    bucket (25 MiB) spanning the chunks: a buffer of its own, no pool."""
+    from minimind_parallel.pipeline_parallel.order import Schedule, check_schedule
+    from minimind_parallel.planning import Candidate, Workload
+    from minimind_parallel.planning.space import check_candidate
     par = ParallelConfig(dp=2, pp=2, zero=2, virtual_stages=virtual_stages)
-    check_schedule(schedule, par, 4)
+    check_schedule(schedule, par, 2)
     config = replace(MEMORY_CONFIG, num_hidden_layers=4)
-    kw = dict(seq_len=32, micro_batch_size=2, num_microbatches=4, schedule=schedule, dtype=torch.float32)
+    kw = dict(seq_len=32, micro_batch_size=2, num_microbatches=2, schedule=schedule, dtype=torch.float32,
+              bucket_size_mb=bucket)
     fast = predict_memory(config, par, worst_only=True, **kw)   # the planner's remembered rows
     for stage in range(par.pp):
         model = predict_memory(config, par, stage=stage, **kw)
-        estimate = estimate_step_memory(config, par, iters=1, stage=stage, **kw)
+        estimate = estimate_step_memory(config, par, iters=2, stage=stage, **kw)
         assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), (stage, model.peak_at)
         assert fast.per_stage[stage] == model.peak_bytes, stage
-    message = one_line_error(NotImplementedError, predict_memory, config, par, bucket_size_mb=0.01, **kw)
-    assert "is modelled where every grad buffer has at most 3 buckets (a staging buffer each); got" in message, message
+    # small buckets: more than 3 (once refused), some with a buffer of their own beside the pool's 3
+    layouts = zero_layouts(config, par, 0, torch.float32, bucket)
+    (plan,) = staging_plans(config, par, 0, layouts, schedule)
+    assert (len(layouts[0].buckets) > 3) == (bucket == SMALL_BUCKETS) == (plan.pool == 3 and any(plan.own)), plan
+    work = Workload(model=config, seq_len=32, global_batch_size=16, world_size=4)
+    check_candidate(work, Candidate(dp=2, pp=2, zero=2, num_microbatches=2, micro_batch_size=2,
+                                    pp_schedule=Schedule(schedule), virtual_stages=virtual_stages))
 
 
 def test_zero2_refuses_a_bucket_some_of_whose_parameters_got_no_grad():

@@ -439,6 +439,46 @@ def test_zero3_under_the_posted_schedules_is_the_estimate_to_the_byte_on_every_s
                                     pp_schedule=Schedule.INTERLEAVED, virtual_stages=2))
 
 
+# (layout, dtype, microbatches, model, seq_len, micro_batch_size, the moment at the peak of each stage): the
+# MoE model under zb with zero 3, ep 1 (fsdp_posted.py over zero_bubble_moments' B and W of the MoE model)
+WIDE_EXPERTS = replace(_sized(64, 4, 8, 4, 512, True), use_moe=True, num_experts=8, num_experts_per_tok=1,
+                       moe_intermediate_size=256)
+MOE_ZERO_BUBBLE = [
+    # experts outweighing the attention: the copy-out of the block above the first, in zb's first forward
+    (dict(dp=2, pp=2), torch.float32, 1, WIDE_EXPERTS, 64, 1, ("pre_forward(block 1)", "pre_forward(block 1)")),
+    # a unit's weighting backward with W-pending units held (the router and experts make their grads in B)
+    (dict(dp=2, pp=2, tp=2, sequence_parallel=True, async_communication=True), torch.bfloat16, 3,
+     replace(_config(4, 256, False), **MOE_FIELDS, moe_intermediate_size=64), 64, 2, ("weighting_backward", "head_backward")),
+    # CP ring: an earlier stage keeps its objective's term (only the last stage's is the CP-scaled copy)
+    (dict(cp=2, pp=2, cp_comm_type="ring"), torch.float32, 1, replace(_sized(32, 2, 8, 4, 512, False), use_moe=True,
+                                                                    num_experts=8, moe_intermediate_size=16), 64, 1,
+     ("attention_backward", "head_backward")),
+]
+
+
+def test_the_moe_model_under_zb_with_zero3_is_the_estimate_to_the_byte_on_every_stage_and_planned():
+    """The MoE model under zb with --zero 3 (once refused): the
+    posted walk with FSDP2's gathered stage, and zb's first forward's moments where each group is
+    gathered (fsdp_posted.zero_bubble_first_forward; with wide experts a block's copy-out is the
+    peak), equal the tracker on fake tensors on every stage and category; the planner's remembered
+    rows (worst_only) give each stage the same bytes, and it keeps such a layout."""
+    from minimind_parallel.pipeline_parallel.order import Schedule
+    from minimind_parallel.planning import Candidate, Workload
+    from minimind_parallel.planning.space import check_candidate
+    for layout, dtype, microbatches, config, seq_len, mbs, peaks in MOE_ZERO_BUBBLE:
+        par = ParallelConfig(**layout, zero=3)
+        kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule="zb")
+        fast = predict_memory(config, par, worst_only=True, **kw)
+        for stage, model, estimate in _each_stage(config, par, kw):
+            assert model.peak_at.split("[")[0] == peaks[stage], (layout, stage, model.peak_at)
+            assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
+                (layout, dtype, stage, model.peak_at)
+            assert fast.per_stage[stage] == model.peak_bytes, (layout, stage)
+    work = Workload(model=WIDE_EXPERTS, seq_len=64, global_batch_size=8, world_size=4)
+    check_candidate(work, Candidate(dp=2, pp=2, zero=3, num_microbatches=4, micro_batch_size=1,
+                                    pp_schedule=Schedule.ZERO_BUBBLE))
+
+
 # (layout, dtype, microbatches, routing, the moment at the peak): zero 3 under expert parallelism; a
 # routing as one EP group's tokens per expert per MoE layer: EP rank 0 (experts 0 and 1) receives the most
 FEW_TOKEN_EXPERTS = replace(_sized(128, 2, 8, 8, 512, True), use_moe=True, num_experts=4, num_experts_per_tok=1,

@@ -162,7 +162,7 @@ def estimate_step_memory(model_config: MiniMindConfig, par: ParallelConfig, *, s
                 set_fake_routing(model, rows if is_per_microbatch(routing) else rows[0], par.ep)
             if par.zero == 3:   # FSDP2 shards fake tensors as real ones, over the fake backend's mesh
                 model = shard_fully(model, groups, meshes)
-            optimizer = make_optimizer(model, 1e-3, groups, bucket_size_mb)
+            optimizer = make_optimizer(model, 1e-3, groups, bucket_size_mb, schedule)
             # DDP over DP x CP; none under PP, nor under --zero
             buckets = ddp_gradient_buckets(model) if par.dp * par.cp > 1 and par.pp == 1 and not par.zero else []
             ids = torch.randint(0, model_config.vocab_size, (micro_batch_size * num_microbatches, seq_len))

@@ -13,14 +13,11 @@ from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
 from ..memo import cached_property
-from ..config import DTYPES, ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
+from ..config import ConfigError, CPCommType, MiniMindConfig, ParallelConfig, Recompute, check_layout
 from ..memory.analytic.fsdp_replay import check_fully_sharded
 from ..memory.analytic.predict import MODELLED_SCHEDULES, MODELLED_ZERO_LEVELS
 from ..memory.analytic.fsdp_composition import composition_refusal
-from ..memory.analytic.zero_bubble_moments import unmodelled as zero_bubble_unmodelled
-from ..memory.analytic.zero_sizes import posted_zero2_refusal
 from ..pipeline_parallel.order import Schedule, check_schedule
-from ..zero.buckets import DEFAULT_BUCKET_MB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,13 +151,6 @@ def _expert_parallel_mode(w: Workload, c: dict) -> str | None:
 
 
 
-def _modelled_schedules(w: Workload, c: dict) -> list[Schedule]:
-    """MODELLED_SCHEDULES, without zb where predict_memory refuses its variant."""
-    gap = zero_bubble_unmodelled(use_moe=w.model.use_moe, zero=c.get("zero", 0), cp=c["cp"], recompute=c["recompute"],
-                                 loss_chunks=c["loss_chunks"])
-    return [s for s in MODELLED_SCHEDULES if s is not Schedule.ZERO_BUBBLE or gap is None]
-
-
 BOOLS = lambda w, c: [False, True]  # noqa: E731
 DIMENSIONS = (
     Dimension("tp", lambda w, c: divisors(w.world_size)),
@@ -185,7 +175,7 @@ DIMENSIONS = (
     Dimension("num_microbatches", lambda w, c: [m for m in divisors(max(1, _rows_per_replica(w, c))) if m >= c["pp"]],
               lambda c: c["pp"] > 1),
     # the schedules whose memory the analytic model replays (MODELLED_SCHEDULES; zb where its variant is modelled)
-    Dimension("pp_schedule", lambda w, c: _modelled_schedules(w, c), lambda c: c["pp"] > 1),
+    Dimension("pp_schedule", lambda w, c: list(MODELLED_SCHEDULES), lambda c: c["pp"] > 1),
     # model chunks per stage (interleaved 1F1B): every V >= 2 that splits each stage's layers evenly
     Dimension("virtual_stages", lambda w, c: [v for v in divisors(w.model.num_hidden_layers // c["pp"]) if v > 1],
               lambda c: c.get("pp_schedule") == Schedule.INTERLEAVED),
@@ -261,9 +251,7 @@ def _grid_reason(w: Workload, grid: dict) -> str | None:
 
 def check_candidate(w: Workload, cand: "Candidate") -> None:
     """Raise ConfigError (one line) where a full assignment cannot run or be predicted: check_layout,
-    the schedule's constraints (check_schedule), --zero 2 under a posted schedule (interleaved, zb)
-    where predict_memory does not replay it (zero_sizes.posted_zero2_refusal: more buckets than
-    staging buffers), and the --zero 3 layouts its FSDP2 replay refuses
+    the schedule's constraints (check_schedule), and the --zero 3 layouts its FSDP2 replay refuses
     (memory/analytic/fsdp_composition.py, fsdp_replay.check_fully_sharded)."""
     check_layout(w.model, cand.parallel, seq_len=w.seq_len)
     refusal = composition_refusal(cand.parallel, cand.pp_schedule, cand.num_microbatches) if cand.zero == 3 else None
@@ -277,10 +265,6 @@ def check_candidate(w: Workload, cand: "Candidate") -> None:
     if cand.pp == 1:
         return
     check_schedule(cand.pp_schedule, cand.parallel, cand.num_microbatches)
-    if cand.zero == 2 and cand.pp_schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
-        refusal = posted_zero2_refusal(w.model, cand.parallel, DTYPES[w.dtype], DEFAULT_BUCKET_MB)
-        if refusal is not None:
-            raise ConfigError(f"the memory model refuses it: {refusal}")
 
 
 def enumerate_layouts(w: Workload) -> tuple[list[Candidate], list[Cut]]:

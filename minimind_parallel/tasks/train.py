@@ -335,7 +335,8 @@ class Run:
         self.total = total_steps(args, self.sampler.steps_per_epoch)
         self.data_identity = file_identity(args.data_path)
         self.model = wrap_data_parallel(self._build_model(), self.groups)
-        self.optimizer = make_optimizer(self.model, args.learning_rate, self.groups, args.bucket_size_mb)
+        self.optimizer = make_optimizer(self.model, args.learning_rate, self.groups, args.bucket_size_mb,
+                                        args.pp_schedule)
         self.scaler = LossScaler() if self.precision.needs_loss_scaling else None
         self.last_checkpoint: tuple[str, int] | None = None   # (path, step) of the newest checkpoint of the run
         self.step = self._resume() if args.resume else 0

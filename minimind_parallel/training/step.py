@@ -116,13 +116,16 @@ def _all_reduce_grads(params: list, group) -> None:
 
 
 def make_optimizer(model: nn.Module, lr: float, groups: ProcessGroups | None = None,
-                   bucket_size_mb: float = DEFAULT_BUCKET_MB) -> torch.optim.Optimizer | DistributedOptimizer:
+                   bucket_size_mb: float = DEFAULT_BUCKET_MB, schedule: Schedule = Schedule.ONE_F_ONE_B
+                   ) -> torch.optim.Optimizer | DistributedOptimizer:
     """AdamW as in MiniMind's trainer (foreach off: one update per tensor, easy to account); under
     --zero 1/2 (`groups.par.zero`) over this rank's slices only (`zero.DistributedOptimizer`, its
-    buckets of `bucket_size_mb` MiB)."""
+    buckets of `bucket_size_mb` MiB; `schedule`: the pipeline's, whose W steps (zb) --zero 2's
+    staging buffers are made for)."""
     if groups is not None and groups.par.zero in (1, 2):
         return DistributedOptimizer(unwrap(model), groups, lr=lr, weight_decay=0.01,
-                                    bucket_numel=bucket_numel(bucket_size_mb, next(model.parameters()).dtype))
+                                    bucket_numel=bucket_numel(bucket_size_mb, next(model.parameters()).dtype),
+                                    weight_steps=groups.par.pp > 1 and Schedule(schedule) is Schedule.ZERO_BUBBLE)
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
 
 

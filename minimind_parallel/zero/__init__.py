@@ -10,6 +10,8 @@ parameters, as Megatron-LM's distributed optimizer does it:
                            reduce-scattered into the slices after backward, parameters
                            all-gathered after the step) and --zero 2 (grads kept only as slices,
                            reduce-scattered bucket by bucket from backward hooks)
+    staging                --zero 2's staging buffers, made up front: a pool, and under the
+                           posted pipeline orders one per bucket that fills across actions
     fully_shard            --zero 3 with PyTorch's FSDP2 over the DP x CP mesh (the experts over
                            their EDP mesh under expert parallelism)
 """

@@ -11,15 +11,17 @@ Per (reduction group, dtype), one flat buffer (`buckets.BufferLayout`):
     grads      --zero 1: a flat grad buffer [numel padded] of which every parameter's .grad is a
                view; after the last microbatch each bucket is reduce-scattered in place into this
                rank's slice, the mains' grads.
-               --zero 2: only this rank's slices [numel padded / W], and `IN_FLIGHT` + 1 staging
-               buffers of the largest bucket, allocated once (DeepSpeed's ZeRO stage 2 keeps its
-               gradient buckets the same way): a post-accumulate-grad hook on every parameter
+               --zero 2: only this rank's slices [numel padded / W], and staging buffers allocated
+               once, up front (`staging.staging_plan`: a pool of `IN_FLIGHT` + 1 of the largest
+               bucket, as DeepSpeed's ZeRO stage 2 keeps its gradient buckets, and under
+               interleaved and zb one of its own for each bucket that may fill across actions of
+               the order): a post-accumulate-grad hook on every parameter
                copies its grad into its bucket's staging buffer (adds it, if it came before in the
                same filling) and frees it at once; when every parameter of a bucket has come,
                whatever their order (the buffer follows backward's order, so under gpipe and 1f1b
                one bucket fills at a time), its reduce-scatter starts asynchronously, at most `IN_FLIGHT` at a
                time (the oldest is waited for, added to the slice and its buffer freed for the
-               next bucket); after the last microbatch the buckets still filling are reduced with
+               next bucket; a bucket filling again waits for its own); after the last microbatch the buckets still filling are reduced with
                the missing grads zeroed (interleaved, zb), and the rest waited for before the step (a
                bucket some of whose parameters got no grad in the whole step is an error). So no parameter's grad
                outlives its hook, and what the grads cost is constant: the slices and the buffers.
@@ -47,23 +49,25 @@ from ..loss_normalisation import grad_divisor
 from ..moe.placement import expert_of
 from .buckets import BufferLayout, Piece, plan_buffer
 from .reduction_group import reduction_group
+from .staging import IN_FLIGHT, StagingPlan, staging_plan
 
-IN_FLIGHT = 2   # --zero 2: buckets whose reduce-scatter may run while the next one fills (each holds a staging buffer)
 
-
-def staging_buffers(layout: BufferLayout, like: torch.Tensor) -> list[torch.Tensor]:
-    """--zero 2: `IN_FLIGHT` + 1 buffers (fewer if there are fewer buckets), each of the largest
-    padded bucket, in `like`'s dtype and device."""
-    largest = max(b.padded_numel for b in layout.buckets)
-    return [torch.zeros(largest, dtype=like.dtype, device=like.device)
-            for _ in range(min(IN_FLIGHT + 1, len(layout.buckets)))]
+def staging_buffers(layout: BufferLayout, plan: StagingPlan, like: torch.Tensor
+                    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    """--zero 2: each bucket's own staging buffer (None: the pool's), and the pool, in `like`'s
+    dtype and device, all made now."""
+    own = [torch.zeros(b.padded_numel, dtype=like.dtype, device=like.device) if mine else None
+           for b, mine in zip(layout.buckets, plan.own)]
+    return own, [torch.zeros(plan.pool_numel, dtype=like.dtype, device=like.device) for _ in range(plan.pool)]
 
 
 class FlatBuffer:
     """The parameters of one (reduction group, dtype), laid out by `plan_buffer`."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], group, *, level: int, bucket_numel: int | None,
-                 groups: ProcessGroups):
+                 groups: ProcessGroups, weight_steps: bool = False, layer_chunks: list[list[int]] | None = None):
+        """`weight_steps`: the order has W steps (zb); `layer_chunks`: the stage's layers of each model
+        chunk (None: one chunk) -- which buckets may fill across actions (`staging.staging_plan`)."""
         self.group, self.level, self.groups = group, level, groups
         self.params = dict(named)
         # the experts' own buffer (over EDP); at ep_size 1 they share the DP x CP one with the rest
@@ -79,9 +83,13 @@ class FlatBuffer:
         if level == 2:
             self._arrived: list[set] = [set() for _ in self.layout.buckets]   # names in each filling bucket
             self._came: list[set] = [set() for _ in self.layout.buckets]      # names seen this step, per bucket
-            self._pending: list = []      # (bucket, its reduced slice, the work, its staging buffer)
+            self._pending: list = []      # (bucket, its reduced slice, the work, its staging buffer, pooled)
             self._filling: dict = {}      # bucket -> (its staging buffer, the bucket's view of it)
-            self._free = deque(staging_buffers(self.layout, self.flat))
+            chunks = layer_chunks or [[]]
+            self.staging = staging_plan(self.layout, weight_steps=weight_steps, chunks=len(chunks),
+                                        layer_chunks={i: c for c, layers in enumerate(chunks) for i in layers})
+            self._own, pool = staging_buffers(self.layout, self.staging, self.flat)
+            self._free = deque(pool)
             self._bucket_of = {n: i for i, b in enumerate(self.layout.buckets) for n in b.names}
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready(name)) for name, p in named]
         self.zero_grad()
@@ -169,15 +177,21 @@ class FlatBuffer:
             self._start_reduce(i)
 
     def _open(self, i: int) -> torch.Tensor:
-        """--zero 2: a staging buffer for bucket i (the oldest reduce-scatter waited for if none is
-        free; one more buffer only if more buckets fill at once than there are buffers)."""
-        if not self._free:
-            if self._pending:
+        """--zero 2: a staging buffer for bucket i: its own (its last reduce-scatter waited for, if
+        still running), or one of the pool (the oldest reduce-scatters waited for until one is
+        free). The buffers are the ones made at the start: a bucket that finds none is an error."""
+        if self._own[i] is not None:
+            while any(entry[0] == i for entry in self._pending):
                 self._finish(self._pending.pop(0))
-            else:
-                self._free.append(torch.empty_like(self.flat[:max(b.padded_numel for b in self.layout.buckets)]))
+            buffer = self._own[i]
+        else:
+            while not self._free and any(entry[4] for entry in self._pending):
+                self._finish(self._pending.pop(0))
+            if not self._free:
+                raise RuntimeError(f"--zero 2: more buckets filling at once than the {self.staging.pool} "
+                                   f"staging buffers of the pool (bucket {i} of {len(self.layout.buckets)})")
+            buffer = self._free.popleft()
         b = self.layout.buckets[i]
-        buffer = self._free.popleft()
         staging = buffer[:b.padded_numel]                    # [bucket padded]
         staging[sum(b.numels):].zero_()                      # the padding
         self._filling[i] = (buffer, staging)
@@ -203,13 +217,14 @@ class FlatBuffer:
         while len(self._pending) >= IN_FLIGHT:
             self._finish(self._pending.pop(0))
         shard, work = comm.reduce_scatter_flat(staging, self.group, async_op=True)
-        self._pending.append((i, shard, work, buffer))
+        self._pending.append((i, shard, work, buffer, self._own[i] is None))
 
     def _finish(self, entry) -> None:
-        i, shard, work, buffer = entry
+        i, shard, work, buffer, pooled = entry
         work.wait()
         self.mains[i].grad.add_(shard)
-        self._free.append(buffer)
+        if pooled:
+            self._free.append(buffer)
 
     def reduce(self) -> None:
         """After the last microbatch: every bucket's grads summed into this rank's slices and averaged."""
@@ -273,14 +288,18 @@ class DistributedOptimizer:
     inner AdamW's (the train task sets the learning rate there)."""
 
     def __init__(self, model: nn.Module, groups: ProcessGroups, *, lr: float, weight_decay: float = 0.01,
-                 bucket_numel: int | None = None):
+                 bucket_numel: int | None = None, weight_steps: bool = False):
+        """`weight_steps`: the pipeline order has W steps (zb), for --zero 2's staging buffers (with
+        the model's chunks: `staging.staging_plan`)."""
         level = groups.par.zero
         if level not in (1, 2):
             raise ValueError(f"a distributed optimizer shards at --zero 1 or 2; got zero={level}")
         by_key: dict = {}
         for name, p in model.named_parameters():
             by_key.setdefault((reduction_group(groups, name), p.dtype), []).append((name, p))
-        self.buffers = [FlatBuffer(named, group, level=level, bucket_numel=bucket_numel, groups=groups)
+        chunks = [[int(i) for i in names] for names in getattr(getattr(model, "model", None), "chunks", [[]])]
+        self.buffers = [FlatBuffer(named, group, level=level, bucket_numel=bucket_numel, groups=groups,
+                                   weight_steps=weight_steps, layer_chunks=chunks)
                         for (group, _), named in by_key.items()]
         self.inner = torch.optim.AdamW([m for b in self.buffers for m in b.mains], lr=lr,
                                        weight_decay=weight_decay, foreach=False)

@@ -15,7 +15,7 @@ SP, 1f1b, bf16: refused).
 
 Under pipeline parallelism every schedule is replayed: gpipe and 1f1b by fsdp_pipeline.py, the
 posted ones (interleaved, zb) by fsdp_posted.py (the MoE model and few tokens as
-fsdp_replay.check_fully_sharded says, zb's variants as zero_bubble_moments.unmodelled says).
+fsdp_replay.check_fully_sharded says).
 """
 from __future__ import annotations
 

@@ -12,6 +12,10 @@ root's at the stage's first forward. So at each moment of the walk:
                 full for the blocks (fsdp_pipeline.py)
     a chunk's first forward  its top block's all-gather output, alive to the model's return
                 (the last chunk of the last stage: inside its cross-entropy, fsdp_pipeline.py)
+    zb's first forward  the order's first action, nothing held before it: the moments where each
+                group is gathered, as under 1f1b (fsdp_pipeline._first_forward: a block's copy-out
+                with the blocks below gathered and saved; the MoE model's experts make the
+                copy-out of the block above its first the peak)
 
 then the reduces after the schedule and AdamW over the shards, as fsdp_pipeline.py's.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 from ...config import Recompute
 from ...moe.placement import expert_of
 from ...pipeline_parallel.order import Action, Step
-from .fsdp_pipeline import first_forward_end, group_bytes, groups_of, optimized, reduces, stage_groups
+from .fsdp_pipeline import _first_forward, first_forward_end, group_bytes, groups_of, optimized, reduces, stage_groups
 from .posted_replay import is_zero_bubble, stage_terms, unit_terms, walk
 from .stage_sizes import StageSizes
 
@@ -39,11 +43,13 @@ def _chunk_gathered(s: StageSizes, chunks: list[StageSizes], gathered: dict) -> 
 
 
 def posted_fully_sharded_moments(s: StageSizes, chunks: list[StageSizes], order: list[Action], releases: dict,
-                                 device: str, peak_only: bool = False) -> tuple[dict, dict, int, int]:
+                                 device: str, peak_only: bool = False, moe_step: int = 0,
+                                 moe_layer_state: int = 0) -> tuple[dict, dict, int, int]:
     """The stage's moments under FSDP2 over a posted order (`chunks[c]`: chunk c's sizes, `releases`
     the sends' release points), the reduces' and the optimizer step's last; how many units each
     finds held; this rank's shards; AdamW's states. `peak_only` (the planner's): of the walk's
-    moments only the first largest (the caller adds the same bytes to each of them)."""
+    moments only the first largest (the caller adds the same bytes to each of them). `moe_step`,
+    `moe_layer_state`: as fsdp_pipeline.pipelined_fully_sharded_moments' (zb's first forward)."""
     shard, dense, gathered = group_bytes(s)
     z = stage_groups(s)
     root_unsaved = z.embedding if not s.tied_here else 0
@@ -51,8 +57,19 @@ def posted_fully_sharded_moments(s: StageSizes, chunks: list[StageSizes], order:
     moments, in_flight = gathered_walk(s, chunks, [unit_terms(cs, zb) for cs in chunks], order, releases,
                                        (z.each[0][0] - root_unsaved, root_unsaved), _chunk_gathered(s, chunks, gathered),
                                        peak_only)
+    if zb:
+        moments.update(zero_bubble_first_forward(s, z, order, moe_step, moe_layer_state))
     moments.update(reduces(s, z, order))
     return optimized(s, z, moments, in_flight, device)
+
+
+def zero_bubble_first_forward(s: StageSizes, z, order: list[Action], moe_step: int, moe_layer_state: int) -> dict:
+    """zb's stage's first forward, where each FSDP2 group is gathered: its first action (one model
+    chunk, nothing held before it), so 1F1B's moments (fsdp_pipeline._first_forward), named
+    by the unit as the walk names them. -> name: (grads, activations, temporaries)."""
+    i = order[0].microbatch
+    made = _first_forward(s, i, z.block, z.each[0][0], moe_step, moe_layer_state)
+    return {f"{k[:-len(f'[{i}]')]}[{i}.0]": v for k, v in made.items()}
 
 
 def gathered_walk(s: StageSizes, chunks: list[StageSizes], units: list, order: list[Action], releases: dict,

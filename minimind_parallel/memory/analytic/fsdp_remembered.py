@@ -28,7 +28,9 @@ from ...config import Recompute
 from ...pipeline_parallel.order import Action, Step
 from .fsdp_pipeline import (StageGroups, _after_the_schedule, first_forward_end, gathered_moments, grouped_reduces,
                             optimized, stage_groups, with_whole_experts)
+from .fsdp_posted import zero_bubble_first_forward
 from .orders import stage_order
+from .posted_replay import is_zero_bubble
 from .posted_peak import _name, _rows
 from .remembered_sizes import SizesKind
 from .stage_sizes import StageSizes
@@ -62,12 +64,13 @@ def remembered_pipelined_moments(kind: SizesKind, order: list[Action], replayed:
                             reduced=first_largest_reduces)
 
 
-def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_key: tuple, device: str
-                              ) -> tuple[dict, dict, int, int]:
+def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_key: tuple, device: str,
+                              moe_step: int = 0, moe_layer_state: int = 0) -> tuple[dict, dict, int, int]:
     """fsdp_posted.posted_fully_sharded_moments(peak_only=True)'s first largest moments of the stage
     `kind` over the posted order `order_key` = (P, stage, M, schedule, V), its chunks of `chunks`
     kinds (remembered_sizes.chunk_kinds): posted_peak's rows of the walk over the chunks' cut terms
-    (the grads counted) with FSDP2's gathered bytes added to each row (`_gathered_rows`)."""
+    (the grads counted) with FSDP2's gathered bytes added to each row (`_gathered_rows`); zb's first
+    forward's moments as fsdp_posted's (`moe_step`, `moe_layer_state`: its MoE terms)."""
     s, z = kind.sizes, kind_groups(kind)
     m, f, units = _rows(s, chunks, order_key, True)
     seen, firsts = _gathered_rows(m.rows, tuple(k.sizes.layers for k in chunks))
@@ -90,7 +93,10 @@ def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_ke
     if extra is not None and pick == extra[0] + 1:
         name = f"cross_entropy{name[len('forward_end'):]}"
     moments, in_flight = {name: (0, a + held[0], t + g + held[1] + shift)}, {name: m.rows[r][3]}
-    moments.update(first_largest_reduces(s, z, stage_order(*order_key)))
+    order = stage_order(*order_key)
+    if is_zero_bubble(order):
+        moments.update(zero_bubble_first_forward(s, z, order, moe_step, moe_layer_state))
+    moments.update(first_largest_reduces(s, z, order))
     return optimized(s, z, moments, in_flight, device)
 
 

@@ -9,7 +9,6 @@ import torch
 from ...memo import Frozen
 from ...config import MiniMindConfig, ParallelConfig, check_layout
 from ...pipeline_parallel.order import Schedule, Step, check_schedule, posted
-from ...plan import stage_layers
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .fsdp_composition import check_composition
@@ -26,12 +25,11 @@ from .remembered_sizes import SizesKind, chunk_kinds, model_key, stage_kind
 from .saved_kinds import as_dtype
 from .schedule_replay import moe_lingering, optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
-from .zero_bubble_moments import unmodelled
-from .zero_sizes import (optimizer_state_bytes, posted_zero2_refusal, slice_sizes, staging_bytes, zero2_moments,
+from .zero_sizes import (optimizer_state_bytes, slice_sizes, staging_bytes, staging_plans, zero2_moments,
                          zero_layouts)
 
 
-# the schedules whose orders the model replays (zb: of the layouts zero_bubble_moments.unmodelled passes)
+# the schedules whose orders the model replays (zb too: every variant)
 MODELLED_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
 # the --zero levels it predicts for every layout the planner enumerates (3, FSDP2's gathers --
 # under PP by fsdp_pipeline.py, under interleaved and zb by fsdp_posted.py -- but for the layouts
@@ -96,9 +94,6 @@ def predict_memory(model_config: MiniMindConfig, par: ParallelConfig, *, seq_len
     if par.pp > 1 and schedule not in MODELLED_SCHEDULES:
         raise NotImplementedError(f"predict_memory: the {schedule} schedule is not modelled "
                                   f"({', '.join(map(str, MODELLED_SCHEDULES))} are)")
-    gap = unmodelled(use_moe=c.use_moe, zero=par.zero, cp=par.cp, recompute=par.recompute, loss_chunks=par.loss_chunks)
-    if par.pp > 1 and Schedule(schedule) is Schedule.ZERO_BUBBLE and gap is not None:
-        raise NotImplementedError(f"predict_memory: {gap} (yet)")
     if cp_rank is not None and not 0 <= cp_rank < par.cp:
         raise ValueError(f"cp_rank must be in [0, cp); got cp_rank={cp_rank}, cp={par.cp}")
     cp_ranks = [cp_rank] if cp_rank is not None else range(1 if par.cp_load_balance else par.cp)
@@ -207,9 +202,6 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
     if posted(order):   # its sends' release points come from every stage's order
-        refusal = posted_zero2_refusal(c, par, as_dtype(dtype), bucket_size_mb) if par.zero == 2 else None
-        if refusal is not None:
-            raise NotImplementedError(f"predict_memory: {refusal}; got the {schedule} schedule")
         kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None and not chunk_routes:   # the first largest moment alone, by the total the peak is taken by
@@ -241,9 +233,10 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments["optimizer"] = optimizer_step(s, slice_sizes(layouts, s.b), grads=stored)
     else:   # the slices and the staging buffers all step; AdamW over the slices
         states = optimizer_state_bytes(layouts, s.b, device)
-        moments = zero2_moments(moments, layouts, s.b)
+        plans = staging_plans(c, par, stage, layouts, schedule)
+        moments = zero2_moments(moments, layouts, plans, s.b)
         grads, a, t = optimizer_step(s, slice_sizes(layouts, s.b), grads=sum(s.b * x.shard_numel for x in layouts))
-        moments["optimizer"] = (grads, a, t + staging_bytes(layouts, s.b))
+        moments["optimizer"] = (grads, a, t + staging_bytes(layouts, plans, s.b))
     if not layouts and s.partial_grads_flat:
         moments["partial_grad_sum"] = partial_grad_sum(s)
     report = moe_report(c, last=s.last, f=s.f)
@@ -272,12 +265,12 @@ def _predict_remembered_fully_sharded(kind: SizesKind, order: tuple, order_key: 
     """_predict_pipelined_fully_sharded's prediction (peak_only) of the stage `kind` from remembered
     pieces (fsdp_remembered.py): a posted order's walk over its chunk kinds' cut terms, gpipe's and
     1f1b's replay the kind's."""
+    s = kind.sizes
+    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
     if posted(order):
         chunks = chunk_kinds(c, par, stage, memo, **kw)
-        made = remembered_posted_moments(kind, chunks, order_key, device)
-        return _predict_pipelined_fully_sharded(kind.sizes, order, c, device, ([k.sizes for k in chunks],), made=made)
-    s = kind.sizes
-    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+        made = remembered_posted_moments(kind, chunks, order_key, device, step, state // s.layers)
+        return _predict_pipelined_fully_sharded(s, order, c, device, ([k.sizes for k in chunks],), made=made)
     made = remembered_pipelined_moments(kind, order, _replayed(kind, order, order_key, True), device, step,
                                         state // s.layers)
     return _predict_pipelined_fully_sharded(s, order, c, device, made=made)
@@ -302,14 +295,14 @@ def _predict_pipelined_fully_sharded(s: StageSizes, order: tuple, c: MiniMindCon
     (its reduces, the optimizer step) each chunk's last received input lingers (moe_lingering);
     while the groups reduce, each unit's reported aux share is alive, not the backward's terms."""
     rope = 2 * s.b * c.max_position_embeddings * c.head_dim
-    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0)
+    state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
     if made is not None:   # the moments made already (fsdp_remembered.py; `chunked`: the chunks' sizes alone)
         moments, in_flight, params, states = made
     elif chunked is None:
         moments, in_flight, params, states = pipelined_fully_sharded_moments(s, order, device, step, state // s.layers)
     else:
         moments, in_flight, params, states = posted_fully_sharded_moments(s, chunked[0], order, chunked[1], device,
-                                                                          peak_only)
+                                                                          peak_only, step, state // s.layers)
     report = moe_report(c, last=s.last, f=s.f)
     linger = [sum(x) for x in zip((0, 0), *(moe_lingering(cs) for cs in (chunked[0] if chunked else [s])))]
     shares = sum(a.step is Step.FORWARD for a in order) * s.f if c.use_moe else 0

@@ -25,15 +25,6 @@ from .cp_attention_moments import _attention_grads_acts, _residual_grads
 from .stage_sizes import StageSizes, top_block_acts
 
 
-def unmodelled(*, use_moe: bool = False, zero: int = 0, cp: int = 1, recompute: Recompute = Recompute.NONE,
-               loss_chunks: int = 1) -> str | None:
-    """Why zb's B and W steps of a layout are not modelled (one line), or None: the MoE model under
-    --zero 3, whose FSDP2 gathers and frees beside the experts' B moments are not replayed (CP,
-    the chunked loss and recompute are: `cp`, `recompute` and `loss_chunks` are taken, so that a
-    caller passes the layout whole)."""
-    return "the zb schedule's memory is not modelled with --use_moe under --zero 3" if use_moe and zero == 3 else None
-
-
 @dataclass(frozen=True)
 class Closure:
     w: int      # its weight's grad

@@ -8,7 +8,9 @@ what the flat buffers of the stage's parameters hold, from the same layout the o
                 .grad are views of it from the start: no grad appears or grows during backward).
                 --zero 2: this rank's slices only (1/W of the buffer), alive all step; a grad
                 backward is making is a temporary until its hook copies it into the staging
-                buffers (`IN_FLIGHT` + 1 of the largest bucket, temporaries all step) and frees it
+                buffers (`zero.staging`: a pool of `IN_FLIGHT` + 1 of the largest bucket, and under
+                interleaved and zb a buffer of its own for each bucket that may fill across
+                actions; all made at the start, temporaries all step) and frees it
     optimizer   AdamW's exp_avg and exp_avg_sq of this rank's slices (1/W of the buffer) and one
                 step counter per slice (a float32 scalar on the CPU)
     the step    AdamW updates one slice at a time: its scratch is the slices' (`optimizer_scratch`);
@@ -21,9 +23,10 @@ import functools
 from ...config import MiniMindConfig, ParallelConfig
 from ...memo import Frozen
 from ...moe.placement import expert_of, local_experts
-from ...plan import SHAPE_FIELDS, grad_is_shared_over_stages, stage_parameters
+from ...pipeline_parallel.order import Schedule
+from ...plan import SHAPE_FIELDS, grad_is_shared_over_stages, stage_chunks, stage_parameters
 from ...zero.buckets import BufferLayout, bucket_numel, plan_buffer
-from ...zero.distributed_optimizer import IN_FLIGHT
+from ...zero.staging import StagingPlan, staging_plan
 from .stage_sizes import numel
 
 
@@ -82,33 +85,28 @@ def slice_sizes(layouts: tuple[BufferLayout, ...], b: int) -> list[int]:
     return [b * bucket.shard_numel for layout in layouts for bucket in layout.buckets]
 
 
-def staging_bytes(layouts: tuple[BufferLayout, ...], b: int) -> int:
-    """--zero 2: the staging buffers (`zero.distributed_optimizer.staging_buffers`), alive all step."""
-    return sum(b * max(bucket.padded_numel for bucket in layout.buckets) * min(IN_FLIGHT + 1, len(layout.buckets))
-               for layout in layouts)
+def staging_plans(c: MiniMindConfig, par: ParallelConfig, stage: int, layouts: tuple[BufferLayout, ...],
+                  schedule) -> tuple[StagingPlan, ...]:
+    """--zero 2: each buffer's staging (`zero.staging.staging_plan`, as `zero.FlatBuffer` makes it): zb's
+    W steps (`schedule`), the stage's model chunks (interleaved's)."""
+    chunks = stage_chunks(c.num_hidden_layers, par.pp, stage, par.virtual_stages)
+    layer_chunks = {i: k for k, layers in enumerate(chunks) for i in layers}
+    weight_steps = par.pp > 1 and Schedule(schedule) is Schedule.ZERO_BUBBLE
+    return tuple(staging_plan(layout, weight_steps=weight_steps, layer_chunks=layer_chunks, chunks=len(chunks))
+                 for layout in layouts)
 
 
-def posted_zero2_refusal(c: MiniMindConfig, par: ParallelConfig, dtype, bucket_size_mb: float) -> str | None:
-    """Why --zero 2 under a posted order (interleaved's chunks, zb's W steps) is not modelled on a
-    layout (one line), or None. Such an order completes a bucket before the grads of its other
-    chunk (or its W step) come, which then fill it again (`FlatBuffer._take_grad`): several buckets
-    fill at once. Where a buffer has at most `IN_FLIGHT` + 1 buckets each has a staging buffer of
-    its own, so the buffers stay the ones allocated at the start and `zero2_moments` holds; with
-    more, a bucket opened while every staging buffer fills makes one more (`FlatBuffer._open`),
-    kept to the step's end, at a moment of the order not replayed."""
-    most = max(len(layout.buckets) for stage in range(par.pp)
-               for layout in zero_layouts(c, par, stage, dtype, bucket_size_mb))
-    if most <= IN_FLIGHT + 1:
-        return None
-    return (f"--zero 2 under a posted schedule (interleaved, zb) is modelled where every grad buffer has at most "
-            f"{IN_FLIGHT + 1} buckets (a staging buffer each); got {most} (--bucket_size_mb {bucket_size_mb:g})")
+def staging_bytes(layouts: tuple[BufferLayout, ...], plans: tuple[StagingPlan, ...], b: int) -> int:
+    """--zero 2: the staging buffers (`zero.distributed_optimizer.staging_buffers`), made at the
+    start and alive all step."""
+    return sum(b * plan.numel(layout) for layout, plan in zip(layouts, plans))
 
 
-def zero2_moments(moments: dict, layouts: tuple[BufferLayout, ...], b: int) -> dict:
+def zero2_moments(moments: dict, layouts: tuple[BufferLayout, ...], plans: tuple[StagingPlan, ...], b: int) -> dict:
     """The replayed moments (grads, activations, temporaries) under --zero 2: the grads are the
     slices at every moment (each parameter's grad is copied into its bucket's staging buffer by
     its post-accumulate-grad hook and freed there, so the grads a moment of the schedule has
     accumulated are gone; those still being made, temporaries, are not), and the staging buffers
     are temporaries all step."""
-    slices, staging = sum(b * layout.shard_numel for layout in layouts), staging_bytes(layouts, b)
+    slices, staging = sum(b * layout.shard_numel for layout in layouts), staging_bytes(layouts, plans, b)
     return {k: (slices, a, t + staging) for k, (_, a, t) in moments.items()}

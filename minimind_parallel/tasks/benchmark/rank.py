@@ -45,7 +45,7 @@ def run_cell(job: Job, device) -> int:
     del dense
     gc.collect()
     model = wrap_data_parallel(model, groups)
-    optimizer = make_optimizer(model, args.learning_rate, groups, args.bucket_size_mb)
+    optimizer = make_optimizer(model, args.learning_rate, groups, args.bucket_size_mb, args.pp_schedule)
     # M microbatches of `run.rows` rows per DP replica (M = 1 without a pipeline)
     batch = dp_rows(broadcast_batch(run.rows * args.num_microbatches * par.dp, a.seq_len, config.vocab_size,
                                     args.seed + 1, device), groups.dp_rank, par.dp)
