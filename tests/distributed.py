@@ -12,6 +12,7 @@ module-level function of a test module.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import os
 import pickle
 import sys
@@ -55,11 +56,27 @@ def _test_modules() -> list[str]:
                   and os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == _TESTS)
 
 
+def _start_fork_server() -> None:
+    """The fork server, started once (on the first launch, after pytest has imported every test
+    file) with this directory on its path: its preload imports the modules by name, from the path
+    it started with (its cwd, not this process's sys.path: CPython 3.11's forkserver ignores the
+    sys_path it is handed)."""
+    _CTX.set_forkserver_preload(_PRELOAD + _test_modules())
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, before]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     """fn(*args) on `world` ranks; returns [result of rank 0, rank 1, ...]."""
     ctx = _CTX
-    # Read when the fork server starts (the first launch, after pytest has imported every test file).
-    ctx.set_forkserver_preload(_PRELOAD + _test_modules())
+    _start_fork_server()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_child, args=(r, world, store, tmp, fn, args)) for r in range(world)]
