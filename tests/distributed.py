@@ -7,7 +7,9 @@ Ranks are forked from a fork server started clean (torch preloaded), not from th
 once a test has run autograd in the test process, a CUDA build of torch has autograd threads
 there, and a rank forked from it could not run backward ("Unable to handle autograd's threading
 in combination with fork-based multiprocessing"). So `fn` and `args` must pickle: `fn` a
-module-level function of a test module.
+module-level function of a test module. The server has imported torch, the package and every test
+module of the session once (`_start_fork_server`), so a rank starts in milliseconds instead of
+importing its test file and all that file imports.
 """
 from __future__ import annotations
 
