@@ -7,13 +7,17 @@ Ranks are forked from a fork server started clean (torch preloaded), not from th
 once a test has run autograd in the test process, a CUDA build of torch has autograd threads
 there, and a rank forked from it could not run backward ("Unable to handle autograd's threading
 in combination with fork-based multiprocessing"). So `fn` and `args` must pickle: `fn` a
-module-level function of a test module.
+module-level function of a test module. The server has imported torch, the package and every test
+module of the session once (`_start_fork_server`), so a rank starts in milliseconds instead of
+importing its test file and all that file imports.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -41,12 +45,40 @@ def _child(rank, world, store_path, out_dir, fn, args):
 
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "minimind_parallel", "distributed"])
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "minimind_parallel", "distributed"]
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _test_modules() -> list[str]:
+    """The modules of this directory the test process has imported (the collected test files
+    among them), for the fork server to import once: a rank then unpickles `fn` without importing
+    its module and all that module imports (the harness, transformers: seconds per rank, per
+    launch, on a loaded machine)."""
+    return sorted(name for name, module in list(sys.modules.items()) if name != "__main__"
+                  and os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == _TESTS)
+
+
+def _start_fork_server() -> None:
+    """The fork server, started once (on the first launch, after pytest has imported every test
+    file) with this directory on its path: its preload imports the modules by name, from the path
+    it started with (its cwd, not this process's sys.path: CPython 3.11's forkserver ignores the
+    sys_path it is handed)."""
+    _CTX.set_forkserver_preload(_PRELOAD + _test_modules())
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, before]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     """fn(*args) on `world` ranks; returns [result of rank 0, rank 1, ...]."""
     ctx = _CTX
+    _start_fork_server()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_child, args=(r, world, store, tmp, fn, args)) for r in range(world)]

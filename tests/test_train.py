@@ -152,33 +152,41 @@ def test_resume_continues_exactly_where_the_uninterrupted_run_goes(corpus, tmp_p
                                        f"(step_00000008); nothing to resume\n")
 
 
+@pytest.fixture(scope="module")
+def tp2_float32(corpus, tmp_path_factory):
+    """The tp2 float32 run of 8 steps uninterrupted (whole/) and halted after step 4 (halted/), run
+    once for the tests that resume it: each resumes a copy of halted/."""
+    root = tmp_path_factory.mktemp("tp2_float32")
+    train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, out_dir=root / "whole", dtype="float32"))
+    halted_run(corpus, root / "halted", ["--tp_size", "2"], dtype="float32")
+    return root
+
+
 @pytest.mark.parametrize("layout,extra", [(["--pp_size", "2"], {}),
                                           (["--cp", "--cp_size", "2"], {"cp_comm_type": "ring"}),
                                           (["--dp_size", "2"], {"batch_size": 2})],   # the same global batch
                          ids=["tp2_to_pp2", "tp2_to_cp2_ring", "tp2_to_dp2_same_global_batch"])
-def test_resume_onto_another_layout_continues_the_same_run(corpus, tmp_path, layout, extra):
+def test_resume_onto_another_layout_continues_the_same_run(corpus, tp2_float32, tmp_path, layout, extra):
     flags = dict(dtype="float32")
-    train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", **flags))
-    halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2"], **flags)
+    shutil.copytree(tp2_float32 / "halted", tmp_path / "ckpt")
     train_in_ranks(layout, data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
                                      resume=True, **flags, **extra))
-    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "ckpt")
+    whole, resumed = losses(tp2_float32 / "whole"), losses(tmp_path / "ckpt")
     assert sorted(resumed) == list(range(1, 9))
     for step in range(5, 9):
         assert resumed[step] == pytest.approx(whole[step], rel=1e-5), step
 
 
-def test_a_killed_save_leaves_the_previous_checkpoint_to_resume_from(corpus, tmp_path):
+def test_a_killed_save_leaves_the_previous_checkpoint_to_resume_from(corpus, tp2_float32, tmp_path):
     flags = dict(dtype="float32")
-    train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, out_dir=tmp_path / "whole", **flags))
-    halted_run(corpus, tmp_path / "ckpt", ["--tp_size", "2"], **flags)
+    shutil.copytree(tp2_float32 / "halted", tmp_path / "ckpt")
     # what a job killed while saving step 8 leaves: a half-written temporary directory
     partial = tmp_path / "ckpt" / ".tmp-step_00000008-killed"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"\0" * 100)
     train_in_ranks(["--tp_size", "2"], data_args(corpus, max_steps=8, save_interval=4, save_dir=tmp_path / "ckpt",
                                                  resume=True, **flags))
-    assert losses(tmp_path / "ckpt") == losses(tmp_path / "whole")
+    assert losses(tmp_path / "ckpt") == losses(tp2_float32 / "whole")
 
 
 def test_metrics_curve_drops_what_a_killed_run_logged_past_its_checkpoint():
