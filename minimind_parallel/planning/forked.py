@@ -6,15 +6,21 @@ than one CPU the list is cut into contiguous parts (contiguous: neighbouring lay
 sizes the memory model remembers, so each process makes most of its own), each part after the
 first evaluated in a child forked from this process (it starts with this process's memory: nothing
 imported or remembered again) that sends its results back pickled through a pipe, while this
-process evaluates the first. A child's error is raised here; on every ending (an error, an
-interrupt) no child is left running.
+process evaluates the first. The parts are only where each process starts: their costs are
+estimates, so a process done with its own part takes the last items of the part with the most
+left, a run at a time (the parts' bounds not yet taken are shared, `_Parts`), and the processes
+end together. A child's error is raised here; on every ending (an error, an interrupt) no child is
+left running.
 """
 from __future__ import annotations
 
 import contextlib
+import mmap
+import multiprocessing
 import os
 import pickle
 import signal
+import struct
 from typing import Callable, Iterator, Sequence
 
 
@@ -34,23 +40,67 @@ def split(weights: Sequence[float], parts: int) -> list[int]:
     return bounds + [len(weights)] * (parts + 1 - len(bounds))
 
 
+# items a process takes at a time from a part (its own, or the last ones of another's)
+RUN = 16
+
+
 def forked_map(fn: Callable, items: Sequence, bounds: list[int]) -> list:
-    """[fn(x) for x in items], items[bounds[i]:bounds[i + 1]] evaluated by part i: the first here,
-    each other one in a forked child."""
+    """[fn(x) for x in items]; part i, items[bounds[i]:bounds[i + 1]], evaluated first by process i
+    (the first here, each other one in a forked child), each process done with its own taking the
+    last RUN items of the part with the most left until none is."""
     if len(bounds) <= 2 or not hasattr(os, "fork"):
         return [fn(x) for x in items]
+    parts = _Parts(bounds)
     children: list[tuple[int, int]] = []
     try:
-        for lo, hi in zip(bounds[1:-1], bounds[2:]):
-            children.append(_fork(fn, items[lo:hi]))
-        results = [fn(x) for x in items[bounds[0]:bounds[1]]]
+        for i in range(1, len(bounds) - 1):
+            children.append(_fork(lambda own: _evaluate(fn, items, parts, own), [i]))
+        runs = _evaluate(fn, items, parts, 0)
         while children:
-            results += _collect(*children.pop(0))
-        return results
+            runs += _collect(*children.pop(0))[0]
     finally:
         for pid, fd in children:   # an error or an interrupt here: end the others
             os.close(fd)
             _end(pid)
+    results = [None] * len(items)
+    for start, values in runs:
+        results[start:start + len(values)] = values
+    return results
+
+
+def _evaluate(fn: Callable, items: Sequence, parts: "_Parts", own: int) -> list[tuple[int, list]]:
+    """The runs one process evaluates, [(first index, [fn(x) ...])], its own part's first."""
+    runs = []
+    while (run := parts.take(own)) is not None:
+        runs.append((run[0], [fn(x) for x in items[run[0]:run[1]]]))
+    return runs
+
+
+class _Parts:
+    """Each part's bounds not yet taken (lo, hi), in a shared anonymous mapping that the forked
+    processes inherit, read and changed under one lock."""
+
+    def __init__(self, bounds: list[int]):
+        self.count = len(bounds) - 1
+        self.lock = multiprocessing.get_context("fork").Lock()
+        self.shared = mmap.mmap(-1, 16 * self.count)   # MAP_SHARED: one memory for every process forked after
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            struct.pack_into("qq", self.shared, 16 * i, lo, hi)
+
+    def take(self, own: int) -> tuple[int, int] | None:
+        """The next run of part `own`, else the last RUN items of the part with the most left; None: all taken."""
+        with self.lock:
+            lo, hi = struct.unpack_from("qq", self.shared, 16 * own)
+            if lo < hi:
+                struct.pack_into("q", self.shared, 16 * own, min(lo + RUN, hi))
+                return lo, min(lo + RUN, hi)
+            left = [struct.unpack_from("qq", self.shared, 16 * i) for i in range(self.count)]
+            most = max(range(self.count), key=lambda i: left[i][1] - left[i][0])
+            lo, hi = left[most]
+            if lo >= hi:
+                return None
+            struct.pack_into("q", self.shared, 16 * most + 8, max(lo, hi - RUN))
+            return max(lo, hi - RUN), hi
 
 
 @contextlib.contextmanager

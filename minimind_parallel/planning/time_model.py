@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ..config import DTYPES, Choice, CPCommType, MiniMindConfig, Recompute
 from ..pipeline_parallel.order import Schedule
@@ -497,7 +498,7 @@ def last_stage_compute(k: Candidate, w: Workload, hw: Hardware, memo: dict | Non
     once per COMPUTE_FIELDS' values."""
     if memo is None:
         return stage_compute(w.model, k, w, hw, last=True)
-    key = tuple(getattr(k, name) for name in COMPUTE_FIELDS)
+    key = _COMPUTE_KEY(k)
     if key not in memo:
         memo[key] = stage_compute(w.model, k, w, hw, last=True)
     return memo[key]
@@ -510,6 +511,8 @@ MICROBATCH_FIELDS = (*COMPUTE_FIELDS, "shared_sp_gather", "async_communication",
                      "dp", "virtual_stages")
 # what the remembered path hands microbatch_seconds: those fields alone (it cannot read another)
 MicrobatchLayout = namedtuple("MicrobatchLayout", MICROBATCH_FIELDS)
+# a layout's values of them, read at once (a tuple, in the fields' order)
+_COMPUTE_KEY, _MICROBATCH_KEY = attrgetter(*COMPUTE_FIELDS), attrgetter(*MICROBATCH_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -571,7 +574,7 @@ def microbatch_communication(k: Candidate, w: Workload, hw: Hardware, fwd: float
     other is an AttributeError, not a wrong share)."""
     if memo is None:
         return microbatch_seconds(k, w, hw, fwd, bwd)
-    values = tuple(getattr(k, name) for name in MICROBATCH_FIELDS)
+    values = _MICROBATCH_KEY(k)
     key = ("microbatch", values)
     if key not in memo:
         memo[key] = microbatch_seconds(MicrobatchLayout(*values), w, hw, fwd, bwd)
