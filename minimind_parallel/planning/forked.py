@@ -104,26 +104,70 @@ class _Parts:
 
 
 @contextlib.contextmanager
-def forked_call(fn: Callable, fork: bool = True) -> Iterator[Callable]:
-    """fn() in a forked child while this process goes on (`fork`, where the system forks; else
-    here, when its result is asked for): yields the function that waits for its result (its error
-    raised here). Where this process fails first, the child is let finish (a file it writes is
-    written whole, or its own error removes its temporary) and reaped, its result dropped."""
+def forked_worker(prepare: Callable[[], None], fn: Callable, fork: bool = True) -> Iterator["_Worker"]:
+    """fn(*args) in a child forked now (`fork`, where the system forks; else here), which runs
+    prepare() at once (an import, while this process goes on) and then waits for the args: yields
+    the worker, whose send(*args) hands them over (pickled) and result() waits for fn's result (its
+    error raised here). Where this process ends first without sending, the child reads the end of
+    its pipe and ends without calling fn; where it fails after sending, the child is let finish (a
+    file it writes is written whole, or its own error removes its temporary); either way it is
+    reaped."""
     if not fork or not hasattr(os, "fork"):
-        yield fn
+        yield _Here(prepare, fn)
         return
-    child: list = [_fork(lambda _: fn(), [None])]
+    read, write = os.pipe()
 
-    def result():
-        pid, fd = child.pop()
-        return _collect(pid, fd)[0]
+    def serve(_):
+        os.close(write)
+        prepare()
+        with os.fdopen(read, "rb") as f:
+            data = f.read()
+        return fn(*pickle.loads(data)) if data else None
 
+    worker = _Worker(write, _fork(serve, [None]))
+    os.close(read)
     try:
-        yield result
+        yield worker
     finally:
-        for pid, fd in child:   # not waited for: an error or an interrupt here
+        worker.close()
+        if worker.child is not None:   # not waited for: an error or an interrupt here
             with contextlib.suppress(BaseException):
-                _collect(pid, fd)
+                _collect(*worker.child)
+
+
+class _Worker:
+    """forked_worker's child: the pipe its args go through, its pid and the pipe its result comes back through."""
+
+    def __init__(self, args_fd: int, child: tuple[int, int]):
+        self.args_fd, self.child = args_fd, child
+
+    def send(self, *args) -> None:
+        with os.fdopen(self.args_fd, "wb") as f:
+            self.args_fd = None
+            pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def result(self):
+        child, self.child = self.child, None
+        return _collect(*child)[0]
+
+    def close(self) -> None:
+        if self.args_fd is not None:
+            os.close(self.args_fd)
+            self.args_fd = None
+
+
+class _Here:
+    """forked_worker without a fork: fn(*args) run here when its result is asked for."""
+
+    def __init__(self, prepare: Callable[[], None], fn: Callable):
+        self.prepare, self.fn, self.args = prepare, fn, ()
+
+    def send(self, *args) -> None:
+        self.args = args
+
+    def result(self):
+        self.prepare()
+        return self.fn(*self.args)
 
 
 def _fork(fn: Callable, part: Sequence) -> tuple[int, int]:
