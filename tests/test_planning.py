@@ -1023,19 +1023,15 @@ def test_a_chunk_kind_shared_across_layouts_gives_each_chunk_its_own_terms():
 def test_the_jsons_rows_made_as_text_are_json_dumps_of_the_rows(tmp_path):
     """write_json makes each layout's row as text from remembered pieces (the flags', the commands'
     parts): the file is json.dumps of the whole result with layout_row's rows, to the byte, for the
-    dense and the MoE plans on 2 nodes (the MoE plan's rows made beside its predictions by three
-    processes, two of them forked: plan's `row`; the dense plan's by write_json); and a command's
-    text is json.dumps of it for words that JSON escapes (quotes, backslashes, a non-ASCII letter)."""
+    dense and the MoE plans on 2 nodes (the MoE plan's rows made by three processes, two of them
+    forked: json_rows); and a command's text is json.dumps of it for words that JSON escapes
+    (quotes, backslashes, a non-ASCII letter)."""
     from minimind_parallel.tasks import plan as plan_task
     for extra in ([], [*MOE_ARGS, "--processes", "3"]):
         argv = ["--world_size", "4", "--nnodes", "2", "--device", "cuda", "--device_memory_gib", "24", *TINY_ARGS, *extra]
         args = plan_task.parser().parse_args(argv)
         hw = plan_task.hardware_of(args)
-        words = plan_task.model_argv(args)
-        row = (lambda e: plan_task.layout_json(e, args, hw, words)) if extra else None
-        result = plan(plan_task.workload_of(args), hw, device="cuda", budget_bytes=2**40, processes=args.processes,
-                      row=row)
-        assert all((e.row is not None) == bool(extra) for e in result.fitting)
+        result = plan(plan_task.workload_of(args), hw, device="cuda", budget_bytes=2**40)
         path = tmp_path / "plan.json"
         plan_task.write_json(str(path), result, args, hw, 1.5, tuple(argv), {"spearman": 0.5})
         out = {"command": [*plan_task.program_name().split(), *argv], "workload": None, "hardware": hw.to_json(),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..config import DTYPES
 from ..memo import Frozen
@@ -33,7 +32,6 @@ class PlanEntry:
     time: StepTime
     tokens_per_s: float
     mfu: float
-    row: object = None        # what plan's `row` made of it (a fitting layout's), where it was predicted
 
     @property
     def step_ms(self) -> float:
@@ -111,14 +109,11 @@ FORK_FROM = 2000
 MAX_PROCESSES = 4   # each shares fewer remembered sizes with the others
 
 
-def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes: int | None = None,
-         row: Callable[[PlanEntry], object] | None = None) -> Plan:
+def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes: int | None = None) -> Plan:
     """Every layout of the space (space.enumerate_layouts), each that passes its constraints
     predicted; the ones within `budget_bytes` per rank ranked by tokens/s. `processes`: how many
     processes predict them (forked.py; default: this machine's CPUs, up to MAX_PROCESSES, for a
-    space of FORK_FROM layouts or more), each a contiguous part of about equal cost. `row`: made of
-    each fitting entry (its `row`) by the process that predicts it (the plan task's JSON text:
-    made beside the predictions, in as many processes)."""
+    space of FORK_FROM layouts or more), each a contiguous part of about equal cost."""
     valid, cuts = enumerate_layouts(w)
     result = Plan(workload=w, hardware=hw, budget_bytes=budget_bytes, cuts=cuts)
     flops = model_flops_per_token(w)
@@ -127,15 +122,10 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes
     model = Frozen(w.model)
     if processes is None:
         processes = min(MAX_PROCESSES, usable_cpus()) if len(valid) >= FORK_FROM else 1
-
-    def predicted(k: Candidate) -> PlanEntry:
-        e = evaluate(k, w, hw, device, flops, workspaces, memo, model)
-        if row is not None and e.peak_bytes <= budget_bytes:
-            e.row = row(e)
-        return e
-
     with paused_collector():
-        entries = _in_order(valid, lambda part: forked_map(predicted, part, split([_cost(k) for k in part], processes)))
+        entries = _in_order(valid, lambda part: forked_map(
+            lambda k: evaluate(k, w, hw, device, flops, workspaces, memo, model), part,
+            split([_cost(k) for k in part], processes)))
     for e in entries:
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this

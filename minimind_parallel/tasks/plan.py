@@ -34,8 +34,8 @@ from ..options import (PRESETS, Parser, add_moe_args, check_at_least, check_numb
 from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
-from ..planning.forked import forked_worker, usable_cpus
-from ..planning.ranking import paused_collector
+from ..planning.forked import forked_map, forked_worker, split, usable_cpus
+from ..planning.ranking import FORK_FROM, MAX_PROCESSES, paused_collector
 from ..planning.space import DOMINATED, Candidate, flag_names
 from .benchmark.command import BatchPolicy, Kind
 from .benchmark.outputs import Status
@@ -384,9 +384,17 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
 
 
 def json_rows(fitting: list, args, hw, words: list[str]) -> list[str]:
-    """Each fitting layout's JSON row (layout_json), in order: the one plan made beside its prediction
-    (plan's `row`: in the processes that predicted it), else made here."""
-    return [e.row if e.row is not None else layout_json(e, args, hw, words) for e in fitting]
+    """Each fitting layout's JSON row (layout_json), in order; a space of FORK_FROM layouts or more
+    made by --processes forked processes (as the predictions), each a contiguous part to start with.
+    (Made beside each prediction instead, in the predicting processes, the rows cost twice their CPU.)"""
+    n = len(fitting)
+    return forked_map(lambda e: layout_json(e, args, hw, words), fitting, split([1] * n, _parts(args, n)))
+
+
+def _parts(args, n: int) -> int:
+    """The processes that make n rows: --processes, else this machine's CPUs (up to MAX_PROCESSES)
+    for FORK_FROM rows or more (as plan's predictions)."""
+    return args.processes or (min(MAX_PROCESSES, usable_cpus()) if n >= FORK_FROM else 1)
 
 
 def _forks(args) -> bool:
@@ -509,9 +517,8 @@ def plan_outputs(job: Job) -> int:
     with forked_worker(import_plot, draw_plot, fork=_forks(args)) as plotter:
         t0 = time.perf_counter()
         hw = hardware_of(args)
-        words = model_argv(args)
         result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB),
-                      processes=args.processes, row=lambda e: layout_json(e, args, hw, words))   # the JSON's rows too
+                      processes=args.processes)
         seconds = time.perf_counter() - t0
         print_plan(result, args, hw, seconds)
         validation = validate(result, args) if args.validate else None
