@@ -923,8 +923,10 @@ def test_the_space_plans_zb_where_the_memory_model_replays_it():
 
 
 def test_the_remembered_compute_gives_every_layouts_step_time_as_computed_afresh():
-    """step_time with one plan's memo (last_stage_compute, by COMPUTE_FIELDS) equals it without, to
-    the bit, for every layout of the dense and the MoE workloads, in the plan's order."""
+    """step_time with one plan's memo (last_stage_compute, by COMPUTE_FIELDS; microbatch_communication,
+    by MICROBATCH_FIELDS, computed from those fields alone) equals it without, to the bit, for every
+    layout of the dense and the MoE workloads, in the plan's order; a microbatch's communication is
+    shared by the layouts that differ only in the zero level, the microbatches and the schedule."""
     for work in (WORK, MOE_WORK):
         memo: dict = {}
         valid, _ = enumerate_layouts(work)
@@ -934,6 +936,7 @@ def test_the_remembered_compute_gives_every_layouts_step_time_as_computed_afresh
                                  for m in (None, memo))
             assert vars(remembered) == vars(fresh), k.describe()
         assert len(memo) < len(valid)
+        assert sum(key[0] == "microbatch" for key in memo) < len(valid) / 2
 
 
 def test_a_replay_remembered_for_one_zero_level_gives_the_others_their_own_prediction():
@@ -1112,25 +1115,51 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
     assert forked.split([1, 1, 1, 1, 4], 2) == [0, 4, 5] and forked.split([1, 1], 3) == [0, 1, 2, 2]
 
 
-def test_a_forked_call_returns_or_raises_here_and_its_child_is_reaped(monkeypatch, tmp_path):
-    """forked_call: fn() in a child, its result (or its error) here; where the caller fails first,
-    the child still finishes its file whole and is reaped; fork=False runs it here."""
+def test_a_process_done_with_its_part_takes_the_last_items_of_anothers():
+    """forked_map's parts are where each process starts: this process, done with its own two items,
+    evaluates the last ones of the child's (each slow), in runs, and the results are in order."""
+    import os
+    import time
+    from minimind_parallel.planning import forked
+
+    def slow(x):
+        time.sleep(0.01)
+        return x, os.getpid()
+    out = forked.forked_map(slow, range(6 * forked.RUN), [0, 2, 6 * forked.RUN])
+    assert [x for x, _ in out] == list(range(6 * forked.RUN))
+    here = [x for x, pid in out if pid == os.getpid()]
+    assert here[:2] == [0, 1] and here[-1] == 6 * forked.RUN - 1 and len({pid for _, pid in out}) == 2
+
+
+def test_a_forked_worker_returns_or_raises_here_and_its_child_is_reaped(monkeypatch, tmp_path):
+    """forked_worker: fn(*args) in a child forked before the args exist (it runs prepare meanwhile),
+    its result (or its error) here; where the caller fails after sending, the child still finishes
+    its file whole; where it ends without sending, the child ends without calling fn; every child
+    reaped; fork=False runs it here."""
     import os
     from minimind_parallel.planning import forked
     pids = _recorded_forks(monkeypatch)
-    with forked.forked_call(lambda: os.getpid()) as result:
-        assert result() not in (os.getpid(), None)
-    with forked.forked_call(lambda: {}["missing"]) as result, pytest.raises(KeyError, match="missing"):
-        result()
-    path = tmp_path / "written"
-    with pytest.raises(ValueError, match="here first"), forked.forked_call(lambda: path.write_text("whole")):
+    prepared = tmp_path / "prepared"
+    with forked.forked_worker(lambda: prepared.write_text("yes"), lambda x: (x, os.getpid())) as worker:
+        worker.send(7)
+        x, pid = worker.result()
+        assert x == 7 and pid not in (os.getpid(), None) and prepared.read_text() == "yes"
+    with forked.forked_worker(lambda: None, lambda key: {}[key]) as worker, pytest.raises(KeyError, match="missing"):
+        worker.send("missing")
+        worker.result()
+    path, never = tmp_path / "written", tmp_path / "never"
+    with pytest.raises(ValueError, match="here first"), forked.forked_worker(lambda: None, path.write_text) as worker:
+        worker.send("whole")
         raise ValueError("here first")
-    assert path.read_text() == "whole" and len(pids) == 3
+    with pytest.raises(ValueError, match="not sent"), forked.forked_worker(lambda: None, never.write_text):
+        raise ValueError("not sent")
+    assert path.read_text() == "whole" and not never.exists() and len(pids) == 4
     for pid in pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-    with forked.forked_call(lambda: os.getpid(), fork=False) as result:
-        assert result() == os.getpid() and len(pids) == 3
+    with forked.forked_worker(lambda: None, lambda: os.getpid(), fork=False) as worker:
+        worker.send()
+        assert worker.result() == os.getpid() and len(pids) == 4
 
 
 def test_a_model_key_given_to_predict_memory_is_its_model_s():

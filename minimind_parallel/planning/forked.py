@@ -6,15 +6,21 @@ than one CPU the list is cut into contiguous parts (contiguous: neighbouring lay
 sizes the memory model remembers, so each process makes most of its own), each part after the
 first evaluated in a child forked from this process (it starts with this process's memory: nothing
 imported or remembered again) that sends its results back pickled through a pipe, while this
-process evaluates the first. A child's error is raised here; on every ending (an error, an
-interrupt) no child is left running.
+process evaluates the first. The parts are only where each process starts: their costs are
+estimates, so a process done with its own part takes the last items of the part with the most
+left, a run at a time (the parts' bounds not yet taken are shared, `_Parts`), and the processes
+end together. A child's error is raised here; on every ending (an error, an interrupt) no child is
+left running.
 """
 from __future__ import annotations
 
 import contextlib
+import mmap
+import multiprocessing
 import os
 import pickle
 import signal
+import struct
 from typing import Callable, Iterator, Sequence
 
 
@@ -34,46 +40,134 @@ def split(weights: Sequence[float], parts: int) -> list[int]:
     return bounds + [len(weights)] * (parts + 1 - len(bounds))
 
 
+# items a process takes at a time from a part (its own, or the last ones of another's)
+RUN = 16
+
+
 def forked_map(fn: Callable, items: Sequence, bounds: list[int]) -> list:
-    """[fn(x) for x in items], items[bounds[i]:bounds[i + 1]] evaluated by part i: the first here,
-    each other one in a forked child."""
+    """[fn(x) for x in items]; part i, items[bounds[i]:bounds[i + 1]], evaluated first by process i
+    (the first here, each other one in a forked child), each process done with its own taking the
+    last RUN items of the part with the most left until none is."""
     if len(bounds) <= 2 or not hasattr(os, "fork"):
         return [fn(x) for x in items]
+    parts = _Parts(bounds)
     children: list[tuple[int, int]] = []
     try:
-        for lo, hi in zip(bounds[1:-1], bounds[2:]):
-            children.append(_fork(fn, items[lo:hi]))
-        results = [fn(x) for x in items[bounds[0]:bounds[1]]]
+        for i in range(1, len(bounds) - 1):
+            children.append(_fork(lambda own: _evaluate(fn, items, parts, own), [i]))
+        runs = _evaluate(fn, items, parts, 0)
         while children:
-            results += _collect(*children.pop(0))
-        return results
+            runs += _collect(*children.pop(0))[0]
     finally:
         for pid, fd in children:   # an error or an interrupt here: end the others
             os.close(fd)
             _end(pid)
+    results = [None] * len(items)
+    for start, values in runs:
+        results[start:start + len(values)] = values
+    return results
+
+
+def _evaluate(fn: Callable, items: Sequence, parts: "_Parts", own: int) -> list[tuple[int, list]]:
+    """The runs one process evaluates, [(first index, [fn(x) ...])], its own part's first."""
+    runs = []
+    while (run := parts.take(own)) is not None:
+        runs.append((run[0], [fn(x) for x in items[run[0]:run[1]]]))
+    return runs
+
+
+class _Parts:
+    """Each part's bounds not yet taken (lo, hi), in a shared anonymous mapping that the forked
+    processes inherit, read and changed under one lock."""
+
+    def __init__(self, bounds: list[int]):
+        self.count = len(bounds) - 1
+        self.lock = multiprocessing.get_context("fork").Lock()
+        self.shared = mmap.mmap(-1, 16 * self.count)   # MAP_SHARED: one memory for every process forked after
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            struct.pack_into("qq", self.shared, 16 * i, lo, hi)
+
+    def take(self, own: int) -> tuple[int, int] | None:
+        """The next run of part `own`, else the last RUN items of the part with the most left; None: all taken."""
+        with self.lock:
+            lo, hi = struct.unpack_from("qq", self.shared, 16 * own)
+            if lo < hi:
+                struct.pack_into("q", self.shared, 16 * own, min(lo + RUN, hi))
+                return lo, min(lo + RUN, hi)
+            left = [struct.unpack_from("qq", self.shared, 16 * i) for i in range(self.count)]
+            most = max(range(self.count), key=lambda i: left[i][1] - left[i][0])
+            lo, hi = left[most]
+            if lo >= hi:
+                return None
+            struct.pack_into("q", self.shared, 16 * most + 8, max(lo, hi - RUN))
+            return max(lo, hi - RUN), hi
 
 
 @contextlib.contextmanager
-def forked_call(fn: Callable, fork: bool = True) -> Iterator[Callable]:
-    """fn() in a forked child while this process goes on (`fork`, where the system forks; else
-    here, when its result is asked for): yields the function that waits for its result (its error
-    raised here). Where this process fails first, the child is let finish (a file it writes is
-    written whole, or its own error removes its temporary) and reaped, its result dropped."""
+def forked_worker(prepare: Callable[[], None], fn: Callable, fork: bool = True) -> Iterator["_Worker"]:
+    """fn(*args) in a child forked now (`fork`, where the system forks; else here), which runs
+    prepare() at once (an import, while this process goes on) and then waits for the args: yields
+    the worker, whose send(*args) hands them over (pickled) and result() waits for fn's result (its
+    error raised here). Where this process ends first without sending, the child reads the end of
+    its pipe and ends without calling fn; where it fails after sending, the child is let finish (a
+    file it writes is written whole, or its own error removes its temporary); either way it is
+    reaped."""
     if not fork or not hasattr(os, "fork"):
-        yield fn
+        yield _Here(prepare, fn)
         return
-    child: list = [_fork(lambda _: fn(), [None])]
+    read, write = os.pipe()
 
-    def result():
-        pid, fd = child.pop()
-        return _collect(pid, fd)[0]
+    def serve(_):
+        os.close(write)
+        prepare()
+        with os.fdopen(read, "rb") as f:
+            data = f.read()
+        return fn(*pickle.loads(data)) if data else None
 
+    worker = _Worker(write, _fork(serve, [None]))
+    os.close(read)
     try:
-        yield result
+        yield worker
     finally:
-        for pid, fd in child:   # not waited for: an error or an interrupt here
+        worker.close()
+        if worker.child is not None:   # not waited for: an error or an interrupt here
             with contextlib.suppress(BaseException):
-                _collect(pid, fd)
+                _collect(*worker.child)
+
+
+class _Worker:
+    """forked_worker's child: the pipe its args go through, its pid and the pipe its result comes back through."""
+
+    def __init__(self, args_fd: int, child: tuple[int, int]):
+        self.args_fd, self.child = args_fd, child
+
+    def send(self, *args) -> None:
+        with os.fdopen(self.args_fd, "wb") as f:
+            self.args_fd = None
+            pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def result(self):
+        child, self.child = self.child, None
+        return _collect(*child)[0]
+
+    def close(self) -> None:
+        if self.args_fd is not None:
+            os.close(self.args_fd)
+            self.args_fd = None
+
+
+class _Here:
+    """forked_worker without a fork: fn(*args) run here when its result is asked for."""
+
+    def __init__(self, prepare: Callable[[], None], fn: Callable):
+        self.prepare, self.fn, self.args = prepare, fn, ()
+
+    def send(self, *args) -> None:
+        self.args = args
+
+    def result(self):
+        self.prepare()
+        return self.fn(*self.args)
 
 
 def _fork(fn: Callable, part: Sequence) -> tuple[int, int]:

@@ -74,6 +74,11 @@ class Candidate:
                               loss_chunks=self.loss_chunks, cp_comm_type=self.cp_comm_type,
                               cp_load_balance=self.cp_load_balance, virtual_stages=self.virtual_stages)
 
+    def __getstate__(self) -> dict:
+        """Its fields, pickled without what it derives from them (`parallel`, made again when read): a
+        forked planning process sends tens of thousands back (forked.py)."""
+        return {k: v for k, v in self.__dict__.items() if k != "parallel"}
+
     @property
     def flags(self) -> dict:
         """Everything but the grid, as the command line names it."""

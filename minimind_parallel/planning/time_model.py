@@ -58,7 +58,9 @@ node's (the grid dp x pp x cp x tp, TP fastest) crosses nodes.
 """
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ..config import DTYPES, Choice, CPCommType, MiniMindConfig, Recompute
 from ..pipeline_parallel.order import Schedule
@@ -497,23 +499,43 @@ def last_stage_compute(k: Candidate, w: Workload, hw: Hardware, memo: dict | Non
     once per COMPUTE_FIELDS' values."""
     if memo is None:
         return stage_compute(w.model, k, w, hw, last=True)
-    key = tuple(getattr(k, name) for name in COMPUTE_FIELDS)
+    key = _COMPUTE_KEY(k)
     if key not in memo:
         memo[key] = stage_compute(w.model, k, w, hw, last=True)
     return memo[key]
 
 
-def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, expert_params: int = 0,
-              block_params: int = 0, memo: dict | None = None) -> StepTime:
-    """The predicted step of layout `k` (`stage_params`: parameter elements of the largest stage's rank,
-    unsharded -- under --zero 3 too, what FSDP2's gathers output --, `expert_params` of them its
-    experts', `block_params` one block's: --zero 3's gathers); `memo`: last_stage_compute's, across one
-    plan's layouts."""
+# the fields of a layout that the per-microbatch communication (`microbatch_seconds`) reads, with
+# stage_compute's: the layouts equal in them (a grid's zero levels, its microbatch counts and
+# schedules) communicate alike in a microbatch
+MICROBATCH_FIELDS = (*COMPUTE_FIELDS, "shared_sp_gather", "async_communication", "loss_chunks", "cp_comm_type", "ep",
+                     "dp", "virtual_stages")
+# what the remembered path hands microbatch_seconds: those fields alone (it cannot read another)
+MicrobatchLayout = namedtuple("MicrobatchLayout", MICROBATCH_FIELDS)
+# a layout's values of them, read at once (a tuple, in the fields' order)
+_COMPUTE_KEY, _MICROBATCH_KEY = attrgetter(*COMPUTE_FIELDS), attrgetter(*MICROBATCH_FIELDS)
+
+
+@dataclass(frozen=True)
+class MicrobatchSeconds:
+    """One microbatch's exposed communication on the last stage (tensor, context, expert, pipeline
+    p2p), and the step's collectives outside the microbatches (tensor, context, pipeline)."""
+
+    tp: float
+    cp: float
+    ep: float
+    p2p: float
+    step_tp: float
+    step_cp: float
+    step_pp: float
+
+
+def microbatch_seconds(k, w: Workload, hw: Hardware, fwd: float, bwd: float) -> MicrobatchSeconds:
+    """The per-microbatch and once-a-step collectives of layout `k` (a Candidate, or a
+    MicrobatchLayout of its MICROBATCH_FIELDS), `fwd` / `bwd` one microbatch's compute on the stage."""
     c = w.model
     b = DTYPES[w.dtype].itemsize
     layers = c.num_hidden_layers // k.pp
-    fwd, bwd = last_stage_compute(k, w, hw, memo)
-    t = StepTime()
     tp_link = hw.link(crosses_nodes(k.tp, w))
     cp_link = hw.link(crosses_nodes(k.tp * k.cp, w))
     pp_link = hw.link(crosses_nodes(k.tp * k.cp * k.pp, w))
@@ -541,12 +563,43 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     # pipeline: each boundary's activation [S/C(/T), B, H] forward, its grad backward
     act = k.micro_batch_size * w.seq_len / k.cp * c.hidden_size * b / (k.tp if k.sequence_parallel else 1)
     p2p = 2 * k.virtual_stages * Collective(Op.P2P, act, 2).seconds(pp_link) if k.pp > 1 else 0.0
-    per_mb = fwd + bwd + tp + cp + ep + p2p
-    m, p = k.num_microbatches, k.pp
     st, sc, sp = step_collectives(c, k, w)
-    t.compute, t.tp_exposed = m * (fwd + bwd), m * tp + seconds(st, tp_link)
-    t.cp_exposed, t.pp_p2p = m * cp + seconds(sc, cp_link), m * p2p + seconds(sp, pp_link)
-    t.ep_exposed = m * ep
+    return MicrobatchSeconds(tp=tp, cp=cp, ep=ep, p2p=p2p, step_tp=seconds(st, tp_link), step_cp=seconds(sc, cp_link),
+                             step_pp=seconds(sp, pp_link))
+
+
+def microbatch_communication(k: Candidate, w: Workload, hw: Hardware, fwd: float, bwd: float,
+                             memo: dict | None) -> MicrobatchSeconds:
+    """microbatch_seconds; with a `memo` (of one workload and hardware: the planner's) once per
+    MICROBATCH_FIELDS' values, computed from those fields alone (a MicrobatchLayout: reading any
+    other is an AttributeError, not a wrong share)."""
+    if memo is None:
+        return microbatch_seconds(k, w, hw, fwd, bwd)
+    values = _MICROBATCH_KEY(k)
+    key = ("microbatch", values)
+    if key not in memo:
+        memo[key] = microbatch_seconds(MicrobatchLayout(*values), w, hw, fwd, bwd)
+    return memo[key]
+
+
+def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, expert_params: int = 0,
+              block_params: int = 0, memo: dict | None = None) -> StepTime:
+    """The predicted step of layout `k` (`stage_params`: parameter elements of the largest stage's rank,
+    unsharded -- under --zero 3 too, what FSDP2's gathers output --, `expert_params` of them its
+    experts', `block_params` one block's: --zero 3's gathers); `memo`: last_stage_compute's and
+    microbatch_communication's, across one plan's layouts."""
+    c = w.model
+    b = DTYPES[w.dtype].itemsize
+    layers = c.num_hidden_layers // k.pp
+    fwd, bwd = last_stage_compute(k, w, hw, memo)   # (COMPUTE_FIELDS, within MICROBATCH_FIELDS: fwd, bwd follow)
+    mb = microbatch_communication(k, w, hw, fwd, bwd, memo)
+    t = StepTime()
+    dp_link = hw.link(crosses_nodes(w.world_size, w))
+    per_mb = fwd + bwd + mb.tp + mb.cp + mb.ep + mb.p2p
+    m = k.num_microbatches
+    t.compute, t.tp_exposed = m * (fwd + bwd), m * mb.tp + mb.step_tp
+    t.cp_exposed, t.pp_p2p = m * mb.cp + mb.step_cp, m * mb.p2p + mb.step_pp
+    t.ep_exposed = m * mb.ep
     t.bubble = pipeline_bubble(k, per_mb, bwd)
     t.dp_exposed, buckets = data_parallel_seconds(k, w, hw, dp_link, stage_params=stage_params,
                                                   expert_params=expert_params, forward=m * fwd, backward=m * bwd,

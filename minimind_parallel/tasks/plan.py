@@ -34,7 +34,7 @@ from ..options import (PRESETS, Parser, add_moe_args, check_at_least, check_numb
 from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
-from ..planning.forked import forked_call, forked_map, split, usable_cpus
+from ..planning.forked import forked_map, forked_worker, split, usable_cpus
 from ..planning.ranking import FORK_FROM, MAX_PROCESSES, paused_collector
 from ..planning.space import DOMINATED, Candidate, flag_names
 from .benchmark.command import BatchPolicy, Kind
@@ -385,7 +385,8 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
 
 def json_rows(fitting: list, args, hw, words: list[str]) -> list[str]:
     """Each fitting layout's JSON row (layout_json), in order; a space of FORK_FROM layouts or more
-    made by --processes forked processes (as the predictions), each a contiguous part."""
+    made by --processes forked processes (as the predictions), each a contiguous part to start with.
+    (Made beside each prediction instead, in the predicting processes, the rows cost twice their CPU.)"""
     n = len(fitting)
     return forked_map(lambda e: layout_json(e, args, hw, words), fitting, split([1] * n, _parts(args, n)))
 
@@ -396,34 +397,55 @@ def _parts(args, n: int) -> int:
     return args.processes or (min(MAX_PROCESSES, usable_cpus()) if n >= FORK_FROM else 1)
 
 
-def _forks(args, n: int) -> bool:
-    return _parts(args, n) > 1
+def _forks(args) -> bool:
+    """Whether the plot is drawn by a forked child: where more than one process may predict the layouts
+    (--processes, else this machine's CPUs; plan's)."""
+    return (args.processes or usable_cpus()) > 1
 
 
-def write_plot(path: str, result) -> None:
-    """Predicted peak (GiB) against predicted step time, fitting and over-budget layouts, the budget line."""
-    import matplotlib  # here: slow to import, needed for the plot only
+def import_plot() -> None:
+    """matplotlib's pyplot on the Agg backend imported (slow to import, needed for the plot only)."""
+    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot  # noqa: F401
+
+
+def plot_points(result) -> dict:
+    """What the plot draws of a plan (arrays, not lists: scatter takes a list's floats one by one
+    through numpy.ma, seconds for a plan's; and a forked child is sent them pickled)."""
     import numpy as np
+    series = [(np.array([e.step_ms for e in entries]), np.array([e.peak_bytes / GIB for e in entries]), label, color)
+              for entries, label, color in ((result.fitting, "fits", "C0"), (result.over_budget, "over budget", "C3"))
+              if entries]
+    best = result.fitting[0] if result.fitting else None
+    return {"series": series, "best": best and (best.step_ms, best.peak_bytes / GIB),
+            "budget_gib": result.budget_bytes / GIB,
+            "title": f"plan: {result.workload.world_size} ranks, {result.hardware.name}"}
+
+
+def draw_plot(path: str, points: dict) -> None:
+    """Predicted peak (GiB) against predicted step time, fitting and over-budget layouts, the budget line
+    (`points`: plot_points')."""
+    import_plot()
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for entries, label, color in ((result.fitting, "fits", "C0"), (result.over_budget, "over budget", "C3")):
-        if entries:
-            # arrays, not lists: scatter takes a list's floats one by one (numpy.ma), seconds for a plan's
-            ax.scatter(np.array([e.step_ms for e in entries]), np.array([e.peak_bytes / GIB for e in entries]), s=6,
-                       alpha=0.5, color=color, label=f"{label} ({len(entries)})")
-    if result.fitting:
-        best = result.fitting[0]
-        ax.scatter([best.step_ms], [best.peak_bytes / GIB], s=60, marker="*", color="k", label="ranked first")
-    ax.axhline(result.budget_bytes / GIB, color="k", ls="--", lw=1, label=f"budget {result.budget_bytes / GIB:.1f} GiB")
+    for ms, gib, label, color in points["series"]:
+        ax.scatter(ms, gib, s=6, alpha=0.5, color=color, label=f"{label} ({len(ms)})")
+    if points["best"] is not None:
+        ax.scatter([points["best"][0]], [points["best"][1]], s=60, marker="*", color="k", label="ranked first")
+    ax.axhline(points["budget_gib"], color="k", ls="--", lw=1, label=f"budget {points['budget_gib']:.1f} GiB")
     ax.set(xlabel="predicted step time (ms)", ylabel="predicted peak per rank (GiB)", xscale="log",
-           title=f"plan: {result.workload.world_size} ranks, {result.hardware.name}")
+           title=points["title"])
     ax.legend(fontsize=8)
     fig.subplots_adjust(left=0.09, right=0.98, bottom=0.11, top=0.93)   # fixed margins: no tight-layout draw
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
+
+
+def write_plot(path: str, result) -> None:
+    draw_plot(path, plot_points(result))
 
 
 def notes(args) -> list[str]:
@@ -490,17 +512,19 @@ def launch_plan(job: Job) -> int:
 def plan_outputs(job: Job) -> int:
     """The plan, printed, validated (--validate), written (the JSON, the PNG)."""
     args = job.task
-    t0 = time.perf_counter()
-    hw = hardware_of(args)
-    result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB),
-                  processes=args.processes)
-    seconds = time.perf_counter() - t0
-    print_plan(result, args, hw, seconds)
-    validation = validate(result, args) if args.validate else None
-    # the plot drawn by a forked child while the JSON is written (where its rows are forked too)
-    with forked_call(lambda: write_plot(args.output_plot, result), fork=_forks(args, len(result.fitting))) as plot:
+    # the plot drawn by a child forked now, which imports matplotlib while the space is enumerated (one
+    # process), and draws while the JSON is written
+    with forked_worker(import_plot, draw_plot, fork=_forks(args)) as plotter:
+        t0 = time.perf_counter()
+        hw = hardware_of(args)
+        result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB),
+                      processes=args.processes)
+        seconds = time.perf_counter() - t0
+        print_plan(result, args, hw, seconds)
+        validation = validate(result, args) if args.validate else None
+        plotter.send(args.output_plot, plot_points(result))
         write_json(args.output_json, result, args, hw, seconds, job.argv, validation)
-        plot()
+        plotter.result()
     print(f"plan: wrote {args.output_json}, {args.output_plot}")
     return 0
 
