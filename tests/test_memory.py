@@ -367,18 +367,35 @@ def test_the_moe_model_under_model_chunks_is_predicted_to_the_byte_on_every_stag
                 assert pred.peak_at.startswith("moe_combine"), pred.peak_at
 
 
-def test_an_earlier_stage_under_selective_recompute_ends_its_forward_with_the_blocks_frame_bound():
+EARLIER_SELECTIVE_CASES = {  # (model fields, dtype, sizes, the peak): pp2 stage 0 of the MoE model, selective
+    "fp32": (dict(hidden_size=128, num_hidden_layers=4), torch.float32, dict(seq_len=128, micro_batch_size=2,
+                                                                             num_microbatches=2), "forward_end[1]"),
+    # half precision: the block's input and middle residual stream are what the lean norms save
+    # (activations), no bound copies of them beside the frame's two
+    "bf16 two experts": (dict(hidden_size=32, num_experts=2, moe_intermediate_size=64), torch.bfloat16,
+                         dict(seq_len=64, micro_batch_size=1, num_microbatches=2), "forward_end[1]"),
+    # half precision, N E > H (E + 1): the router's backward, at the post-attention norm's output
+    # re-made for its weight grad, above the lean norm's own backward
+    "bf16 router": (dict(hidden_size=128, num_hidden_layers=2), torch.bfloat16,
+                    dict(seq_len=128, micro_batch_size=2, num_microbatches=1), "router_backward[0]"),
+}
+
+
+@pytest.mark.parametrize("name", EARLIER_SELECTIVE_CASES)
+def test_an_earlier_stage_under_selective_recompute_ends_its_forward_with_the_blocks_frame_bound(name):
     """--recompute selective on an earlier stage: at the last residual add the block's frame still
     binds the attention's output and the post-attention norm's (neither saved), two [N, H] beyond
-    `forward_end`'s usual two. With 2 tokens per unit of hidden size the MoE model peaks there."""
-    c = MiniMindConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                       vocab_size=128, tie_word_embeddings=False, max_position_embeddings=256, use_moe=True,
-                       num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16)
+    `forward_end`'s usual two. With 2 tokens per unit of hidden size the MoE model peaks there; in
+    half precision with more tokens per expert in the router's backward."""
+    fields, dtype, sizes, peak = EARLIER_SELECTIVE_CASES[name]
+    c = MiniMindConfig(**{**dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                 vocab_size=128, tie_word_embeddings=False, max_position_embeddings=256, use_moe=True,
+                                 num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16), **fields})
     par = ParallelConfig(pp=2, recompute="selective")
-    kw = dict(seq_len=128, micro_batch_size=2, dtype=torch.float32, num_microbatches=2, schedule="gpipe", stage=0)
+    kw = dict(dtype=dtype, schedule="gpipe", stage=0, **sizes)
     pred = predict_memory(c, par, **kw)
-    assert pred.peak_at == "forward_end[1]", pred.peak_at
-    _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), "pp2 selective stage 0")
+    assert pred.peak_at == peak, (name, pred.peak_at)
+    _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), f"pp2 selective stage 0 {name}")
 
 
 MOE_ZERO_BUBBLE_CASES = {  # (model, layout, sizes, the worst EP rank of each stage): the MoE model under zb
@@ -876,7 +893,7 @@ def test_the_moe_layers_own_backward_is_predicted_to_the_byte():
         config = replace(MOE_SMALL_VOCAB, **kw)
         sizes = dict(seq_len=S, micro_batch_size=B, dtype=dtype)
         pred = predict_memory(config, par, stage=stage, **sizes)
-        want = ("partial_grad_sum",) if par.sequence_parallel else ("expert_", "post_norm_backward")
+        want = ("partial_grad_sum",) if par.sequence_parallel else ("expert_", "post_norm_backward", "router_backward")
         assert pred.peak_at.startswith(want), (name, pred.peak_at)
         _check_model(pred, estimate_step_memory(config, par, iters=1, memo=memo, stage=stage or 0, **sizes), name)
 
