@@ -367,18 +367,36 @@ def test_the_moe_model_under_model_chunks_is_predicted_to_the_byte_on_every_stag
                 assert pred.peak_at.startswith("moe_combine"), pred.peak_at
 
 
+EARLIER_SELECTIVE_CASES = {  # (model fields, dtype, sizes, the peak): pp2 stage 0 of the MoE model, selective
+    "fp32": (dict(hidden_size=128, num_hidden_layers=4), torch.float32, dict(seq_len=128, micro_batch_size=2,
+                                                                             num_microbatches=2), "forward_end[1]"),
+    # half precision: the block's input and middle residual stream are what the lean norms save
+    # (activations), no bound copies of them beside the frame's two
+    "bf16 two experts": (dict(hidden_size=32, num_experts=2, moe_intermediate_size=64), torch.bfloat16,
+                         dict(seq_len=64, micro_batch_size=1, num_microbatches=2), "forward_end[1]"),
+    # half precision, N E > H (E + 1): the router's backward, at the post-attention norm's output
+    # re-made for its weight grad, above the lean norm's own backward
+    "bf16 router": (dict(hidden_size=128, num_hidden_layers=2), torch.bfloat16,
+                    dict(seq_len=128, micro_batch_size=2, num_microbatches=1), "router_backward[0]"),
+}
+
+
 def test_an_earlier_stage_under_selective_recompute_ends_its_forward_with_the_blocks_frame_bound():
     """--recompute selective on an earlier stage: at the last residual add the block's frame still
     binds the attention's output and the post-attention norm's (neither saved), two [N, H] beyond
-    `forward_end`'s usual two. With 2 tokens per unit of hidden size the MoE model peaks there."""
-    c = MiniMindConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                       vocab_size=128, tie_word_embeddings=False, max_position_embeddings=256, use_moe=True,
-                       num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16)
+    `forward_end`'s usual two. With 2 tokens per unit of hidden size the MoE model peaks there; in
+    half precision with more tokens per expert in the router's backward."""
+    memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     par = ParallelConfig(pp=2, recompute="selective")
-    kw = dict(seq_len=128, micro_batch_size=2, dtype=torch.float32, num_microbatches=2, schedule="gpipe", stage=0)
-    pred = predict_memory(c, par, **kw)
-    assert pred.peak_at == "forward_end[1]", pred.peak_at
-    _check_model(pred, estimate_step_memory(c, par, iters=1, **kw), "pp2 selective stage 0")
+    for name, (fields, dtype, sizes, peak) in EARLIER_SELECTIVE_CASES.items():
+        c = MiniMindConfig(**{**dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                     vocab_size=128, tie_word_embeddings=False, max_position_embeddings=256,
+                                     use_moe=True, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16),
+                              **fields})
+        kw = dict(dtype=dtype, schedule="gpipe", stage=0, **sizes)
+        pred = predict_memory(c, par, **kw)
+        assert pred.peak_at == peak, (name, pred.peak_at)
+        _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, **kw), f"pp2 selective stage 0 {name}")
 
 
 MOE_ZERO_BUBBLE_CASES = {  # (model, layout, sizes, the worst EP rank of each stage): the MoE model under zb
@@ -592,11 +610,11 @@ def test_selective_recompute_is_predicted_to_the_byte(flags, vocab, dtype):
                     recompute="selective"), "1f1b", 5, torch.bfloat16, True),
 ])
 def test_selective_recompute_pipeline_stages_are_predicted_to_the_byte(par, schedule, m, dtype, tied):
-    c = replace(PIPE, tie_word_embeddings=tied)
+    c, memo = replace(PIPE, tie_word_embeddings=tied), {}   # (the fake dispatch's memo: the same reports, faster)
     for stage in range(par.pp):
         kw = dict(seq_len=S, micro_batch_size=B, dtype=dtype, num_microbatches=m, schedule=schedule)
-        _check_model(predict_memory(c, par, stage=stage, **kw), estimate_step_memory(c, par, iters=1, stage=stage, **kw),
-                     f"stage {stage}")
+        _check_model(predict_memory(c, par, stage=stage, **kw),
+                     estimate_step_memory(c, par, iters=1, stage=stage, memo=memo, **kw), f"stage {stage}")
 
 
 def _block_activations(par, **kw):
@@ -873,7 +891,7 @@ def test_the_moe_layers_own_backward_is_predicted_to_the_byte():
         config = replace(MOE_SMALL_VOCAB, **kw)
         sizes = dict(seq_len=S, micro_batch_size=B, dtype=dtype)
         pred = predict_memory(config, par, stage=stage, **sizes)
-        want = ("partial_grad_sum",) if par.sequence_parallel else ("expert_", "post_norm_backward")
+        want = ("partial_grad_sum",) if par.sequence_parallel else ("expert_", "post_norm_backward", "router_backward")
         assert pred.peak_at.startswith(want), (name, pred.peak_at)
         _check_model(pred, estimate_step_memory(config, par, iters=1, memo=memo, stage=stage or 0, **sizes), name)
 

@@ -40,7 +40,8 @@ _PHASES = (("weighting_backward", "prefetch"), ("expert_pre_backward", "copy-out
            ("expert_reduce", "reduce"),
            ("expert_down_backward", "experts"), ("expert_swiglu_backward", "experts"),
            ("expert_up_backward", "experts"), ("expert_gate_backward", "experts"),
-           ("expert_gather_backward", "after"), ("post_norm_backward", "after"), ("qkv_backward", "after"),
+           ("expert_gather_backward", "after"), ("router_backward", "after"), ("post_norm_backward", "after"),
+           ("qkv_backward", "after"),
            ("input_norm_backward", "after"),
            ("attention_backward", "after"), ("embedding_backward", "all"), ("tied_grad_sum", "all"),
            ("pre_backward", "before"))

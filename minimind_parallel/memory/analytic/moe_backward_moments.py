@@ -24,8 +24,11 @@ Autograd runs the layer backward from its output (moe/feed_forward.py, moe/exper
       gate_backward       gate out freed, gate_proj's weight grad and input grad [m, H]
     each expert leaves its three weight grads and its input grad [m, H] (until the concat), and
     frees what it saved (4 b m I_e)
+    router_backward       --recompute selective: the router's weight grad, at the
+                          post-attention norm's output re-made for it (the experts' grads in)
     post_norm_backward    the router's and experts' grads in, the layer's saved tensors and the
                           router's input freed, the post-attention norm's fp32 temporaries
+                          (selective: the lean norm's, as the dense model's)
 
 The rows per expert: the balanced split (--estimate's: the loop splits the M rows evenly), or a
 measured histogram's (StageSizes.expert_rows, per layer).
@@ -96,11 +99,40 @@ def moe_post_norm_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int
     this rank's experts'), its saved tensors and the router's input freed, the norm's fp32
     temporaries and the residual grad live."""
     b, f, nn_, hid = s.b, s.f, s.nn, s.hid
+    if s.par.recompute == Recompute.SELECTIVE:
+        return _lean_post_norm_backward(s, first=first)
     # (ffn_saved, the layer's "block.moe", holds the aux loss's N and load already)
     acts, redone = top_block_saved(s, s.ffn_saved + s.router_input + (f * nn_ * hid + f * nn_))
     weight_grad, rerun = b * hid, _rerun_post_norm(s)
     return (s.head_grads + s.ffn_w_grads + (0 if rerun else weight_grad), acts,
             5 * f * nn_ * hid + b * nn_ * hid + s.waiting - (f if first and s.aux_loss_experts else 0) + redone + rerun)
+
+
+def _lean_post_norm_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int]:
+    """--recompute selective: the lean post-attention norm (`recompute.lean_rms_norm`, its input and
+    rsqrt saved) in its backward, as the dense model's (backward_moments._lean_post_norm_backward):
+    the recomputed normed input, g w and their product (3 f Nn H), the row means (f Nn), its
+    weight grad (b H, not a grad yet), its output's grad and the residual grad ([Nn, H] each); the
+    router's and experts' grads in, the layer's saved tensors freed, the norm's own still saved."""
+    b, f, nn_, hid = s.b, s.f, s.nn, s.hid
+    acts, _ = top_block_saved(s, s.ffn_saved + s.router_input)
+    return (s.head_grads + s.ffn_w_grads, acts,
+            3 * f * nn_ * hid + f * nn_ + b * hid + 2 * b * nn_ * hid + s.waiting
+            - (f if first and s.aux_loss_experts else 0))
+
+
+def router_backward(s: StageSizes, *, first: bool) -> tuple[int, int, int]:
+    """--recompute selective: the router's weight grad needs the post-attention norm's output,
+    re-made from the norm's input (`recompute/norm_recompute.py`): at g w * (x rsqrt), the fp32
+    copy of the input (half precision only), x rsqrt and the product (f Nn H each) and the rsqrt
+    (f Nn) live beside the router logits' grad [Nm, E], the experts' input grad scattered to [Nn, H]
+    and the residual grad; the experts' grads in, the router's not yet. Above the norm's own
+    backward in half precision (Nm E > H (E + 1))."""
+    b, f, nn_, hid = s.b, s.f, s.nn, s.hid
+    grads, acts, temps = _lean_post_norm_backward(s, first=first)
+    router_w_grad = s.ffn_w_grads - 3 * b * hid * s.expert_inter * len(s.expert_rows[-1])   # [E, H]
+    experts = router_w_grad // (b * hid)
+    return (grads - router_w_grad, acts, temps - b * hid - (f * nn_ * hid if b == f else 0) + b * nn_ * experts)
 
 
 def _rerun_post_norm(s: StageSizes) -> int:
@@ -119,4 +151,5 @@ def _rerun_post_norm(s: StageSizes) -> int:
 def moe_block_moments(s: StageSizes, rows: tuple[int, ...], *, first: bool) -> dict[str, tuple[int, int, int]]:
     """Every moment of the top block's MoE backward listed above (`first`: see expert_moments)."""
     return {"weighting_backward": weighting_backward(s, first=first), **expert_moments(s, rows, first=first),
+            **({"router_backward": router_backward(s, first=first)} if s.par.recompute == Recompute.SELECTIVE else {}),
             "post_norm_backward": moe_post_norm_backward(s, first=first)}

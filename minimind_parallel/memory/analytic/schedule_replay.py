@@ -74,9 +74,11 @@ def _earlier_forward_end(s: StageSizes) -> tuple[int, int]:
     stream (their fp32 copies are what the norms save; a received input is counted as held). Under
     --recompute selective the block's frame still binds the attention's output and the
     post-attention norm's (neither saved: the lean norm saves its input, its output's copies are
-    re-made in backward), [N(/T), H] each."""
-    residual = 2 + (0 if s.b == s.f else 2 - (1 if not s.first and s.layers == 1 else 0))
-    residual += 2 if s.par.recompute == Recompute.SELECTIVE else 0
+    re-made in backward), [N(/T), H] each; the block's input and middle residual stream are then
+    what the lean norms save (in the model dtype: activations), in half precision too."""
+    selective = s.par.recompute == Recompute.SELECTIVE
+    half = 0 if s.b == s.f or selective else 2 - (1 if not s.first and s.layers == 1 else 0)
+    residual = 2 + half + (2 if selective else 0)
     return s.held - s.held_temps, residual * s.b * s.nn * s.hid
 
 
