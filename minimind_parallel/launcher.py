@@ -97,14 +97,18 @@ def run_torchrun(launch, world_size: int, worker_argv: list[str], *, async_commu
         out = stack.enter_context(open(log, "w")) if log is not None else None
         # its own session: Ctrl-C at the terminal reaches the launcher only, which ends the job;
         # torchrun dies with the launcher, the ranks with torchrun (processes.die_with_parent)
-        proc = subprocess.Popen(torchrun_command(launch, world_size, worker_argv), env=env, start_new_session=True,
-                                preexec_fn=processes.parent_death_signal(), stdout=out,
-                                stderr=subprocess.STDOUT if out is not None else None)
+        # a signal during the fork waits for its end (processes.signals_held), not lost in an after-fork hook
+        proc = None
         try:
+            with processes.signals_held():
+                proc = subprocess.Popen(torchrun_command(launch, world_size, worker_argv), env=env,
+                                        start_new_session=True, preexec_fn=processes.exec_setup(), stdout=out,
+                                        stderr=subprocess.STDOUT if out is not None else None)
             code = wait_for(proc, job, launch, timeout, errors)
         finally:
             processes.kill_job(job)
-            proc.wait()
+            if proc is not None:
+                proc.wait()
     if code < 0:  # torchrun itself died of a signal (a scheduler's SIGTERM); its ranks are gone with it
         raise processes.Interrupted(-code, who="torchrun")
     if code not in (0, TIMED_OUT) and log is None:

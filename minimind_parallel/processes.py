@@ -67,6 +67,31 @@ def signals_raise(signums=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def signals_held(signums=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Within the block `signums` wait (blocked) and arrive at its end. Around a fork: the parent's
+    after-fork hooks (logging's) run Python code, and an Interrupted that `signals_raise`'s handler
+    raises there is printed and ignored, so a Ctrl-C landing in the fork would be lost. A child
+    forked in the block inherits the mask; `exec_setup` clears it before the exec."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def exec_setup(signums=(signal.SIGINT, signal.SIGTERM)):
+    """-> subprocess's preexec_fn for a child forked in `signals_held`: `signums` unblocked, then
+    (Linux) `parent_death_signal` armed. Resolved here, so that the child loads nothing."""
+    arm = parent_death_signal()
+
+    def setup():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
+        if arm is not None:
+            arm()
+    return setup
+
+
 def new_job_id() -> str:
     return uuid.uuid4().hex
 

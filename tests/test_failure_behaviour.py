@@ -138,6 +138,37 @@ def test_sigterm_to_torchrun_ends_the_job_with_one_line(mark):
     assert_none_left(mark)
 
 
+def _sigint_in_the_parents_after_fork_hook(armed=[]):  # noqa: B006  (registered once per process)
+    """Arm (once per process) an after-fork hook that sends this process SIGINT on the next fork:
+    -> the list to append to, to make the next fork signal."""
+    def hook():
+        if armed.pop():   # armed: signal this once
+            os.kill(os.getpid(), signal.SIGINT)
+        armed.append(False)
+
+    if not armed:
+        armed.append(False)
+        os.register_at_fork(after_in_parent=hook)
+    return armed
+
+
+def test_a_ctrl_c_during_the_launchers_fork_is_raised_after_it_not_lost_in_an_after_fork_hook():
+    """Ctrl-C landing while the launcher forks torchrun runs the handler inside the parent's
+    after-fork hooks, where Python prints and ignores what it raises: the sweep went on and exited
+    0. In processes.signals_held the signal waits for the fork's end; the child starts unblocked."""
+    armed = _sigint_in_the_parents_after_fork_hook()
+    with pytest.raises(processes.Interrupted, match="SIGINT"):
+        with processes.signals_raise():
+            with processes.signals_held():
+                armed[-1] = True   # the fork below signals from its after-fork hook
+                child = subprocess.Popen(["grep", "SigBlk", "/proc/self/status"], stdout=subprocess.PIPE,
+                                         text=True, preexec_fn=processes.exec_setup())
+            child.wait()   # not reached: the held SIGINT arrives as the block ends
+    blocked = int(child.communicate()[0].split()[1], 16)
+    assert not blocked & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGTERM - 1)), hex(blocked)
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {signal.SIGINT, signal.SIGTERM}
+
+
 def test_ctrl_c_during_a_sweep_records_the_cell_as_interrupted_and_keeps_finished_rows(mark, tmp_path):
     csv_path = tmp_path / "b.csv"
     proc = start("benchmark", "--tp_size", "2", "--", *TINY, "--modes", "ddp", "tp", "--warmup_iters", "0",
