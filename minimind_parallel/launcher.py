@@ -102,7 +102,7 @@ def run_torchrun(launch, world_size: int, worker_argv: list[str], *, async_commu
         try:
             with processes.signals_held():
                 proc = subprocess.Popen(torchrun_command(launch, world_size, worker_argv), env=env,
-                                        start_new_session=True, preexec_fn=processes.exec_setup(), stdout=out,
+                                        start_new_session=True, preexec_fn=processes.parent_death_signal(), stdout=out,
                                         stderr=subprocess.STDOUT if out is not None else None)
             code = wait_for(proc, job, launch, timeout, errors)
         finally:

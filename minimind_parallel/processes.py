@@ -69,27 +69,22 @@ def signals_raise(signums=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_held(signums=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
-    """Within the block `signums` wait (blocked) and arrive at its end. Around a fork: the parent's
-    after-fork hooks (logging's) run Python code, and an Interrupted that `signals_raise`'s handler
-    raises there is printed and ignored, so a Ctrl-C landing in the fork would be lost. A child
-    forked in the block inherits the mask; `exec_setup` clears it before the exec."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    """Within the block `signums` are only recorded; at its end each is handed to the handler
+    before it (`signals_raise`'s raises then). Around a fork: the parent's after-fork hooks
+    (logging's) run Python code, and an Interrupted raised there is printed and ignored, so a
+    Ctrl-C landing in the fork would be lost. Does nothing outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in signums}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def exec_setup(signums=(signal.SIGINT, signal.SIGTERM)):
-    """-> subprocess's preexec_fn for a child forked in `signals_held`: `signums` unblocked, then
-    (Linux) `parent_death_signal` armed. Resolved here, so that the child loads nothing."""
-    arm = parent_death_signal()
-
-    def setup():
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
-        if arm is not None:
-            arm()
-    return setup
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for signum in dict.fromkeys(held):   # each once, in the order they came
+            signal.raise_signal(signum)
 
 
 def new_job_id() -> str:
