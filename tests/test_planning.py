@@ -392,10 +392,32 @@ def test_interleaved_divides_the_bubble_by_its_chunks_and_zb_fills_it_with_weigh
     plain, chunked, zb = (step_time(x, work, hw, stage_params=1000) for x in
                           (k, replace(k, pp_schedule=Schedule.INTERLEAVED, virtual_stages=2),
                            replace(k, pp_schedule=Schedule.ZERO_BUBBLE)))
-    per_mb, bwd = plain.parts["per_microbatch_ms"] / 1e3, plain.parts["backward_ms"] / 1e3
+    per_mb = plain.parts["per_microbatch_ms"] / 1e3
     assert plain.bubble == pytest.approx(3 * per_mb) and chunked.bubble == pytest.approx(3 * per_mb / 2)
-    assert zb.bubble == pytest.approx(3 * (per_mb - bwd)) and zb.bubble == pytest.approx(plain.bubble / 3)
+    assert plain.bubble / 3 < zb.bubble < plain.bubble   # B (attention's backward, every dgrad) outlasts W
     assert chunked.compute == plain.compute == zb.compute
+
+
+@pytest.mark.parametrize("model, recompute", [(TINY, "none"), (TINY, "selective"), (MOE, "none")])
+def test_zbs_bubble_is_its_orders_simulated_at_the_stages_own_b_and_w(model, recompute):
+    """ZB-H1's bubble from the stage's own F, B and W (Qi et al. 2023: (P - 1)(T_F + T_B - T_W)),
+    not B = W: the zb orders run together (`order.simulate`) at the time model's F, B = backward -
+    W and W idle for exactly the predicted bubble. The MoE layer's router and experts keep their
+    weight grads in B (W holds attention's alone), selective recompute the SwiGLU's down_proj."""
+    from minimind_parallel.pipeline_parallel.order import Step, schedule_order, simulate
+    from minimind_parallel.planning.time_model import weight_step_seconds
+    hw = replace(SLOW, intra=Link(latency_s=0.0, bandwidth=math.inf))   # free exchanges: F, B, W alone
+    k = Candidate(pp=4, dp=1, num_microbatches=8, micro_batch_size=2, recompute=recompute,
+                  pp_schedule=Schedule.ZERO_BUBBLE)
+    work = replace(WORK, model=replace(model, num_hidden_layers=8))
+    t = step_time(k, work, hw, stage_params=1000)
+    f, bwd = t.parts["forward_ms"] / 1e3, t.parts["backward_ms"] / 1e3
+    w = weight_step_seconds(work.model, k, work, hw, last=True)
+    assert 0 < w < bwd / 2
+    orders = [schedule_order(4, p, 8, Schedule.ZERO_BUBBLE) for p in range(4)]
+    spans = simulate(orders, 4, times={Step.FORWARD: f, Step.BACKWARD: bwd - w, Step.WEIGHT: w})
+    makespan = max(end for s in spans for _, end in s)
+    assert t.bubble == pytest.approx(makespan - 8 * (f + bwd))
 
 
 def test_zero_1_reduce_scatters_and_all_gathers_each_bucket_instead_of_the_all_reduce():
@@ -472,6 +494,41 @@ def _counted_block(c: MiniMindConfig, tokens: int):
         n.phase = "backward"
         out.backward(torch.ones_like(out))
     return n
+
+
+@pytest.mark.parametrize("model, recompute", [(TINY, "none"), (TINY, "selective"), (MOE, "none")])
+def test_a_zb_w_step_runs_the_weight_grad_gemms_the_time_model_puts_in_w(model, recompute):
+    """OpCount of the parallel block's zb B and W steps (a WeightGradStore attached, TP 1): W's GEMM
+    FLOPs, GEMMs and ops are `weight_step_seconds`' (at one FLOP and one op a second), B holds the
+    rest of the backward's FLOPs (twice the forward's): for the MoE model W is attention's alone."""
+    from minimind_parallel.model import rope_tables
+    from minimind_parallel.parallel_model import ParallelBlock
+    from minimind_parallel.planning.op_count import OpCount
+    from minimind_parallel.planning.time_model import OPS_PER_DEFERRED_WGRAD, deferred_linears, weight_step_seconds
+    from minimind_parallel.tensor_parallel.deferred_wgrad import WeightGradStore, attach_weight_grad_store
+    c, k = replace(model, num_hidden_layers=1), Candidate(micro_batch_size=2, recompute=recompute)
+    torch.manual_seed(0)
+    block, store = ParallelBlock(c, k.parallel, None), WeightGradStore()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    attach_weight_grad_store(block, store)
+    cos, sin = rope_tables(c.head_dim, WORK.seq_len, c.rope_theta)
+    h = torch.randn(WORK.seq_len, 2, c.hidden_size, requires_grad=True)      # [S, B, H]
+    with OpCount() as n:
+        n.phase = "F"
+        out = block(h, cos, sin)
+        n.phase = "B"
+        with store.collecting((0, 0)):
+            out.backward(torch.ones_like(out))
+        n.phase = "W"
+        store.run((0, 0))
+    work = replace(WORK, model=c)
+    flops = replace(SLOW, gemm_flops=1.0, op_overhead_s=0.0)
+    assert n.gemm_flops["W"] == weight_step_seconds(c, k, work, flops, last=False)
+    count = deferred_linears(c, k)[0]
+    assert n.gemm_ops["W"] == count and n.ops("W") - 1 == count * OPS_PER_DEFERRED_WGRAD   # and one grad's copy
+    assert n.gemm_flops["B"] + n.gemm_flops["W"] == 2 * n.gemm_flops["F"] or recompute != "none"
+    assert (n.gemm_flops["W"] < n.gemm_flops["B"] / 4) == c.use_moe
 
 
 @pytest.mark.parametrize("shape", [dict(num_attention_heads=4, num_key_value_heads=2),                  # GQA

@@ -24,9 +24,11 @@
     pipeline     M microbatches and the bubble of the schedule: (P - 1) x the slowest stage's microbatch
                  (GPipe and 1F1B); divided by V with V model chunks per stage (interleaved, Narayanan et
                  al. 2021), whose boundaries each send the activation V times; (P - 1) x its forward
-                 and communication, the backward's weight-grad half filling the rest (ZB-H1, Qi et
-                 al. 2023: (P - 1)(T_F + T_B - T_W) with T_B = T_W); each boundary's activation sent
-                 forward and its grad back
+                 and communication and what its B outlasts its W (ZB-H1, Qi et al. 2023: (P - 1)
+                 (T_F + max(T_B - T_W, 0)), the zb orders simulated at those times): W the weight-grad
+                 GEMMs of the linears that defer them (`weight_step_seconds`: attention's, the dense
+                 SwiGLU's, the head's), B the rest of the backward (an MoE layer's router and
+                 experts keep theirs in B); each boundary's activation sent forward and its grad back
     experts      (--use_moe) the router's GEMM and the experts' at the routed token count, N k rows
                  per rank under balanced routing (whole on every TP rank; under SP each TP rank routes
                  its shard); under EP per MoE layer the count exchange and the tokens' all-to-all
@@ -82,6 +84,9 @@ OPS_PER_PARAM_STEP = 10
 BLOCK_TRAFFIC = (dict(hidden=20, inter=5, q=17, gqa=4, kv=17, head_dim=4, heads=6, kv_heads=6, token=12),
                  dict(hidden=65, inter=9, q=36, gqa=4, kv=40, head_dim=4, heads=9, kv_heads=9, token=18))
 BLOCK_WEIGHT_TRAFFIC = (dict(hidden=2, head_dim=2), dict(hidden=4, head_dim=4))
+# A zero-bubble W step's dispatched ops per deferred linear (deferred_wgrad.py: two reshapes, the
+# transpose and the GEMM), counted by `OpCount` on the block's W step.
+OPS_PER_DEFERRED_WGRAD = 4
 # CP's blockwise attention: dispatched ops per visible chunk pair, forward and backward together
 # (431 counted at cp 2 over the 5 pairs of a load-balanced rank: scores, mask, log-sum-exp, merge).
 OPS_PER_CHUNK_PAIR = 86
@@ -259,6 +264,34 @@ def stage_compute(c: MiniMindConfig, k: Candidate, w: Workload, hw: Hardware, *,
         head = 2 * tokens * c.hidden_size * vocab / hw.gemm_flops + 4 * tokens * vocab * 4 / hw.memory_bandwidth
         fwd, bwd = fwd + head, bwd + 2 * head
     return fwd, bwd
+
+
+def deferred_linears(c: MiniMindConfig, k) -> tuple[int, float]:
+    """One block's linears whose weight grads a zero-bubble W step computes on one TP rank
+    (tensor_parallel/deferred_wgrad.py), (how many, their parameters): attention's q, k, v and o and
+    the dense SwiGLU's gate and up, its down_proj too without the lean SwiGLU (--recompute selective
+    and full fuse it into a Function whose backward keeps its weight grad). An MoE layer's router and
+    experts are whole nn.Linears: their weight grads stay in B."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    count, params = 4, c.hidden_size * (2 * q + 2 * kv)
+    if not c.use_moe:
+        mlp = 3 if k.recompute == Recompute.NONE else 2
+        count, params = count + mlp, params + mlp * c.hidden_size * c.intermediate_size
+    return count, params / k.tp
+
+
+def weight_step_seconds(c: MiniMindConfig, k, w: Workload, hw: Hardware, *, last: bool) -> float:
+    """Seconds of one microbatch's W step on one rank of a stage under zb: the deferred linears'
+    weight-grad GEMMs (dY^T X, the forward's FLOPs of each) and their ops; the last stage's head
+    too, unless the chunked loss (--loss_chunks > 1) keeps its weight grad in B."""
+    layers = c.num_hidden_layers // k.pp
+    tokens = k.micro_batch_size * w.seq_len / k.cp
+    count, params = deferred_linears(c, k)
+    flops, linears = layers * 2 * tokens * params, layers * count
+    if last and k.loss_chunks == 1:
+        vocab = c.vocab_size / k.tp if k.vocab_parallel else c.vocab_size
+        flops, linears = flops + 2 * tokens * c.hidden_size * vocab, linears + 1
+    return hw.dispatched(flops / hw.gemm_flops, linears * OPS_PER_DEFERRED_WGRAD * hw.op_overhead_s)
 
 
 def tensor_collectives(c: MiniMindConfig, k: Candidate, w: Workload) -> tuple[list, list, list]:
@@ -478,14 +511,16 @@ def seconds(coll: list, link: Link) -> float:
     return sum(x.seconds(link) for x in coll)
 
 
-def pipeline_bubble(k: Candidate, per_mb: float, bwd: float) -> float:
+def pipeline_bubble(k: Candidate, per_mb: float, bwd: float, weight: float = 0.0) -> float:
     """The idle time of the schedule's warm-up and cool-down, from one microbatch's time on a stage
-    (`per_mb`, of which `bwd` its backward)."""
+    (`per_mb`, of which `bwd` its backward, and of that `weight` zb's W step): ZB-H1's
+    (P - 1)(T_F + max(T_B - T_W, 0)), T_F the rest of the microbatch, T_B = bwd - T_W (what
+    `order.simulate` gives the zb orders at those times)."""
     p = k.pp
     if k.pp_schedule == Schedule.INTERLEAVED:
         return (p - 1) * per_mb / k.virtual_stages
     if k.pp_schedule == Schedule.ZERO_BUBBLE:
-        return (p - 1) * (per_mb - bwd)
+        return (p - 1) * (per_mb - bwd + max(bwd - 2 * weight, 0.0))
     return (p - 1) * per_mb
 
 
@@ -600,7 +635,8 @@ def step_time(k: Candidate, w: Workload, hw: Hardware, *, stage_params: int, exp
     t.compute, t.tp_exposed = m * (fwd + bwd), m * mb.tp + mb.step_tp
     t.cp_exposed, t.pp_p2p = m * mb.cp + mb.step_cp, m * mb.p2p + mb.step_pp
     t.ep_exposed = m * mb.ep
-    t.bubble = pipeline_bubble(k, per_mb, bwd)
+    zb = k.pp > 1 and k.pp_schedule == Schedule.ZERO_BUBBLE
+    t.bubble = pipeline_bubble(k, per_mb, bwd, weight_step_seconds(c, k, w, hw, last=True) if zb else 0.0)
     t.dp_exposed, buckets = data_parallel_seconds(k, w, hw, dp_link, stage_params=stage_params,
                                                   expert_params=expert_params, forward=m * fwd, backward=m * bwd,
                                                   layers=layers, block_params=block_params)
