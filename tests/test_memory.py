@@ -985,6 +985,10 @@ def test_the_moe_steps_small_terms_are_predicted_to_the_byte():
         _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, **kw), name)
 
 
+# a narrow MoE model whose balanced combine can be a stage's peak (top-2 of two experts, E / ep = 1)
+MOE_COMBINE = MiniMindConfig(hidden_size=16, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1,
+                             vocab_size=128, tie_word_embeddings=False, max_position_embeddings=512, use_moe=True,
+                             num_experts=2, num_experts_per_tok=2, moe_intermediate_size=8)
 SKEWED_CASES = {  # (model, layout, sizes, routing, the moment): an earlier stage's own moments
     # every token on EP rank 0's experts (M = 2 R): the combine's backward, three [M, H] live
     "gpipe pp2 dp2 ep2 worst": (replace(MOE_CHUNKED, num_hidden_layers=2), ParallelConfig(pp=2, dp=2, ep=2),
@@ -1003,6 +1007,27 @@ SKEWED_CASES = {  # (model, layout, sizes, routing, the moment): an earlier stag
                                     ParallelConfig(pp=2, dp=2, ep=2),
                                     dict(seq_len=S, micro_batch_size=B, dtype=torch.float32, num_microbatches=2,
                                          schedule="gpipe"), RoutingPolicy.BALANCED, "weighting_backward[0]"),
+    # the balanced routing's combine (moe_forward_moments) as stage 0's peak, pp4 dp2 ep2 M4: one
+    # local expert at top-2 (E 2), its counts int64 [E / ep] (8 B over before), fp32, selective
+    "interleaved pp4 V2 one local expert": (replace(MOE_COMBINE, router_aux_loss_coef=0.0),
+                                            ParallelConfig(pp=4, dp=2, ep=2, virtual_stages=2, recompute="selective"),
+                                            dict(seq_len=128, micro_batch_size=1, dtype=torch.float32,
+                                                 num_microbatches=4, schedule="interleaved"),
+                                            RoutingPolicy.BALANCED, "moe_combine[3.1]"),
+    # four local experts at top-3 (E 8): 16 B under before
+    "interleaved pp4 V2 top-3 of 8": (replace(MOE_COMBINE, num_experts=8, num_experts_per_tok=3,
+                                              router_aux_loss_coef=0.0),
+                                      ParallelConfig(pp=4, dp=2, ep=2, virtual_stages=2, recompute="selective"),
+                                      dict(seq_len=128, micro_batch_size=1, dtype=torch.float32,
+                                           num_microbatches=4, schedule="interleaved"),
+                                      RoutingPolicy.BALANCED, "moe_combine[3.1]"),
+    # zb, --zero 1, bf16 without an aux loss: the constant 0 aux losses and their reported shares in
+    # the model dtype (schedule_replay.aux_share, moe_sizes.moe_temporaries' b): 14 B over before
+    "zb pp4 zero1 bf16 coef 0": (replace(MOE_COMBINE, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, router_aux_loss_coef=0.0),
+                                 ParallelConfig(pp=4, dp=2, ep=2, zero=1),
+                                 dict(seq_len=64, micro_batch_size=2, dtype=torch.bfloat16, num_microbatches=4,
+                                      schedule="zb"), RoutingPolicy.BALANCED, "moe_combine[3.0]"),
 }
 
 
@@ -1010,11 +1035,15 @@ def test_an_earlier_stages_combine_backward_and_first_forward_end_are_predicted_
     """Stage 0 against --estimate where the peak is the combine's backward of a rank whose experts
     receive every token (moe_backward_moments' combine_backward), where it is the end of the
     step's first forward (nothing of the stage's summed aux loss made yet: schedule_replay.moe_unmade),
-    and without an aux loss (moe_sizes.moe_temporaries, schedule_replay.moe_held)."""
+    without an aux loss (moe_sizes.moe_temporaries, schedule_replay.moe_held), and inside the
+    combine of a forward under the balanced routing (moe_forward_moments), where the planner's
+    moments alone (posted_peak.py, worst_only) give the same peak as the full replay."""
     memo = {}   # what the fake dispatch remembers, shared by the cases (the same reports, faster)
     for name, (c, par, sizes, routing, moment) in SKEWED_CASES.items():
         pred = predict_memory(c, par, stage=0, routing=routing, **sizes)
         assert pred.peak_at == moment, (name, pred.peak_at)
+        if moment.startswith("moe_combine"):
+            assert predict_memory(c, par, worst_only=True, **sizes).per_stage[0] == pred.peak_bytes, name
         _check_model(pred, estimate_step_memory(c, par, iters=1, memo=memo, stage=0, routing=routing, **sizes), name)
 
 

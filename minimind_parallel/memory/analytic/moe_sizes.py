@@ -183,16 +183,17 @@ def basic_sp_router_input(par: ParallelConfig, shard: int) -> int:
 
 
 def moe_temporaries(c: MiniMindConfig, par: ParallelConfig, layers: int, *, f: int,
-                    loss_copy: int, last: bool = True) -> tuple[int, int]:
+                    loss_copy: int, last: bool = True, b: int | None = None) -> tuple[int, int]:
     """(alive all step, alive until the step's backward ends) for `layers` MoE layers on a stage
     (`last`: the last pipeline stage); `loss_copy`: the LM loss's bytes when it is in the model
     dtype below float32, else 0. Under CP the last stage's objective is replaced by its copy scaled
-    by cp (the stage's `cp_scaled_loss`); an earlier stage's term stays."""
+    by cp (the stage's `cp_scaled_loss`); an earlier stage's term stays. `b`: the model dtype's
+    bytes, an earlier stage's constant 0 aux losses' without an aux loss (None: `f`)."""
     if not c.use_moe:
         return 0, 0
     objective = 0 if par.cp > 1 and last else f
     if not last and c.router_aux_loss_coef <= 0:   # a constant 0 aux loss: no root, the sum not kept
-        return layers * (8 * c.num_experts + f), f
+        return layers * (8 * c.num_experts + (f if b is None else b)), f
     return layers * (8 * c.num_experts + f), 2 * f + objective + loss_copy
 
 

@@ -33,7 +33,7 @@ from .remembered_sizes import SizesKind
 from .stage_sizes import StageSizes
 
 DIGIT = 32                                  # bits per term's coefficient
-UNIT_LEAVES = 29                            # the numbers of one UnitTerms with one moment per list
+UNIT_LEAVES = 33                            # the numbers of one UnitTerms with one moment per list
 STAGE_LEAVES = 7
 
 
@@ -70,21 +70,33 @@ def _unit_leaves(u: UnitTerms) -> list[int]:
     return [u.held_acts, u.held_temps, u.param_bytes, u.deferred, u.pending_x, u.pending_dy, u.sent_forward,
             u.sent_backward, *u.forward_end, *_one(u.backward_first), *_one(u.backward_later),
             *_one(u.weight_first), *_one(u.weight_later), u.moe_held, u.moe_seed, u.moe_unmade, u.moe_unmade_first,
-            u.moe_linger_acts, u.moe_linger_temps]
+            u.moe_linger_acts, u.moe_linger_temps, *_combine(u)]
+
+
+def _combine(u: UnitTerms) -> list[int]:
+    """The MoE combine's (activations, temporaries) beyond forward_end, at the chunk's first forward
+    and a later one (0 where not modelled: the walk then emits no such moment, `combines`)."""
+    return [x for part in u.moe_combine for x in part] if _combines(u) else [0, 0, 0, 0]
+
+
+def _combines(u: UnitTerms) -> bool:
+    """Whether the walk emits the unit's top MoE layer's combine (moe_forward_moments)."""
+    return bool(u.moe_combine) and u.moe_combine[0] is not None
 
 
 def _stage_leaves(st: StageTerms) -> list[int]:
     return [st.saved, st.targets, st.loss_weights, st.batch, st.ddp_buckets, st.loss_scalar, st.aux_share]
 
 
-def _symbolic_unit(last: bool, first_leaf: int) -> UnitTerms:
+def _symbolic_unit(last: bool, first_leaf: int, combine: bool = False) -> UnitTerms:
     d = [1 << (DIGIT * (first_leaf + j)) for j in range(UNIT_LEAVES)]
     return UnitTerms(last=last, held_acts=d[0], held_temps=d[1], param_bytes=d[2], deferred=d[3], pending_x=d[4],
                      pending_dy=d[5], sent_forward=d[6], sent_backward=d[7], forward_end=tuple(d[8:11]),
                      backward_first=(("first", tuple(d[11:14])),), backward_later=(("later", tuple(d[14:17])),),
                      weight_first=(("first", tuple(d[17:20])),), weight_later=(("later", tuple(d[20:23])),),
                      moe_held=d[23], moe_seed=d[24], moe_unmade=d[25], moe_unmade_first=d[26],
-                     moe_linger_acts=d[27], moe_linger_temps=d[28])
+                     moe_linger_acts=d[27], moe_linger_temps=d[28],
+                     moe_combine=((d[29], d[30]), (d[31], d[32])) if combine else ())
 
 
 @dataclass(frozen=True)
@@ -102,13 +114,15 @@ class _Moments:
 
 
 @functools.lru_cache(maxsize=4096)
-def _moments(order_key: tuple, pattern: tuple, lasts: tuple, stage_last: bool, weightless: bool) -> _Moments:
+def _moments(order_key: tuple, pattern: tuple, lasts: tuple, stage_last: bool, weightless: bool,
+             combines: tuple = ()) -> _Moments:
     """The moments of the stage `order_key` = (P, stage, M, schedule, V) whose chunk c is of kind
-    pattern[c] (`lasts[kind]`: it holds the head), on the last stage or not, its loss weight cast or not."""
+    pattern[c] (`lasts[kind]`: it holds the head; `combines[kind]`: its forward's MoE combine is a
+    moment), on the last stage or not, its loss weight cast or not."""
     pp, stage, m, schedule, v = order_key
     order = stage_order(pp, stage, m, schedule, v)
     releases = stage_releases(pp, m, schedule, v)[stage]
-    kinds = [_symbolic_unit(last, UNIT_LEAVES * k) for k, last in enumerate(lasts)]
+    kinds = [_symbolic_unit(last, UNIT_LEAVES * k, k < len(combines) and combines[k]) for k, last in enumerate(lasts)]
     base = UNIT_LEAVES * len(lasts)
     d = [1 << (DIGIT * (base + j)) for j in range(STAGE_LEAVES)]
     st = StageTerms(last=stage_last, weightless=weightless, saved=d[0], targets=d[1], loss_weights=d[2], batch=d[3],
@@ -136,8 +150,9 @@ def _moments(order_key: tuple, pattern: tuple, lasts: tuple, stage_last: bool, w
 def _rows(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_count: bool) -> tuple:
     """The stage's rows of moments, its terms (int64) and its chunks' cut terms, by kind."""
     pattern, lasts, units, leaves = _chunk_terms(tuple(chunks), _zero_bubble(order_key), grads_count)
+    kinds = [units[pattern.index(k)] for k in range(len(lasts))]   # each kind's cut terms
     st = stage_terms(s)
-    m = _moments(order_key, pattern, lasts, st.last, st.weightless)
+    m = _moments(order_key, pattern, lasts, st.last, st.weightless, tuple(_combines(u) for u in kinds))
     f = np.array(leaves + _stage_leaves(st), dtype=np.int64)
     return m, f, units
 
@@ -173,7 +188,7 @@ def _name(row: tuple, units: list[UnitTerms]) -> str:
     step, label, (i, c), _ = row
     u = units[c]
     if step is Step.FORWARD:
-        return f"forward_end[{i}.{c}]"
+        return f"{label or 'forward_end'}[{i}.{c}]"
     if step is Step.WEIGHT:
         return f"weight[{i}.{c}]#{(u.weight_first if label == 'first' else u.weight_later)[0][0]}"
     return f"{(u.backward_first if label == 'first' else u.backward_later)[0][0]}[{i}.{c}]"

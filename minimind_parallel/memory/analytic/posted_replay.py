@@ -28,7 +28,7 @@ from typing import Callable
 from ...pipeline_parallel.order import Action, Step
 from .backward_moments import backward_moments
 from .moe_forward_moments import combine_beyond_forward_end
-from .schedule_replay import (backward_seed, batch_saved, forward_moment, moe_held, moe_lingering, moe_unmade,
+from .schedule_replay import (aux_share, backward_seed, batch_saved, forward_moment, moe_held, moe_lingering, moe_unmade,
                               targets_saved)
 from .stage_sizes import StageSizes
 from .zero_bubble_moments import deferred_grads, pending, weight_moments, zb_backward_moments
@@ -116,7 +116,7 @@ def stage_terms(s: StageSizes) -> StageTerms:
     return StageTerms(last=s.last, weightless=s.weight == 0, saved=batch_saved(s),
                       targets=targets_saved(s),
                       loss_weights=4 * s.mb, batch=s.batch, ddp_buckets=s.ddp_buckets, loss_scalar=s.loss_scalar,
-                      aux_share=s.f if s.top_k else 0)
+                      aux_share=aux_share(s))
 
 
 class _Sums:

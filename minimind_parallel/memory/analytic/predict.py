@@ -221,7 +221,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         chunks = [each[order[-1].microbatch] if each else s]
     # MoE: each chunk's last received input, past its backward to the step's end (moe_lingering)
     linger = [sum(x) for x in zip((0, 0), *(moe_lingering(cs) for cs in chunks))]
-    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
+    state, step = moe_temporaries(c, par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last, b=s.b)
     if state + step:   # MoE's: a dense model has none
         moments = {k: (g, a, t + state + step) for k, (g, a, t) in moments.items()}
     if not layouts:

@@ -124,7 +124,15 @@ def _moe_per_microbatch(s: StageSizes, finished: int, held: int) -> int:
     if not s.top_k:
         return 0
     per_held = moe_held(s)
-    return max(finished - 1, 0) * s.f + max(held - 1, 0) * per_held
+    return max(finished - 1, 0) * aux_share(s) + max(held - 1, 0) * per_held
+
+
+def aux_share(s: StageSizes) -> int:
+    """MoE: a finished forward's reported aux share, 0-dim: float32, or without an aux loss
+    (router_aux_loss_coef 0) the constant 0 in the model dtype."""
+    if not s.top_k:
+        return 0
+    return s.f if s.aux_loss_experts else s.b
 
 
 def _not_made_inside_the_loss(s: StageSizes, finished: int) -> int:
