@@ -2,7 +2,7 @@
 (logits, the LM loss and the aux loss over the global batch, every gradient -- each rank's experts
 against the same experts of the dense model -- and AdamW steps): ep4, dp2 x ep2, tp2 x ep2 (SP,
 async, VP), pp2 x ep2 (1F1B, two microbatches: the aux loss of each, as MiniMind's gradient
-accumulation), cp2 x ep2 (ring) and tp2 x pp2 x ep2; MiniMind's per-replica aux loss
+accumulation; zb, also under --zero 3), cp2 x ep2 (ring) and tp2 x pp2 x ep2; MiniMind's per-replica aux loss
 (--moe_aux_loss local) equals the mean of the dense model's over each replica's rows.
 
 The layouts of one world size run in one `run_ranks` launch (the suite's time is mostly forking)."""
@@ -36,6 +36,9 @@ LAYOUTS = {
                                dict(micro_batch_size=1, num_microbatches=2, pp_schedule=Schedule.INTERLEAVED,
                                     num_hidden_layers=4)),
     "pp2_ep2_zb": (dict(pp=2, dp=2, ep=2), dict(micro_batch_size=1, num_microbatches=2, pp_schedule=Schedule.ZERO_BUBBLE)),
+    # FSDP2 under zb's B and W steps, the experts whole outside it (one EDP rank)
+    "pp2_ep2_zb_zero3": (dict(pp=2, dp=2, ep=2, zero=3), dict(micro_batch_size=1, num_microbatches=2,
+                                                              pp_schedule=Schedule.ZERO_BUBBLE)),
 }
 
 

@@ -959,7 +959,7 @@ def test_validate_times_every_layout_once_a_round_at_that_rounds_rates_and_takes
 
 def test_the_space_plans_zb_where_the_memory_model_replays_it():
     """zb is planned on the layouts predict_memory replays it for: the dense model's, under
-    recompute too, and the MoE model's (expert parallelism too, and --zero 3), each predicted; the
+    recompute too, and the MoE model's (expert parallelism too, and --zero 3 at ep 1 and 2), each predicted; the
     planner's remembered rows (worst_only) give an MoE zb layout the full replay's peak."""
     from minimind_parallel.config import Recompute
     from minimind_parallel.pipeline_parallel.order import Schedule
@@ -970,9 +970,9 @@ def test_the_space_plans_zb_where_the_memory_model_replays_it():
         predict_memory(WORK.model, k.parallel, seq_len=WORK.seq_len, micro_batch_size=k.micro_batch_size,
                        num_microbatches=k.num_microbatches, schedule=k.pp_schedule, worst_only=True)
     moe_zb = [k for k in enumerate_layouts(MOE_WORK)[0] if k.pp > 1 and k.pp_schedule == Schedule.ZERO_BUBBLE]
-    # --zero 3 too (ep 1: fsdp_composition refuses ep > 1 under PP)
-    assert moe_zb and {k.ep for k in moe_zb} > {1} and {k.ep for k in moe_zb if k.zero == 3} == {1}
-    for k in moe_zb[::7] + [next(k for k in moe_zb if k.zero == 3)]:
+    # --zero 3 too, at ep > 1 as at ep 1 (fsdp_posted.zero_bubble_first_forward gathers the experts' groups)
+    assert moe_zb and {k.ep for k in moe_zb} > {1} and {k.ep for k in moe_zb if k.zero == 3} > {1}
+    for k in moe_zb[::7] + [next(k for k in moe_zb if k.zero == 3 and k.ep == e) for e in (1, 2)]:
         kw = dict(seq_len=MOE_WORK.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
                   schedule=k.pp_schedule)
         fast, every = (predict_memory(MOE_WORK.model, k.parallel, worst_only=w, **kw) for w in (True, False))

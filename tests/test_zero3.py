@@ -291,6 +291,9 @@ EXPERTS_SP_RECOMPUTE_CP_PP = [
     (dict(dp=4, ep=2, recompute="selective"), torch.float32, 1, 2, 128, 2, "1f1b", "expert_swiglu_backward", True),
     # under PP: each block's experts a group of their own, gathered in the stage's first forward and kept
     (dict(dp=4, pp=2, ep=2), torch.bfloat16, 2, 2, 32, 2, "1f1b", "", True),
+    # ... stage 0's peak the top block's last residual add of its first forward: the block below's
+    # experts saved, the top block's kept gathered, their all-gather output the one kept (4 B under without)
+    (dict(dp=4, pp=2, ep=2), torch.float32, 1, 2, 32, 1, "1f1b", "", True),
     # one EDP rank: the experts whole outside FSDP2 (their grads .grad, filed as the replicated stage's)
     (dict(dp=2, pp=2, ep=2), torch.float32, 2, 2, 32, 2, "gpipe", "", False),
     # interleaved: each chunk's blocks and experts gathered from the chunk's first forward
@@ -302,13 +305,11 @@ EXPERTS_SP_RECOMPUTE_CP_PP = [
 def test_zero3_with_moe_at_ep2_under_sp_recompute_cp_and_pp_is_the_estimate_to_the_byte():
     """The experts' own FSDP2 groups (ep > 1) under SP, --recompute (full: the re-run's copy-out of the
     experts, `expert_rerun_forward_end`), CP and under PP (gpipe, 1f1b, interleaved; every stage):
-    predict_memory equals the tracker on fake tensors, once refused; zb at ep > 1 stays refused in
-    one line, which the planner cuts."""
+    predict_memory equals the tracker on fake tensors, once refused (zb at ep > 1:
+    test_the_moe_model_under_zb_with_zero3_is_the_estimate_to_the_byte_on_every_stage_and_planned)."""
     from helpers import one_line_error
-    from minimind_parallel.config import ConfigError
     from minimind_parallel.planning import Candidate, Workload
     from minimind_parallel.planning.space import check_candidate
-    from minimind_parallel.pipeline_parallel.order import Schedule
     memo = {}
     for layout, dtype, microbatches, layers, seq_len, mbs, schedule, moment, split in EXPERTS_SP_RECOMPUTE_CP_PP:
         config, par = replace(_config(layers, 128, False), **MOE_FIELDS), ParallelConfig(**layout, zero=3)
@@ -320,13 +321,6 @@ def test_zero3_with_moe_at_ep2_under_sp_recompute_cp_and_pp_is_the_estimate_to_t
     config = replace(_config(2, 128, False), **MOE_FIELDS)
     work = Workload(model=config, seq_len=32, global_batch_size=8, world_size=8)
     check_candidate(work, Candidate(dp=4, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2))   # not cut
-    posted = Candidate(dp=4, pp=2, ep=2, zero=3, micro_batch_size=2, num_microbatches=2,
-                       pp_schedule=Schedule.ZERO_BUBBLE)
-    refused = one_line_error(NotImplementedError, predict_memory, config, posted.parallel, seq_len=32,
-                             micro_batch_size=2, num_microbatches=2, schedule=Schedule.ZERO_BUBBLE)
-    assert "--zero 3 with --ep_size > 1 under pipeline parallelism is modelled under the gpipe, 1f1b and " \
-           "interleaved schedules" in refused, refused
-    assert refused.split("predict_memory: ")[1] in one_line_error(ConfigError, check_candidate, work, posted)
     whole = ParallelConfig(dp=2, pp=2, ep=2, zero=3, recompute="full")   # the experts whole, under full recompute
     assert "modelled without --recompute full" in one_line_error(NotImplementedError, predict_memory, config, whole,
                                                                  seq_len=32, micro_batch_size=2, num_microbatches=2)
@@ -453,23 +447,35 @@ MOE_ZERO_BUBBLE = [
     (dict(cp=2, pp=2, cp_comm_type="ring"), torch.float32, 1, replace(_sized(32, 2, 8, 4, 512, False), use_moe=True,
                                                                     num_experts=8, moe_intermediate_size=16), 64, 1,
      ("attention_backward", "head_backward")),
+    # ep 2 over dp 4 (the experts a group of their own over 2 EDP ranks): zb's first forward gathers
+    # them, the block below's experts saved, the top block's kept gathered, their all-gather output
+    # the one kept (9,278 B over without)
+    (dict(dp=4, pp=2, ep=2, tp=2, sequence_parallel=True, shared_sp_gather=True, recompute="selective"),
+     torch.bfloat16, 1, replace(_sized(128, 2, 8, 8, 512, False), use_moe=True, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=16), 256, 1, ("weighting_backward", "head_backward")),
+    # ... the top block's last residual add in zb's first forward the peak (4 B under without)
+    (dict(dp=4, pp=2, ep=2, tp=2, sequence_parallel=True, async_communication=True, recompute="selective"),
+     torch.float32, 1, replace(_sized(32, 2, 4, 2, 128, False), use_moe=True, num_experts=2, num_experts_per_tok=1,
+                               moe_intermediate_size=64), 128, 2, ("block_forward_end(block 0)", "head_backward")),
 ]
 
 
 def test_the_moe_model_under_zb_with_zero3_is_the_estimate_to_the_byte_on_every_stage_and_planned():
-    """The MoE model under zb with --zero 3 (once refused): the
-    posted walk with FSDP2's gathered stage, and zb's first forward's moments where each group is
-    gathered (fsdp_posted.zero_bubble_first_forward; with wide experts a block's copy-out is the
-    peak), equal the tracker on fake tensors on every stage and category; the planner's remembered
-    rows (worst_only) give each stage the same bytes, and it keeps such a layout."""
+    """The MoE model under zb with --zero 3 (once refused), at ep 1 and at ep 2 over dp 4 (once
+    refused too): the posted walk with FSDP2's gathered stage, and zb's first forward's moments
+    where each group is gathered (fsdp_posted.zero_bubble_first_forward, under expert parallelism
+    the experts' groups too; with wide experts a block's copy-out is the peak), equal the tracker on
+    fake tensors on every stage and category; the planner's remembered rows (worst_only) give each
+    stage the same bytes, and it keeps such a layout, at ep 2 too."""
     from minimind_parallel.pipeline_parallel.order import Schedule
     from minimind_parallel.planning import Candidate, Workload
     from minimind_parallel.planning.space import check_candidate
+    memo = {}   # the estimate's fake dispatch remembered across the layouts (the same bytes, less time)
     for layout, dtype, microbatches, config, seq_len, mbs, peaks in MOE_ZERO_BUBBLE:
         par = ParallelConfig(**layout, zero=3)
         kw = dict(seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, num_microbatches=microbatches, schedule="zb")
         fast = predict_memory(config, par, worst_only=True, **kw)
-        for stage, model, estimate in _each_stage(config, par, kw):
+        for stage, model, estimate in _each_stage(config, par, kw, memo):
             assert model.peak_at.split("[")[0] == peaks[stage], (layout, stage, model.peak_at)
             assert (model.peak_bytes, model.breakdown) == (estimate.peak_bytes, estimate.breakdown), \
                 (layout, dtype, stage, model.peak_at)
@@ -477,6 +483,9 @@ def test_the_moe_model_under_zb_with_zero3_is_the_estimate_to_the_byte_on_every_
     work = Workload(model=WIDE_EXPERTS, seq_len=64, global_batch_size=8, world_size=4)
     check_candidate(work, Candidate(dp=2, pp=2, zero=3, num_microbatches=4, micro_batch_size=1,
                                     pp_schedule=Schedule.ZERO_BUBBLE))
+    work = Workload(model=WIDE_EXPERTS, seq_len=64, global_batch_size=8, world_size=8)
+    check_candidate(work, Candidate(dp=4, pp=2, ep=2, zero=3, num_microbatches=2, micro_batch_size=1,
+                                    pp_schedule=Schedule.ZERO_BUBBLE))   # not cut
 
 
 # (layout, dtype, microbatches, routing, the moment at the peak): zero 3 under expert parallelism; a

@@ -9,7 +9,8 @@ copy-out at the grad of their output, their reduce-scatter before the dispatch's
 gpipe and 1f1b fsdp_pipeline.py keeps each block's experts a group of their own, gathered inside
 the MoE layer of the stage's first forward and kept to the schedule's end (whole, outside FSDP2,
 on one EDP rank), under interleaved fsdp_posted.py each chunk's blocks' and experts' from the
-chunk's first forward; under zb (its W steps) the experts' groups are not replayed (refused), nor
+chunk's first forward, under zb fsdp_posted.py's walk with zb's first forward as 1F1B's (the
+experts' groups gathered there; the experts make their grads in B, so no W step touches them); not
 the whole experts (one EDP rank) under --recompute full (116 KB under at tp4 x pp4 x dp2 x ep2 with
 SP, 1f1b, bf16: refused).
 
@@ -31,10 +32,6 @@ def composition_refusal(par: ParallelConfig, schedule: Schedule, num_microbatche
         return (f"--zero 3 with the experts whole (ep_size = dp_size x cp_size) under pipeline parallelism is "
                 f"modelled without --recompute full (its re-run's experts' backward not replayed); got pp_size={par.pp}, "
                 f"ep_size={par.ep}, dp_size x cp_size={par.dp * par.cp}, recompute={par.recompute}")
-    if par.ep > 1 and schedule == Schedule.ZERO_BUBBLE:
-        return (f"--zero 3 with --ep_size > 1 under pipeline parallelism is modelled under the gpipe, 1f1b and "
-                f"interleaved schedules (the experts' FSDP2 groups under zb's W steps are not replayed); got the "
-                f"{schedule} schedule, pp_size={par.pp}, ep_size={par.ep}")
     return None
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ...config import Recompute
 from ...moe.placement import expert_of
 from ...pipeline_parallel.order import Action, Step
+from .fsdp_experts import expert_forward_shift
 from .fsdp_replay import _forward_moments
 from .fsdp_sizes import FsdpSizes
 from .schedule_replay import batch_saved, optimizer_step, replay_schedule, targets_saved
@@ -162,7 +163,9 @@ def _first_forward(s: StageSizes, i: int, block: int, root: int, moe_step: int, 
     out = {}
     for name, (a, t) in _forward_moments(s, z, fresh_root=True, seen=False, unmade_state=moe_layer_state).items():
         below = int(name.split()[-1][:-1]) * (block + z.experts)
+        below += z.experts if name.startswith("block_forward_end") else 0   # the top block's experts, kept gathered
         a, t = (a, t + below) if s.par.recompute == Recompute.FULL else (a + below, t)
+        t += expert_forward_shift(s, z, name, fresh_root=True)   # the all-gather output kept: the experts'
         out[f"{name}[{i}]"] = (0, saved - unsaved + a, s.batch - saved + unsaved + root + t - moe_step)
     return out
 

@@ -68,7 +68,8 @@ def zero_bubble_first_forward(s: StageSizes, z, order: list[Action], moe_step: i
     chunk, nothing held before it), so 1F1B's moments (fsdp_pipeline._first_forward), named
     by the unit as the walk names them. -> name: (grads, activations, temporaries)."""
     i = order[0].microbatch
-    made = _first_forward(s, i, z.block, z.each[0][0], moe_step, moe_layer_state)
+    made = _first_forward(s, i, z.block, z.each[0][0], moe_step, moe_layer_state,
+                          (z.experts, z.experts_shard, z.experts_dense))
     return {f"{k[:-len(f'[{i}]')]}[{i}.0]": v for k, v in made.items()}
 
 
