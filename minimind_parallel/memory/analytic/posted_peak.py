@@ -195,3 +195,16 @@ def posted_peak(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_
     r = int(((m.with_grads if grads_count else m.without_grads) @ f).argmax())
     name = _name(m.rows[r], units)
     return {name: tuple((m.parts[:, r] @ f).tolist())}, {name: m.rows[r][3]}
+
+
+def remembered_posted_peak(kind: SizesKind, chunks: list[SizesKind], order_key: tuple,
+                           grads_count: bool) -> tuple[dict, dict]:
+    """posted_peak of the stage `kind`'s sizes, remembered on the kind by the chunks' kinds (the
+    objects themselves: kept alive by the key), the order and `grads_count`: the layouts of one
+    stage kind that differ only in what the peak does not read (--zero 1 and 2, which count no
+    grads there) ask it once. The moments a copy: the caller adds the optimizer's."""
+    key = ("posted peak", tuple(chunks), order_key, grads_count)
+    if key not in kind.derived:
+        kind.derived[key] = posted_peak(kind.sizes, chunks, order_key, grads_count)
+    moments, in_flight = kind.derived[key]
+    return dict(moments), in_flight

@@ -19,13 +19,13 @@ from .fsdp_replay import check_fully_sharded, fully_sharded_moments
 from .orders import stage_order, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, moe_report, moe_temporaries,
                         received_row_bytes, routing_text, stage_expert_rows)
-from .posted_peak import posted_peak
+from .posted_peak import remembered_posted_peak
 from .posted_replay import replay_posted
 from .remembered_sizes import SizesKind, chunk_kinds, model_key, stage_kind
 from .saved_kinds import as_dtype
 from .schedule_replay import moe_lingering, optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
-from .zero_sizes import (optimizer_state_bytes, slice_sizes, staging_bytes, staging_plans, zero2_moments,
+from .zero_sizes import (optimizer_state_bytes, remembered_staging_plans, slice_sizes, staging_bytes, zero2_moments,
                          zero_layouts)
 
 
@@ -206,8 +206,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None and not chunk_routes:   # the first largest moment alone, by the total the peak is taken by
             kinds = chunk_kinds(c, par, stage, memo, **kw)
-            moments, in_flight = posted_peak(s, kinds, order_key,
-                                             grads_count=not layouts)
+            moments, in_flight = remembered_posted_peak(kind, kinds, order_key, grads_count=not layouts)
             chunks = [k.sizes for k in kinds]
         else:
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
@@ -233,7 +232,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments["optimizer"] = optimizer_step(s, slice_sizes(layouts, s.b), grads=stored)
     else:   # the slices and the staging buffers all step; AdamW over the slices
         states = optimizer_state_bytes(layouts, s.b, device)
-        plans = staging_plans(c, par, stage, layouts, schedule)
+        plans = remembered_staging_plans(c, par, stage, as_dtype(dtype), bucket_size_mb, schedule, model=model)
         moments = zero2_moments(moments, layouts, plans, s.b)
         grads, a, t = optimizer_step(s, slice_sizes(layouts, s.b), grads=sum(s.b * x.shard_numel for x in layouts))
         moments["optimizer"] = (grads, a, t + staging_bytes(layouts, plans, s.b))
