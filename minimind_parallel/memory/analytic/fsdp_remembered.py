@@ -31,7 +31,7 @@ from .fsdp_pipeline import (StageGroups, _after_the_schedule, first_forward_end,
 from .fsdp_posted import zero_bubble_first_forward
 from .orders import stage_order
 from .posted_replay import is_zero_bubble
-from .posted_peak import _name, _rows
+from .posted_peak import _name, remembered_rows
 from .remembered_sizes import SizesKind
 from .stage_sizes import StageSizes
 
@@ -72,12 +72,12 @@ def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_ke
     (the grads counted) with FSDP2's gathered bytes added to each row (`_gathered_rows`); zb's first
     forward's moments as fsdp_posted's (`moe_step`, `moe_layer_state`: its MoE terms)."""
     s, z = kind.sizes, kind_groups(kind)
-    m, f, units = _rows(s, chunks, order_key, True)
+    m, f, units, with_grads = remembered_rows(kind, chunks, order_key, True)
     seen, firsts = _gathered_rows(m.rows, tuple(k.sizes.layers for k in chunks))
     root_unsaved = z.embedding if not s.tied_here else 0
     full = s.par.recompute == Recompute.FULL
     blocks = seen * (z.block + z.experts)            # the forwarded chunks' blocks (and experts) gathered, per row
-    totals = m.with_grads @ f + (z.each[0][0] + blocks)   # with the root's
+    totals = with_grads + (z.each[0][0] + blocks)      # with the root's (a new array: the rows' are remembered)
     extra = None                                     # (row, bytes): the last chunk's cross-entropy in its first forward
     for r, c in firsts:                              # a chunk's first forward: its top block's all-gather output
         added = _first_forward_added(chunks[c].sizes, z.experts or z.block)
