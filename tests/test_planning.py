@@ -1007,6 +1007,8 @@ def test_a_chunk_kind_shared_across_layouts_gives_each_chunk_its_own_terms():
     work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
     posted = [k for k in enumerate_layouts(work)[0][::3]
               if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
+    # and the contiguous CP split (its later ranks' attention sees more blocks: each CP rank its own kinds)
+    posted += [replace(k, cp_load_balance=False) for k in posted if k.cp > 1][:4]
     owners: dict = {}
     for k in posted:
         kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,
