@@ -86,9 +86,13 @@ def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, 
 @functools.lru_cache(maxsize=1 << 14)
 def _chunk_kinds(model: Frozen, shape: Frozen, stage: int, cp_rank: int, rest: tuple) -> tuple[SizesKind, ...]:
     par = shape.config
-    return tuple(_stage_kind(model, Frozen(par, **chunk_shape(par, first, last)), vs, (("cp_rank", cp_rank), *rest))
-                 for vs, (first, last, _) in _virtual_stages(model.config.num_hidden_layers, par.pp,
-                                                             par.virtual_stages, stage))
+    chunks = _virtual_stages(model.config.num_hidden_layers, par.pp, par.virtual_stages, stage)
+    shapes: dict = {}   # each (first, last)'s layout of its kind (chunk_shape), made once
+    for _, (first, last, _) in chunks:
+        if (first, last) not in shapes:
+            shapes[first, last] = Frozen(par, **chunk_shape(par, first, last))
+    return tuple(_stage_kind(model, shapes[first, last], vs, (("cp_rank", cp_rank), *rest))
+                 for vs, (first, last, _) in chunks)
 
 
 def chunk_shape(par: ParallelConfig, first: bool, last: bool) -> dict:
