@@ -1022,10 +1022,11 @@ def test_a_zero_3_stage_remembered_with_its_twins_gives_its_own_prediction():
     (fsdp_remembered.py: the stage's and its chunks' kinds, which a pipeline's zero levels and a
     chunk's dp share; the replay's and the posted walk's rows; FSDP2's groups by the shapes and W).
     Zero 3 layouts of a space of every schedule, W 2 and 4, --recompute full and --loss_chunks,
-    predicted in one process after its zero 0 and 1 twins and, caches cleared,
+    predicted in one process after its zero 0, 1 and 2 twins and, caches cleared,
     before them, is the full replay's prediction to the byte (a piece remembered without W, or the
     zero level's replay with its grads uncounted, would give it another layout's bytes); and so
-    are the twins'."""
+    are the twins' (zero 1 and 2 share a posted stage's remembered peak, and zero 2's staging plans
+    are remembered on the layouts' key and the W steps)."""
     from dataclasses import asdict
     from minimind_parallel.config import Recompute
     from minimind_parallel.memory.analytic import fsdp_pipeline, remembered_sizes
@@ -1036,8 +1037,9 @@ def test_a_zero_3_stage_remembered_with_its_twins_gives_its_own_prediction():
     sample = zero3[::max(1, len(zero3) // 40)]
     assert {k.pp_schedule for k in sample} == set(Schedule) and {k.dp for k in sample} >= {2, 4}
     assert Recompute.FULL in {k.recompute for k in sample} and {k.loss_chunks for k in sample} > {1}
-    for levels in ((0, 1, 3), (3, 1, 0)):
+    for levels in ((0, 1, 2, 3), (3, 2, 1, 0)):
         remembered_sizes._stage_kind.cache_clear()
+        remembered_sizes._chunk_kinds.cache_clear()
         fsdp_pipeline._stage_groups.cache_clear()
         for k in sample:
             for z in levels:
@@ -1062,6 +1064,8 @@ def test_a_chunk_kind_shared_across_layouts_gives_each_chunk_its_own_terms():
     work = Workload(model=replace(TINY, num_hidden_layers=8), seq_len=32, global_batch_size=16, world_size=8)
     posted = [k for k in enumerate_layouts(work)[0][::3]
               if k.pp > 1 and k.pp_schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)]
+    # and the contiguous CP split (its later ranks' attention sees more blocks: each CP rank its own kinds)
+    posted += [replace(k, cp_load_balance=False) for k in posted if k.cp > 1][:4]
     owners: dict = {}
     for k in posted:
         kw = dict(seq_len=work.seq_len, micro_batch_size=k.micro_batch_size, num_microbatches=k.num_microbatches,

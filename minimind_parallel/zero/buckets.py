@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memo import cached_property
+
 DEFAULT_BUCKET_MB = 25.0   # --bucket_size_mb: DDP's default bucket (its bucket_cap_mb)
 
 # The order in which one block's backward accumulates its parameters' grads (recorded from
@@ -95,14 +97,15 @@ class Bucket:
 class BufferLayout:
     buckets: tuple[Bucket, ...]
 
-    @property
+    @cached_property
     def numel(self) -> int:
-        """Elements of the whole buffer, padding included."""
+        """Elements of the whole buffer, padding included (summed once: the memory model reads it for
+        every stage of every --zero layout the planner predicts)."""
         return sum(b.padded_numel for b in self.buckets)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
-        """Elements a rank owns: its slice of every bucket."""
+        """Elements a rank owns: its slice of every bucket (summed once)."""
         return sum(b.shard_numel for b in self.buckets)
 
     def bucket_of(self, name: str) -> int:

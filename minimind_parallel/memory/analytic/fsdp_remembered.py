@@ -30,8 +30,7 @@ from .fsdp_pipeline import (StageGroups, _after_the_schedule, first_forward_end,
                             optimized, stage_groups, with_whole_experts)
 from .fsdp_posted import zero_bubble_first_forward
 from .orders import stage_order
-from .posted_replay import is_zero_bubble
-from .posted_peak import _name, _rows
+from .posted_peak import _name, _zero_bubble, remembered_rows
 from .remembered_sizes import SizesKind
 from .stage_sizes import StageSizes
 
@@ -72,12 +71,15 @@ def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_ke
     (the grads counted) with FSDP2's gathered bytes added to each row (`_gathered_rows`); zb's first
     forward's moments as fsdp_posted's (`moe_step`, `moe_layer_state`: its MoE terms)."""
     s, z = kind.sizes, kind_groups(kind)
-    m, f, units = _rows(s, chunks, order_key, True)
-    seen, firsts = _gathered_rows(m.rows, tuple(k.sizes.layers for k in chunks))
+    m, f, units, with_grads = remembered_rows(kind, chunks, order_key, True)
+    key = ("gathered rows", tuple(chunks), order_key)   # on the kind, as its rows: their key hashes every row
+    if key not in kind.derived:
+        kind.derived[key] = _gathered_rows(m.rows, tuple(k.sizes.layers for k in chunks))
+    seen, firsts = kind.derived[key]
     root_unsaved = z.embedding if not s.tied_here else 0
     full = s.par.recompute == Recompute.FULL
     blocks = seen * (z.block + z.experts)            # the forwarded chunks' blocks (and experts) gathered, per row
-    totals = m.with_grads @ f + (z.each[0][0] + blocks)   # with the root's
+    totals = with_grads + (z.each[0][0] + blocks)      # with the root's (a new array: the rows' are remembered)
     extra = None                                     # (row, bytes): the last chunk's cross-entropy in its first forward
     for r, c in firsts:                              # a chunk's first forward: its top block's all-gather output
         added = _first_forward_added(chunks[c].sizes, z.experts or z.block)
@@ -94,7 +96,7 @@ def remembered_posted_moments(kind: SizesKind, chunks: list[SizesKind], order_ke
         name = f"cross_entropy{name[len('forward_end'):]}"
     moments, in_flight = {name: (0, a + held[0], t + g + held[1] + shift)}, {name: m.rows[r][3]}
     order = stage_order(*order_key)
-    if is_zero_bubble(order):
+    if _zero_bubble(order_key):
         moments.update(zero_bubble_first_forward(s, z, order, moe_step, moe_layer_state))
     moments.update(first_largest_reduces(s, z, order))
     return optimized(s, z, moments, in_flight, device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from ...pipeline_parallel.order import Schedule, schedule_order
+from ...pipeline_parallel.order import Schedule, posted, schedule_order
 from ...pipeline_parallel.releases import release_points
 
 
@@ -12,6 +12,13 @@ from ...pipeline_parallel.releases import release_points
 def stage_order(pp: int, stage: int, num_microbatches: int, schedule: Schedule, virtual_stages: int) -> tuple:
     """The stage's schedule order (order.schedule_order), remembered."""
     return tuple(schedule_order(pp, stage, num_microbatches, schedule, virtual_stages))
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_posted(pp: int, stage: int, num_microbatches: int, schedule: Schedule, virtual_stages: int) -> bool:
+    """Whether the stage's order is posted (order.posted: model chunks or W steps), remembered: a
+    gpipe or 1f1b order is read whole to say no."""
+    return posted(stage_order(pp, stage, num_microbatches, schedule, virtual_stages))
 
 
 @functools.lru_cache(maxsize=256)

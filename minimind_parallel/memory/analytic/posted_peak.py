@@ -207,6 +207,35 @@ def posted_peak(s: StageSizes, chunks: list[SizesKind], order_key: tuple, grads_
     buffer): ({name: (grads, activations, temporaries)}, {name: units in flight}). `chunks` as
     remembered_sizes.chunk_kinds gives them (equal kinds one object)."""
     m, f, units = _rows(s, chunks, order_key, grads_count)
-    r = int(((m.with_grads if grads_count else m.without_grads) @ f).argmax())
+    return _first_largest(m, f, units, (m.with_grads if grads_count else m.without_grads) @ f)
+
+
+def _first_largest(m: _Moments, f: np.ndarray, units: list[UnitTerms], totals: np.ndarray) -> tuple[dict, dict]:
+    """posted_peak's moment of the first largest of the rows' `totals`."""
+    r = int(totals.argmax())
     name = _name(m.rows[r], units)
     return {name: tuple((m.parts[:, r] @ f).tolist())}, {name: m.rows[r][3]}
+
+
+def remembered_rows(kind: SizesKind, chunks: list[SizesKind], order_key: tuple, grads_count: bool) -> tuple:
+    """_rows of the stage `kind`'s sizes and the rows' totals by the score the peak is taken by (the
+    grads counted or not), remembered on the kind by the chunks' kinds (the objects themselves: kept
+    alive by the key), the order and `grads_count`: a pipeline's zero 0 layout and its zero 3 twin
+    (fsdp_remembered.py, which adds FSDP2's gathered bytes to the totals) ask them once."""
+    key = ("rows", tuple(chunks), order_key, grads_count)
+    if key not in kind.derived:
+        m, f, units = _rows(kind.sizes, chunks, order_key, grads_count)
+        kind.derived[key] = m, f, units, (m.with_grads if grads_count else m.without_grads) @ f
+    return kind.derived[key]
+
+
+def remembered_posted_peak(kind: SizesKind, chunks: list[SizesKind], order_key: tuple,
+                           grads_count: bool) -> tuple[dict, dict]:
+    """posted_peak of the stage `kind`'s sizes, remembered on the kind as `remembered_rows` is: the
+    layouts of one stage kind that differ only in what the peak does not read (--zero 1 and 2, which
+    count no grads there) ask it once. The moments a copy: the caller adds the optimizer's."""
+    key = ("posted peak", tuple(chunks), order_key, grads_count)
+    if key not in kind.derived:
+        kind.derived[key] = _first_largest(*remembered_rows(kind, chunks, order_key, grads_count))
+    moments, in_flight = kind.derived[key]
+    return dict(moments), in_flight

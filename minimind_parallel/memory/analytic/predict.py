@@ -8,7 +8,7 @@ import torch
 
 from ...memo import Frozen
 from ...config import MiniMindConfig, ParallelConfig, check_layout
-from ...pipeline_parallel.order import Schedule, Step, check_schedule, posted
+from ...pipeline_parallel.order import Schedule, Step, check_schedule
 from ...zero.buckets import DEFAULT_BUCKET_MB
 from ..tracker import CATEGORIES
 from .fsdp_composition import check_composition
@@ -16,16 +16,16 @@ from .fsdp_pipeline import pipelined_fully_sharded_moments
 from .fsdp_posted import posted_fully_sharded_moments
 from .fsdp_remembered import remembered_pipelined_moments, remembered_posted_moments
 from .fsdp_replay import check_fully_sharded, fully_sharded_moments
-from .orders import stage_order, stage_releases
+from .orders import stage_order, stage_posted, stage_releases
 from .moe_sizes import (Routing, RoutingPolicy, is_per_microbatch, microbatch_routings, moe_report, moe_temporaries,
                         received_row_bytes, routing_text, stage_expert_rows)
-from .posted_peak import posted_peak
+from .posted_peak import remembered_posted_peak
 from .posted_replay import replay_posted
 from .remembered_sizes import SizesKind, chunk_kinds, model_key, stage_kind
 from .saved_kinds import as_dtype
 from .schedule_replay import moe_lingering, optimizer_step, partial_grad_sum, replay_schedule
 from .stage_sizes import StageSizes, chunk_sizes, stage_sizes
-from .zero_sizes import (optimizer_state_bytes, slice_sizes, staging_bytes, staging_plans, zero2_moments,
+from .zero_sizes import (optimizer_state_bytes, remembered_staging_plans, slice_sizes, staging_bytes, zero2_moments,
                          zero_layouts)
 
 
@@ -185,6 +185,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
     params = stored + 2 * s.b * c.max_position_embeddings * c.head_dim   # RoPE cos/sin, cast to dtype
     order_key = (par.pp, stage, num_microbatches, schedule, par.virtual_stages)
     order = stage_order(*order_key)
+    is_posted = stage_posted(*order_key)
     if each is not None and par.zero == 3:
         raise NotImplementedError(f"predict_memory: a routing per microbatch is modelled without --zero 3; "
                                   f"got the {schedule} schedule, --zero {par.zero}")
@@ -194,20 +195,19 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
                                                  num_microbatches=num_microbatches, dtype=as_dtype(dtype))
     if par.zero == 3 and par.pp > 1:
         chunked = None   # a posted order: each chunk's sizes and the sends' release points
-        if posted(order):
+        if is_posted:
             chunked = (chunk_sizes(c, par, stage, seq_len=seq_len, micro_batch_size=micro_batch_size,
                                    num_microbatches=num_microbatches, dtype=as_dtype(dtype), cp_rank=cp_rank),
                        stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage])
         return _predict_pipelined_fully_sharded(s, order, c, device, chunked, peak_only=memo is not None)
     if par.zero == 3:
         return _predict_fully_sharded(s, order, c, device)
-    if posted(order):   # its sends' release points come from every stage's order
+    if is_posted:   # its sends' release points come from every stage's order
         kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                   dtype=as_dtype(dtype), cp_rank=cp_rank)
         if memo is not None and not chunk_routes:   # the first largest moment alone, by the total the peak is taken by
             kinds = chunk_kinds(c, par, stage, memo, **kw)
-            moments, in_flight = posted_peak(s, kinds, order_key,
-                                             grads_count=not layouts)
+            moments, in_flight = remembered_posted_peak(kind, kinds, order_key, grads_count=not layouts)
             chunks = [k.sizes for k in kinds]
         else:
             releases = stage_releases(par.pp, num_microbatches, schedule, par.virtual_stages)[stage]
@@ -233,7 +233,7 @@ def _predict_stage(c: MiniMindConfig, par: ParallelConfig, stage: int, *, seq_le
         moments["optimizer"] = optimizer_step(s, slice_sizes(layouts, s.b), grads=stored)
     else:   # the slices and the staging buffers all step; AdamW over the slices
         states = optimizer_state_bytes(layouts, s.b, device)
-        plans = staging_plans(c, par, stage, layouts, schedule)
+        plans = remembered_staging_plans(c, par, stage, as_dtype(dtype), bucket_size_mb, schedule, model=model)
         moments = zero2_moments(moments, layouts, plans, s.b)
         grads, a, t = optimizer_step(s, slice_sizes(layouts, s.b), grads=sum(s.b * x.shard_numel for x in layouts))
         moments["optimizer"] = (grads, a, t + staging_bytes(layouts, plans, s.b))
@@ -267,7 +267,7 @@ def _predict_remembered_fully_sharded(kind: SizesKind, order: tuple, order_key: 
     1f1b's replay the kind's."""
     s = kind.sizes
     state, step = moe_temporaries(c, s.par, s.layers, f=s.f, loss_copy=s.weight if s.last else 0, last=s.last)
-    if posted(order):
+    if stage_posted(*order_key):
         chunks = chunk_kinds(c, par, stage, memo, **kw)
         made = remembered_posted_moments(kind, chunks, order_key, device, step, state // s.layers)
         return _predict_pipelined_fully_sharded(s, order, c, device, ([k.sizes for k in chunks],), made=made)

@@ -67,26 +67,32 @@ def _stage_kind(model: Frozen, par: Frozen, stage: int, kw: tuple) -> SizesKind:
 
 
 def chunk_kinds(c: MiniMindConfig, par: ParallelConfig, stage: int, memo: dict, *, cp_rank: int = 0,
-                **kw) -> list[SizesKind]:
+                **kw) -> tuple[SizesKind, ...]:
     """stage_sizes.chunk_sizes of stage `stage`, one object per kind of virtual stage (first, last,
     its layers). `memo`: one layout's, kept across its stages. A chunk is read only through its
     terms (posted_replay.unit_terms), which read neither the step's microbatches (only the stage's
     own terms do: the batch) nor, but on the virtual stage that holds them, the loss's
     (--loss_chunks, --vocab_parallel: the head on the last) and the embedding's (--vocab_parallel:
     the first): so a kind is remembered without them (`chunk_shape`), and the layouts that differ
-    only there share it."""
+    only there share it. A stage's list is remembered on the layout without what no chunk reads
+    (the zero level, dp: `chunk_shape` sets them), so a grid's zero levels and dps ask it once."""
     if "chunked" not in memo:
-        memo["chunked"] = (model_key(c, memo), tuple(sorted({**kw, "num_microbatches": 1}.items())))
-    model, rest = memo["chunked"]
-    out = []
-    for vs, kind in _virtual_stages(c.num_hidden_layers, par.pp, par.virtual_stages, stage):
-        if (kind, cp_rank) not in memo:
-            first, last, _ = kind
-            if ("shape", first, last) not in memo:
-                memo["shape", first, last] = Frozen(par, **chunk_shape(par, first, last))
-            memo[kind, cp_rank] = _stage_kind(model, memo["shape", first, last], vs, (("cp_rank", cp_rank), *rest))
-        out.append(memo[kind, cp_rank])
-    return out
+        memo["chunked"] = (model_key(c, memo), Frozen(par, zero=0, dp=1),
+                           tuple(sorted({**kw, "num_microbatches": 1}.items())))
+    model, shape, rest = memo["chunked"]
+    return _chunk_kinds(model, shape, stage, cp_rank, rest)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _chunk_kinds(model: Frozen, shape: Frozen, stage: int, cp_rank: int, rest: tuple) -> tuple[SizesKind, ...]:
+    par = shape.config
+    chunks = _virtual_stages(model.config.num_hidden_layers, par.pp, par.virtual_stages, stage)
+    shapes: dict = {}   # each (first, last)'s layout of its kind (chunk_shape), made once
+    for _, (first, last, _) in chunks:
+        if (first, last) not in shapes:
+            shapes[first, last] = Frozen(par, **chunk_shape(par, first, last))
+    return tuple(_stage_kind(model, shapes[first, last], vs, (("cp_rank", cp_rank), *rest))
+                 for vs, (first, last, _) in chunks)
 
 
 def chunk_shape(par: ParallelConfig, first: bool, last: bool) -> dict:

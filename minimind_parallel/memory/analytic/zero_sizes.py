@@ -96,6 +96,26 @@ def staging_plans(c: MiniMindConfig, par: ParallelConfig, stage: int, layouts: t
                  for layout in layouts)
 
 
+def remembered_staging_plans(c: MiniMindConfig, par: ParallelConfig, stage: int, dtype, bucket_size_mb: float,
+                             schedule, model: Frozen | None = None) -> tuple[StagingPlan, ...]:
+    """staging_plans of the stage's `zero_layouts`, remembered on what both read: the layouts' key (the
+    model, `LAYOUT_FIELDS`, the stage, the bucket) and whether the order has W steps (the chunks are
+    the model's layers over pp and virtual_stages, both layout fields). The planner asks it for every
+    stage of every --zero 2 layout; an interleaved stage's walks every bucket's names."""
+    shape = tuple(getattr(par, name) for name in LAYOUT_FIELDS)
+    weight_steps = par.pp > 1 and Schedule(schedule) is Schedule.ZERO_BUBBLE
+    return _remembered_staging(model or Frozen(c), shape, stage, _bucket_numel(bucket_size_mb, dtype), weight_steps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered_staging(model: Frozen, shape: tuple, stage: int, bucket: int | None,
+                        weight_steps: bool) -> tuple[StagingPlan, ...]:
+    par = ParallelConfig(**dict(zip(LAYOUT_FIELDS, shape)))
+    layouts = _remembered_layouts(model, shape, stage, bucket)
+    return staging_plans(model.config, par, stage, layouts,
+                         Schedule.ZERO_BUBBLE if weight_steps else Schedule.ONE_F_ONE_B)
+
+
 def staging_bytes(layouts: tuple[BufferLayout, ...], plans: tuple[StagingPlan, ...], b: int) -> int:
     """--zero 2: the staging buffers (`zero.distributed_optimizer.staging_buffers`), made at the
     start and alive all step."""
