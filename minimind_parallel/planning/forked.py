@@ -23,6 +23,8 @@ import signal
 import struct
 from typing import Callable, Iterator, Sequence
 
+from .. import processes
+
 
 def usable_cpus() -> int:
     """The CPUs this process may run on."""
@@ -44,18 +46,19 @@ def split(weights: Sequence[float], parts: int) -> list[int]:
 RUN = 16
 
 
-def forked_map(fn: Callable, items: Sequence, bounds: list[int]) -> list:
-    """[fn(x) for x in items]; part i, items[bounds[i]:bounds[i + 1]], evaluated first by process i
-    (the first here, each other one in a forked child), each process done with its own taking the
-    last RUN items of the part with the most left until none is."""
+def forked_map(fn: Callable, items: Sequence, bounds: list[int], then: Callable | None = None) -> list:
+    """[then(fn(x)) for x in items] (`then`: none, [fn(x) ...]); part i, items[bounds[i]:bounds[i + 1]],
+    evaluated first by process i (the first here, each other one in a forked child), each process
+    done with its own taking the last RUN items of the part with the most left until none is. A
+    run's `then` follows its RUN fn calls (e.g. the text of each result, made beside the results)."""
     if len(bounds) <= 2 or not hasattr(os, "fork"):
-        return [fn(x) for x in items]
+        return _run(fn, then, items, 0, len(items))[1]
     parts = _Parts(bounds)
     children: list[tuple[int, int]] = []
     try:
         for i in range(1, len(bounds) - 1):
-            children.append(_fork(lambda own: _evaluate(fn, items, parts, own), [i]))
-        runs = _evaluate(fn, items, parts, 0)
+            _fork(lambda own: _evaluate(fn, then, items, parts, own), [i], children, with_parent=True)
+        runs = _evaluate(fn, then, items, parts, 0)
         while children:
             runs += _collect(*children.pop(0))[0]
     finally:
@@ -68,12 +71,19 @@ def forked_map(fn: Callable, items: Sequence, bounds: list[int]) -> list:
     return results
 
 
-def _evaluate(fn: Callable, items: Sequence, parts: "_Parts", own: int) -> list[tuple[int, list]]:
-    """The runs one process evaluates, [(first index, [fn(x) ...])], its own part's first."""
+def _evaluate(fn: Callable, then: Callable | None, items: Sequence, parts: "_Parts",
+              own: int) -> list[tuple[int, list]]:
+    """The runs one process evaluates, [(first index, [then(fn(x)) ...])], its own part's first."""
     runs = []
     while (run := parts.take(own)) is not None:
-        runs.append((run[0], [fn(x) for x in items[run[0]:run[1]]]))
+        runs.append(_run(fn, then, items, *run))
     return runs
+
+
+def _run(fn: Callable, then: Callable | None, items: Sequence, lo: int, hi: int) -> tuple[int, list]:
+    """(lo, [then(fn(x)) for x in items[lo:hi]]), each fn call of the run before its then calls."""
+    values = [fn(x) for x in items[lo:hi]]
+    return lo, values if then is None else [then(v) for v in values]
 
 
 class _Parts:
@@ -124,22 +134,26 @@ def forked_worker(prepare: Callable[[], None], fn: Callable, fork: bool = True) 
             data = f.read()
         return fn(*pickle.loads(data)) if data else None
 
-    worker = _Worker(write, _fork(serve, [None]))
-    os.close(read)
+    worker = _Worker(write)
     try:
+        try:
+            _fork(serve, [None], worker.child)
+        finally:
+            os.close(read)
         yield worker
     finally:
         worker.close()
-        if worker.child is not None:   # not waited for: an error or an interrupt here
+        if worker.child:   # not waited for: an error or an interrupt here
             with contextlib.suppress(BaseException):
-                _collect(*worker.child)
+                _collect(*worker.child.pop())
 
 
 class _Worker:
-    """forked_worker's child: the pipe its args go through, its pid and the pipe its result comes back through."""
+    """forked_worker's child: the pipe its args go through; `child`: [(its pid, the pipe its result comes
+    back through)] once forked, [] once waited for."""
 
-    def __init__(self, args_fd: int, child: tuple[int, int]):
-        self.args_fd, self.child = args_fd, child
+    def __init__(self, args_fd: int):
+        self.args_fd, self.child = args_fd, []
 
     def send(self, *args) -> None:
         with os.fdopen(self.args_fd, "wb") as f:
@@ -147,8 +161,7 @@ class _Worker:
             pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     def result(self):
-        child, self.child = self.child, None
-        return _collect(*child)[0]
+        return _collect(*self.child.pop())[0]
 
     def close(self) -> None:
         if self.args_fd is not None:
@@ -170,15 +183,31 @@ class _Here:
         return self.fn(*self.args)
 
 
-def _fork(fn: Callable, part: Sequence) -> tuple[int, int]:
-    """A child evaluating `part` -> (its pid, the pipe its results come through)."""
+def _fork(fn: Callable, part: Sequence, started: list, with_parent: bool = False) -> None:
+    """A child evaluating `part`, (its pid, the pipe its results come through) appended to `started`.
+    SIGINT and SIGTERM are held over the fork (processes.signals_held: one landing in an after-fork
+    hook would be lost) and until the child is in `started` (raised then, the caller's cleanup
+    finds it). `with_parent`: the child is killed when this process ends, however it ends (a
+    SIGKILL too: processes.parent_death_signal), and ends at once if this process is gone already."""
     read, write = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(write)
-        return pid, read
-    os.close(read)          # the child: its results (or its error) pickled, then out at once
+    parent, arm = os.getpid(), processes.parent_death_signal() if with_parent else None
+    with processes.signals_held():
+        pid = os.fork()
+        if pid == 0:
+            _child(fn, part, read, write, parent, arm)
+        started.append((pid, read))
+    os.close(write)
+
+
+def _child(fn: Callable, part: Sequence, read: int, write: int, parent: int, arm: Callable | None) -> None:
+    """The forked child: its results (or its error) pickled through `write`, then out at once
+    (os._exit: none of the parent's exit handlers, no teardown of its objects)."""
     try:
+        os.close(read)
+        if arm is not None:
+            arm()
+            if os.getppid() != parent:   # the parent ended before the signal was armed
+                return
         try:
             out = (True, [fn(x) for x in part])
         except BaseException as e:   # noqa: BLE001 -- sent to the parent, which raises it
