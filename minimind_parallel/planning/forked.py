@@ -222,15 +222,16 @@ def _child(fn: Callable, part: Sequence, read: int, write: int, parent: int, arm
 
 
 def _collect(pid: int, fd: int) -> list:
-    """A child's results (its error raised here); the child ended and reaped on every ending."""
+    """A child's results (its error raised here), unpickled as it writes them (its pickling and this
+    one overlap); the child ended and reaped on every ending."""
     try:
         with os.fdopen(fd, "rb") as f:
-            data = f.read()
+            try:
+                ok, value = pickle.load(f)
+            except EOFError:
+                raise RuntimeError(f"a planning process (pid {pid}) ended without its results") from None
     finally:
         _end(pid)
-    if not data:
-        raise RuntimeError(f"a planning process (pid {pid}) ended without its results")
-    ok, value = pickle.loads(data)
     if not ok:
         raise value
     return value
