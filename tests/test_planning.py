@@ -1106,6 +1106,8 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
             raise ValueError(f"item {x}")
         return x * x
     assert forked.forked_map(child_fails, range(4), [0, 2, 4]) == [0, 1, 4, 9]
+    n = 3 * forked.THEN_BATCH   # each process's `then` over more than a batch
+    assert forked.forked_map(abs, range(-n, n), [0, n, 2 * n], then=lambda v: -v) == [-abs(x) for x in range(-n, n)]
     with pytest.raises(ValueError, match="item 5"):
         forked.forked_map(child_fails, range(8), [0, 4, 8])
 
@@ -1116,7 +1118,7 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
     start = time.monotonic()
     with pytest.raises(KeyError):
         forked.forked_map(parent_fails, range(8), [0, 4, 8])
-    assert time.monotonic() - start < 30 and len(pids) == 3
+    assert time.monotonic() - start < 30 and len(pids) == 4
     for pid in pids:   # reaped: no child of that pid is left
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)

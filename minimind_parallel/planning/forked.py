@@ -9,8 +9,11 @@ imported or remembered again) that sends its results back pickled through a pipe
 process evaluates the first. The parts are only where each process starts: their costs are
 estimates, so a process done with its own part takes the last items of the part with the most
 left, a run at a time (the parts' bounds not yet taken are shared, `_Parts`), and the processes
-end together. A child's error is raised here; on every ending (an error, an interrupt) no child is
-left running.
+end together. Each process can pass its results through a second function (`then`, a batch at a
+time: the JSON's text of each planned layout, made where it was predicted). A child's error is raised here; on
+every ending no child is left running: an error or an interrupt here kills and reaps them (a
+SIGINT or SIGTERM during a fork is held until the child is registered, `processes.signals_held`),
+and a SIGKILL of this process kills them too (`processes.parent_death_signal`).
 """
 from __future__ import annotations
 
@@ -44,15 +47,20 @@ def split(weights: Sequence[float], parts: int) -> list[int]:
 
 # items a process takes at a time from a part (its own, or the last ones of another's)
 RUN = 16
+# results a process makes before it applies `then` to them: the JSON's text of each layout made
+# right after its prediction, run by run, cost more CPU than made in batches (docs/planning.md,
+# "The done-when checks"); a batch is short beside a process's part
+THEN_BATCH = 1024
 
 
 def forked_map(fn: Callable, items: Sequence, bounds: list[int], then: Callable | None = None) -> list:
     """[then(fn(x)) for x in items] (`then`: none, [fn(x) ...]); part i, items[bounds[i]:bounds[i + 1]],
     evaluated first by process i (the first here, each other one in a forked child), each process
     done with its own taking the last RUN items of the part with the most left until none is. A
-    run's `then` follows its RUN fn calls (e.g. the text of each result, made beside the results)."""
+    process applies `then` to its results THEN_BATCH at a time (and to the last ones at its end)."""
     if len(bounds) <= 2 or not hasattr(os, "fork"):
-        return _run(fn, then, items, 0, len(items))[1]
+        values = [fn(x) for x in items]
+        return values if then is None else [then(v) for v in values]
     parts = _Parts(bounds)
     children: list[tuple[int, int]] = []
     try:
@@ -74,16 +82,22 @@ def forked_map(fn: Callable, items: Sequence, bounds: list[int], then: Callable 
 def _evaluate(fn: Callable, then: Callable | None, items: Sequence, parts: "_Parts",
               own: int) -> list[tuple[int, list]]:
     """The runs one process evaluates, [(first index, [then(fn(x)) ...])], its own part's first."""
-    runs = []
+    runs, first, pending = [], 0, 0   # runs[first:]: not through `then` yet, `pending` items
     while (run := parts.take(own)) is not None:
-        runs.append(_run(fn, then, items, *run))
+        runs.append((run[0], [fn(x) for x in items[run[0]:run[1]]]))
+        pending += run[1] - run[0]
+        if then is not None and pending >= THEN_BATCH:
+            first, pending = _then(then, runs, first), 0
+    if then is not None:
+        _then(then, runs, first)
     return runs
 
 
-def _run(fn: Callable, then: Callable | None, items: Sequence, lo: int, hi: int) -> tuple[int, list]:
-    """(lo, [then(fn(x)) for x in items[lo:hi]]), each fn call of the run before its then calls."""
-    values = [fn(x) for x in items[lo:hi]]
-    return lo, values if then is None else [then(v) for v in values]
+def _then(then: Callable, runs: list[tuple[int, list]], first: int) -> int:
+    """`then` applied to each value of runs[first:], in place -> len(runs)."""
+    for _, values in runs[first:]:
+        values[:] = [then(v) for v in values]
+    return len(runs)
 
 
 class _Parts:
