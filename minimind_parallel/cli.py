@@ -141,8 +141,8 @@ def process_main() -> int:
 def end_at_once(code: int) -> None:
     """The process ended with `code` now, its output flushed: without the interpreter's teardown,
     which frees every object still alive one by one (a plan's remembered sizes: about 0.3 s), nor
-    the exit handlers (what would they close: a task that ends so has none of its own). Where the
-    output cannot be flushed (a closed pipe) the ordinary exit goes on and reports it."""
+    the exit handlers (a task that ends so registers none of its own). Where the output cannot be
+    flushed (a closed pipe) the ordinary exit goes on and reports it."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -10,10 +10,11 @@ process evaluates the first. The parts are only where each process starts: their
 estimates, so a process done with its own part takes the last items of the part with the most
 left, a run at a time (the parts' bounds not yet taken are shared, `_Parts`), and the processes
 end together. Each process can pass its results through a second function (`then`, a batch at a
-time: the JSON's text of each planned layout, made where it was predicted). A child's error is raised here; on
-every ending no child is left running: an error or an interrupt here kills and reaps them (a
-SIGINT or SIGTERM during a fork is held until the child is registered, `processes.signals_held`),
-and a SIGKILL of this process kills them too (`processes.parent_death_signal`).
+time: the JSON's text of each planned layout, made where it was predicted). A child's error is
+raised here; on every ending no child is left running: an error or an interrupt here kills and
+reaps them (a SIGINT or SIGTERM during a fork is held until the child is registered,
+`processes.signals_held`), and a SIGKILL of this process kills them too
+(`processes.parent_death_signal`).
 """
 from __future__ import annotations
 
