@@ -1,7 +1,9 @@
 """The planner: its candidate space against check_layout, its memory against predict_memory, its
 time model's pieces on hand-checked numbers, its JSON and the commands in it, its calibration file
 and its bad input. All in this process: no ranks."""
+import contextlib
 import csv
+import gc
 import json
 import math
 import shlex
@@ -1085,15 +1087,19 @@ def test_a_chunk_kind_shared_across_layouts_gives_each_chunk_its_own_terms():
 def test_the_jsons_rows_made_as_text_are_json_dumps_of_the_rows(tmp_path):
     """write_json makes each layout's row as text from remembered pieces (the flags', the commands'
     parts): the file is json.dumps of the whole result with layout_row's rows, to the byte, for the
-    dense and the MoE plans on 2 nodes (the MoE plan's rows made by three processes, two of them
-    forked: json_rows); and a command's text is json.dumps of it for words that JSON escapes
-    (quotes, backslashes, a non-ASCII letter)."""
+    dense and the MoE plans on 2 nodes (the dense plan's rows made by write_json; the MoE plan's by
+    plan(row=json_row), in the three processes that predict it, two of them forked); and a
+    command's text is json.dumps of it for words that JSON escapes (quotes, backslashes, a
+    non-ASCII letter)."""
     from minimind_parallel.tasks import plan as plan_task
     for extra in ([], [*MOE_ARGS, "--processes", "3"]):
         argv = ["--world_size", "4", "--nnodes", "2", "--device", "cuda", "--device_memory_gib", "24", *TINY_ARGS, *extra]
         args = plan_task.parser().parse_args(argv)
         hw = plan_task.hardware_of(args)
-        result = plan(plan_task.workload_of(args), hw, device="cuda", budget_bytes=2**40)
+        rows = args.processes and plan_task.json_row(args, hw)
+        result = plan(plan_task.workload_of(args), hw, device="cuda", budget_bytes=2**40, processes=args.processes,
+                      row=rows)
+        assert all((e.row is not None) == bool(rows) for e in result.fitting)
         path = tmp_path / "plan.json"
         plan_task.write_json(str(path), result, args, hw, 1.5, tuple(argv), {"spearman": 0.5})
         out = {"command": [*plan_task.program_name().split(), *argv], "workload": None, "hardware": hw.to_json(),
@@ -1138,10 +1144,12 @@ def _recorded_forks(monkeypatch) -> list:
     from minimind_parallel.planning import forked
     pids, fork = [], forked._fork
 
-    def recorded(fn, part):
-        pid, fd = fork(fn, part)
-        pids.append(pid)
-        return pid, fd
+    def recorded(fn, part, started, **kw):
+        before = len(started)
+        try:
+            fork(fn, part, started, **kw)
+        finally:   # also where a signal held over the fork is raised as it ends
+            pids.extend(pid for pid, _ in started[before:])
     monkeypatch.setattr(forked, "_fork", recorded)
     return pids
 
@@ -1159,6 +1167,8 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
             raise ValueError(f"item {x}")
         return x * x
     assert forked.forked_map(child_fails, range(4), [0, 2, 4]) == [0, 1, 4, 9]
+    n = 3 * forked.THEN_BATCH   # each process's `then` over more than a batch
+    assert forked.forked_map(abs, range(-n, n), [0, n, 2 * n], then=lambda v: -v) == [-abs(x) for x in range(-n, n)]
     with pytest.raises(ValueError, match="item 5"):
         forked.forked_map(child_fails, range(8), [0, 4, 8])
 
@@ -1169,11 +1179,94 @@ def test_a_forked_part_that_fails_raises_here_and_no_child_is_left(monkeypatch):
     start = time.monotonic()
     with pytest.raises(KeyError):
         forked.forked_map(parent_fails, range(8), [0, 4, 8])
-    assert time.monotonic() - start < 30 and len(pids) == 3
+    assert time.monotonic() - start < 30 and len(pids) == 4
     for pid in pids:   # reaped: no child of that pid is left
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
     assert forked.split([1, 1, 1, 1, 4], 2) == [0, 4, 5] and forked.split([1, 1], 3) == [0, 1, 2, 2]
+
+
+def test_a_signal_in_a_planning_forks_after_fork_hook_is_raised_after_it_and_no_child_is_left(monkeypatch):
+    """Ctrl-C landing while forked_map forks runs its handler inside the parent's after-fork hooks,
+    where Python prints and ignores what it raises: the plan went on. forked.py holds SIGINT and
+    SIGTERM over the fork (processes.signals_held) and raises them once the child is registered,
+    which is then ended (it would sleep) and reaped."""
+    import os
+    import time
+    from minimind_parallel import processes
+    from minimind_parallel.planning import forked
+    pids = _recorded_forks(monkeypatch)
+    armed = _sigint_after_the_next_fork()
+    start = time.monotonic()
+    with pytest.raises(processes.Interrupted, match="SIGINT"), processes.signals_raise():
+        armed[-1] = True   # the next fork signals from its after-fork hook
+        forked.forked_map(lambda x: time.sleep(10) if x >= 2 else x, range(4), [0, 2, 4])
+    assert time.monotonic() - start < 5 and len(pids) == 1
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pids[0], os.WNOHANG)
+
+
+def _sigint_after_the_next_fork(armed=[]):  # noqa: B006  (registered once per process)
+    """Arm (once per process) an after-fork hook that sends this process SIGINT in the parent after a
+    fork: -> the list to set the last item of to True, to make the next fork signal."""
+    import os
+    import signal
+
+    def hook():
+        if armed.pop():
+            os.kill(os.getpid(), signal.SIGINT)
+        armed.append(False)
+
+    if not armed:
+        armed.append(False)
+        os.register_at_fork(after_in_parent=hook)
+    return armed
+
+
+def test_a_planning_child_ends_with_its_parent_even_when_the_parent_is_killed(tmp_path):
+    """A forked_map child is SIGKILLed when the process that forked it ends, however it ends: here the
+    parent is SIGKILLed, which runs none of its cleanup (processes.parent_death_signal)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "parent.py"
+    script.write_text("import os, sys, time\n"
+                      "from minimind_parallel.planning import forked\n"
+                      "def slow(x):\n"
+                      "    open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()\n"
+                      "    time.sleep(60)\n"
+                      "forked.forked_map(slow, range(4), [0, 2, 4])\n")
+    (tmp_path / "pids").mkdir()
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "pids")])
+    children: list = []
+    try:
+        deadline = time.monotonic() + 60
+        while not children:
+            assert parent.poll() is None and time.monotonic() < deadline
+            children = [int(p) for p in os.listdir(tmp_path / "pids") if int(p) != parent.pid]
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(children[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(children[0])
+    finally:
+        parent.kill()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_process_done_with_its_part_takes_the_last_items_of_anothers():
@@ -1238,7 +1331,7 @@ def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeyp
     """`python -m evaluation.parallel` exits with main()'s code after gc.freeze (the collector kept from
     walking a plan's remembered objects at exit); plan() itself pauses it and leaves it as it was."""
     import gc
-    monkeypatch.setattr(cli, "main", lambda: 7)
+    monkeypatch.setattr(cli, "main", lambda ran: 7)
     try:
         assert cli.process_main() == 7 and gc.get_freeze_count() > 0
     finally:
@@ -1261,6 +1354,33 @@ def test_the_process_entry_point_is_mains_code_with_the_collector_frozen(monkeyp
         assert gc.get_freeze_count() >= frozen + len(kept) and gc.isenabled()
     finally:
         gc.unfreeze()
+
+
+def test_a_task_that_ends_at_once_ends_the_process_with_its_code_and_its_output_flushed(monkeypatch, capsys):
+    """process_main after a task that ends_at_once (plan's): the output flushed, then os._exit with
+    main()'s code (no teardown of a plan's millions of objects); after any other task it returns."""
+    import os
+    from minimind_parallel import tasks
+    ended = []
+
+    def exit_now(code):
+        ended.append((code, capsys.readouterr().out))
+        raise SystemExit(code)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    def ran_task(name: str, code: int):
+        def main(ran):
+            print(name)
+            ran.append(tasks.get(name))
+            return code
+        return main
+    for name, code in (("plan", 3), ("train", 4)):
+        monkeypatch.setattr(cli, "main", ran_task(name, code))
+        try:
+            with contextlib.suppress(SystemExit):
+                assert cli.process_main() == code
+        finally:
+            gc.unfreeze()
+    assert ended == [(3, "plan\n")] and tasks.get("plan").ends_at_once and not tasks.get("train").ends_at_once
 
 
 def test_an_earlier_plans_validation_cells_are_never_read_as_this_ones(tmp_path, capsys):

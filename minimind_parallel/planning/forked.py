@@ -9,8 +9,12 @@ imported or remembered again) that sends its results back pickled through a pipe
 process evaluates the first. The parts are only where each process starts: their costs are
 estimates, so a process done with its own part takes the last items of the part with the most
 left, a run at a time (the parts' bounds not yet taken are shared, `_Parts`), and the processes
-end together. A child's error is raised here; on every ending (an error, an interrupt) no child is
-left running.
+end together. Each process can pass its results through a second function (`then`, a batch at a
+time: the JSON's text of each planned layout, made where it was predicted). A child's error is
+raised here; on every ending no child is left running: an error or an interrupt here kills and
+reaps them (a SIGINT or SIGTERM during a fork is held until the child is registered,
+`processes.signals_held`), and a SIGKILL of this process kills them too
+(`processes.parent_death_signal`).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import pickle
 import signal
 import struct
 from typing import Callable, Iterator, Sequence
+
+from .. import processes
 
 
 def usable_cpus() -> int:
@@ -42,20 +48,26 @@ def split(weights: Sequence[float], parts: int) -> list[int]:
 
 # items a process takes at a time from a part (its own, or the last ones of another's)
 RUN = 16
+# results a process makes before it applies `then` to them: the JSON's text of each layout made
+# right after its prediction, run by run, cost more CPU than made in batches (docs/planning.md,
+# "The done-when checks"); a batch is short beside a process's part
+THEN_BATCH = 1024
 
 
-def forked_map(fn: Callable, items: Sequence, bounds: list[int]) -> list:
-    """[fn(x) for x in items]; part i, items[bounds[i]:bounds[i + 1]], evaluated first by process i
-    (the first here, each other one in a forked child), each process done with its own taking the
-    last RUN items of the part with the most left until none is."""
+def forked_map(fn: Callable, items: Sequence, bounds: list[int], then: Callable | None = None) -> list:
+    """[then(fn(x)) for x in items] (`then`: none, [fn(x) ...]); part i, items[bounds[i]:bounds[i + 1]],
+    evaluated first by process i (the first here, each other one in a forked child), each process
+    done with its own taking the last RUN items of the part with the most left until none is. A
+    process applies `then` to its results THEN_BATCH at a time (and to the last ones at its end)."""
     if len(bounds) <= 2 or not hasattr(os, "fork"):
-        return [fn(x) for x in items]
+        values = [fn(x) for x in items]
+        return values if then is None else [then(v) for v in values]
     parts = _Parts(bounds)
     children: list[tuple[int, int]] = []
     try:
         for i in range(1, len(bounds) - 1):
-            children.append(_fork(lambda own: _evaluate(fn, items, parts, own), [i]))
-        runs = _evaluate(fn, items, parts, 0)
+            _fork(lambda own: _evaluate(fn, then, items, parts, own), [i], children, with_parent=True)
+        runs = _evaluate(fn, then, items, parts, 0)
         while children:
             runs += _collect(*children.pop(0))[0]
     finally:
@@ -68,12 +80,25 @@ def forked_map(fn: Callable, items: Sequence, bounds: list[int]) -> list:
     return results
 
 
-def _evaluate(fn: Callable, items: Sequence, parts: "_Parts", own: int) -> list[tuple[int, list]]:
-    """The runs one process evaluates, [(first index, [fn(x) ...])], its own part's first."""
-    runs = []
+def _evaluate(fn: Callable, then: Callable | None, items: Sequence, parts: "_Parts",
+              own: int) -> list[tuple[int, list]]:
+    """The runs one process evaluates, [(first index, [then(fn(x)) ...])], its own part's first."""
+    runs, first, pending = [], 0, 0   # runs[first:]: not through `then` yet, `pending` items
     while (run := parts.take(own)) is not None:
         runs.append((run[0], [fn(x) for x in items[run[0]:run[1]]]))
+        pending += run[1] - run[0]
+        if then is not None and pending >= THEN_BATCH:
+            first, pending = _then(then, runs, first), 0
+    if then is not None:
+        _then(then, runs, first)
     return runs
+
+
+def _then(then: Callable, runs: list[tuple[int, list]], first: int) -> int:
+    """`then` applied to each value of runs[first:], in place -> len(runs)."""
+    for _, values in runs[first:]:
+        values[:] = [then(v) for v in values]
+    return len(runs)
 
 
 class _Parts:
@@ -124,22 +149,26 @@ def forked_worker(prepare: Callable[[], None], fn: Callable, fork: bool = True) 
             data = f.read()
         return fn(*pickle.loads(data)) if data else None
 
-    worker = _Worker(write, _fork(serve, [None]))
-    os.close(read)
+    worker = _Worker(write)
     try:
+        try:
+            _fork(serve, [None], worker.child)
+        finally:
+            os.close(read)
         yield worker
     finally:
         worker.close()
-        if worker.child is not None:   # not waited for: an error or an interrupt here
+        if worker.child:   # not waited for: an error or an interrupt here
             with contextlib.suppress(BaseException):
-                _collect(*worker.child)
+                _collect(*worker.child.pop())
 
 
 class _Worker:
-    """forked_worker's child: the pipe its args go through, its pid and the pipe its result comes back through."""
+    """forked_worker's child: the pipe its args go through; `child`: [(its pid, the pipe its result comes
+    back through)] once forked, [] once waited for."""
 
-    def __init__(self, args_fd: int, child: tuple[int, int]):
-        self.args_fd, self.child = args_fd, child
+    def __init__(self, args_fd: int):
+        self.args_fd, self.child = args_fd, []
 
     def send(self, *args) -> None:
         with os.fdopen(self.args_fd, "wb") as f:
@@ -147,8 +176,7 @@ class _Worker:
             pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     def result(self):
-        child, self.child = self.child, None
-        return _collect(*child)[0]
+        return _collect(*self.child.pop())[0]
 
     def close(self) -> None:
         if self.args_fd is not None:
@@ -170,15 +198,31 @@ class _Here:
         return self.fn(*self.args)
 
 
-def _fork(fn: Callable, part: Sequence) -> tuple[int, int]:
-    """A child evaluating `part` -> (its pid, the pipe its results come through)."""
+def _fork(fn: Callable, part: Sequence, started: list, with_parent: bool = False) -> None:
+    """A child evaluating `part`, (its pid, the pipe its results come through) appended to `started`.
+    SIGINT and SIGTERM are held over the fork (processes.signals_held: one landing in an after-fork
+    hook would be lost) and until the child is in `started` (raised then, the caller's cleanup
+    finds it). `with_parent`: the child is killed when this process ends, however it ends (a
+    SIGKILL too: processes.parent_death_signal), and ends at once if this process is gone already."""
     read, write = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(write)
-        return pid, read
-    os.close(read)          # the child: its results (or its error) pickled, then out at once
+    parent, arm = os.getpid(), processes.parent_death_signal() if with_parent else None
+    with processes.signals_held():
+        pid = os.fork()
+        if pid == 0:
+            _child(fn, part, read, write, parent, arm)
+        started.append((pid, read))
+    os.close(write)
+
+
+def _child(fn: Callable, part: Sequence, read: int, write: int, parent: int, arm: Callable | None) -> None:
+    """The forked child: its results (or its error) pickled through `write`, then out at once
+    (os._exit: none of the parent's exit handlers, no teardown of its objects)."""
     try:
+        os.close(read)
+        if arm is not None:
+            arm()
+            if os.getppid() != parent:   # the parent ended before the signal was armed
+                return
         try:
             out = (True, [fn(x) for x in part])
         except BaseException as e:   # noqa: BLE001 -- sent to the parent, which raises it
@@ -193,15 +237,16 @@ def _fork(fn: Callable, part: Sequence) -> tuple[int, int]:
 
 
 def _collect(pid: int, fd: int) -> list:
-    """A child's results (its error raised here); the child ended and reaped on every ending."""
+    """A child's results (its error raised here), unpickled as it writes them (its pickling and this
+    one overlap); the child ended and reaped on every ending."""
     try:
         with os.fdopen(fd, "rb") as f:
-            data = f.read()
+            try:
+                ok, value = pickle.load(f)
+            except EOFError:
+                raise RuntimeError(f"a planning process (pid {pid}) ended without its results") from None
     finally:
         _end(pid)
-    if not data:
-        raise RuntimeError(f"a planning process (pid {pid}) ended without its results")
-    ok, value = pickle.loads(data)
     if not ok:
         raise value
     return value

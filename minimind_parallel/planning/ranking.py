@@ -5,6 +5,7 @@ rounding, estimated by allocator_rounding.py) and step time
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..collector import paused_collector
 from ..config import DTYPES
@@ -31,6 +32,7 @@ class PlanEntry:
     time: StepTime
     tokens_per_s: float
     mfu: float
+    row: bytes | None = None  # plan(row=...)'s text of a fitting entry, made where it was predicted
 
     @property
     def step_ms(self) -> float:
@@ -108,11 +110,14 @@ FORK_FROM = 2000
 MAX_PROCESSES = 4   # each shares fewer remembered sizes with the others
 
 
-def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes: int | None = None) -> Plan:
+def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes: int | None = None,
+         row: Callable[[PlanEntry], bytes] | None = None) -> Plan:
     """Every layout of the space (space.enumerate_layouts), each that passes its constraints
     predicted; the ones within `budget_bytes` per rank ranked by tokens/s. `processes`: how many
     processes predict them (forked.py; default: this machine's CPUs, up to MAX_PROCESSES, for a
-    space of FORK_FROM layouts or more), each a contiguous part of about equal cost."""
+    space of FORK_FROM layouts or more), each a contiguous part of about equal cost. `row`: each
+    fitting entry's text (its `row`: the JSON's), made by the process that predicted it, so that
+    the texts are made in parallel with the predictions and not after them."""
     valid, cuts = enumerate_layouts(w)
     result = Plan(workload=w, hardware=hw, budget_bytes=budget_bytes, cuts=cuts)
     flops = model_flops_per_token(w)
@@ -124,12 +129,19 @@ def plan(w: Workload, hw: Hardware, *, device: str, budget_bytes: int, processes
     with paused_collector():
         entries = _in_order(valid, lambda part: forked_map(
             lambda k: evaluate(k, w, hw, device, flops, workspaces, memo, model), part,
-            split([_cost(k) for k in part], processes)))
+            split([_cost(k) for k in part], processes), then=row and (lambda e: _with_row(e, row, budget_bytes))))
     for e in entries:
         (result.fitting if e.peak_bytes <= budget_bytes else result.over_budget).append(e)
     result.fitting.sort(key=lambda e: (e.time.total, e.peak_bytes))   # fastest first: tokens/s is tokens / this
     result.over_budget.sort(key=lambda e: e.peak_bytes)
     return result
+
+
+def _with_row(e: PlanEntry, row: Callable[[PlanEntry], bytes], budget_bytes: int) -> PlanEntry:
+    """`e` with its text, where it fits (the JSON has the fitting entries' rows)."""
+    if e.peak_bytes <= budget_bytes:
+        e.row = row(e)
+    return e
 
 
 def _in_order(valid: list[Candidate], predict) -> list[PlanEntry]:

@@ -34,8 +34,8 @@ from ..options import (PRESETS, Parser, add_moe_args, check_at_least, check_numb
 from ..planning import GPU_PROFILES, Workload, plan
 from ..planning.agreement import mape, spearman
 from ..planning.hardware import CPU_DEFAULT, gpu_profile, load_calibration, save_calibration
-from ..planning.forked import forked_map, forked_worker, split, usable_cpus
-from ..planning.ranking import FORK_FROM, MAX_PROCESSES, paused_collector
+from ..planning.forked import forked_worker, usable_cpus
+from ..planning.ranking import paused_collector
 from ..planning.space import DOMINATED, Candidate, flag_names
 from .benchmark.command import BatchPolicy, Kind
 from .benchmark.outputs import Status
@@ -366,7 +366,6 @@ def cut_summary(result) -> list[dict]:
 
 
 def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...], validation: dict | None) -> None:
-    words = model_argv(args)
     out = {"command": [*program_name().split(), *argv],
            "workload": {"world_size": args.world_size, "nnodes": args.nnodes, "device": args.device,
                         "device_memory_gib": result.budget_bytes / GIB, "seq_len": args.seq_len,
@@ -376,25 +375,22 @@ def write_json(path: str, result, args, hw, seconds: float, argv: tuple[str, ...
            "layouts": LAYOUTS, "cut": cut_summary(result), "notes": notes(args)}
     if validation is not None:
         out["validation"] = validation
-    # dumps without indent (the C encoder), the layouts' rows made as text (layout_json) in their place
+    # dumps without indent (the C encoder, ASCII), the layouts' rows (json_row's ASCII) in their place
     head, tail = json.dumps(out).split(json.dumps(LAYOUTS))
-    rows = ", ".join(json_rows(result.fitting, args, hw, words))
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
-        f.write(f"{head}[{rows}]{tail}")
+    make = json_row(args, hw)
+    rows = [e.row if e.row is not None else make(e) for e in result.fitting]
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(f"{head}[".encode())
+        f.write(b", ".join(rows))
+        f.write(f"]{tail}".encode())
 
 
-def json_rows(fitting: list, args, hw, words: list[str]) -> list[str]:
-    """Each fitting layout's JSON row (layout_json), in order; a space of FORK_FROM layouts or more
-    made by --processes forked processes (as the predictions), each a contiguous part to start with.
-    (Made beside each prediction instead, in the predicting processes, the rows cost twice their CPU.)"""
-    n = len(fitting)
-    return forked_map(lambda e: layout_json(e, args, hw, words), fitting, split([1] * n, _parts(args, n)))
-
-
-def _parts(args, n: int) -> int:
-    """The processes that make n rows: --processes, else this machine's CPUs (up to MAX_PROCESSES)
-    for FORK_FROM rows or more (as plan's predictions)."""
-    return args.processes or (min(MAX_PROCESSES, usable_cpus()) if n >= FORK_FROM else 1)
+def json_row(args, hw):
+    """A fitting layout's JSON row as bytes (layout_json; plan(row=...) makes them in the processes
+    that predict the layouts, beside the predictions: made after them, the rows of a plan's tens
+    of thousands of layouts were a second forked pass of about a tenth of its CPU)."""
+    words = model_argv(args)
+    return lambda e: layout_json(e, args, hw, words).encode()
 
 
 def _forks(args) -> bool:
@@ -518,7 +514,7 @@ def plan_outputs(job: Job) -> int:
         t0 = time.perf_counter()
         hw = hardware_of(args)
         result = plan(workload_of(args), hw, device=args.device, budget_bytes=int(budget_gib(args, hw) * GIB),
-                      processes=args.processes)
+                      processes=args.processes, row=json_row(args, hw))
         seconds = time.perf_counter() - t0
         print_plan(result, args, hw, seconds)
         validation = validate(result, args) if args.validate else None
@@ -660,4 +656,5 @@ def run_rank(job: Job, device) -> int:
     raise RuntimeError("plan runs in the launcher process; it starts no ranks")
 
 
-TASK = Task(name="plan", parser=parser, resolve=resolve, check=check, launch=launch_plan, run_rank=run_rank)
+TASK = Task(name="plan", parser=parser, resolve=resolve, check=check, launch=launch_plan, run_rank=run_rank,
+            ends_at_once=True)

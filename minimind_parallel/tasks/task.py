@@ -39,3 +39,6 @@ class Task:
     resolve: Callable[[LaunchOptions, argparse.Namespace, tuple[str, ...]], Job] = resolve_once
     launch: Callable[[Job], int] = launch_once
     kinds: tuple[str, ...] = ()  # the values of the launcher's --kind this task takes (none: refused)
+    # the process of `python -m evaluation.parallel` ends at once after it (cli.end_at_once: no teardown of
+    # what it made, no exit handlers): a task that leaves nothing to close, whose objects are many
+    ends_at_once: bool = False
