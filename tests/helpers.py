@@ -1,8 +1,10 @@
 """Helpers shared by the test files: the relative-L2 error of the numeric checks, the one-line
 refusal check, and the stdlib corpus the data and train tests start from (conftest.py's
 `stdlib_corpus` fixture writes it once per session), and the count of gloo's threads in this
-process (a process group not destroyed keeps its threads)."""
+process (a process group not destroyed keeps its threads), and an after-fork hook that
+signals the parent (the signal-over-a-fork tests)."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -47,3 +49,17 @@ def write_stdlib_corpus(path, max_docs: int = MAX_DOCS):
                         "--max_docs", str(max_docs)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return path
+
+
+def sigint_after_the_next_fork(armed=[]):  # noqa: B006  (registered once per process)
+    """Arm (once per process) an after-fork hook that sends this process SIGINT in the parent after a
+    fork: -> the list to set the last item of to True, to make the next fork signal."""
+    def hook():
+        if armed.pop():   # armed: signal this once
+            os.kill(os.getpid(), signal.SIGINT)
+        armed.append(False)
+
+    if not armed:
+        armed.append(False)
+        os.register_at_fork(after_in_parent=hook)
+    return armed

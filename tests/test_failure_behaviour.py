@@ -138,25 +138,13 @@ def test_sigterm_to_torchrun_ends_the_job_with_one_line(mark):
     assert_none_left(mark)
 
 
-def _sigint_in_the_parents_after_fork_hook(armed=[]):  # noqa: B006  (registered once per process)
-    """Arm (once per process) an after-fork hook that sends this process SIGINT on the next fork:
-    -> the list to append to, to make the next fork signal."""
-    def hook():
-        if armed.pop():   # armed: signal this once
-            os.kill(os.getpid(), signal.SIGINT)
-        armed.append(False)
-
-    if not armed:
-        armed.append(False)
-        os.register_at_fork(after_in_parent=hook)
-    return armed
-
 
 def test_a_ctrl_c_during_the_launchers_fork_is_raised_after_it_not_lost_in_an_after_fork_hook():
     """Ctrl-C landing while the launcher forks torchrun runs the handler inside the parent's
     after-fork hooks, where Python prints and ignores what it raises: the sweep went on and exited
     0. In processes.signals_held the signal is recorded and raised at the block's end."""
-    armed = _sigint_in_the_parents_after_fork_hook()
+    from helpers import sigint_after_the_next_fork
+    armed = sigint_after_the_next_fork()
     child = None
     with pytest.raises(processes.Interrupted, match="SIGINT"):
         with processes.signals_raise():

@@ -1195,8 +1195,9 @@ def test_a_signal_in_a_planning_forks_after_fork_hook_is_raised_after_it_and_no_
     import time
     from minimind_parallel import processes
     from minimind_parallel.planning import forked
+    from helpers import sigint_after_the_next_fork
     pids = _recorded_forks(monkeypatch)
-    armed = _sigint_after_the_next_fork()
+    armed = sigint_after_the_next_fork()
     start = time.monotonic()
     with pytest.raises(processes.Interrupted, match="SIGINT"), processes.signals_raise():
         armed[-1] = True   # the next fork signals from its after-fork hook
@@ -1205,22 +1206,6 @@ def test_a_signal_in_a_planning_forks_after_fork_hook_is_raised_after_it_and_no_
     with pytest.raises(ChildProcessError):
         os.waitpid(pids[0], os.WNOHANG)
 
-
-def _sigint_after_the_next_fork(armed=[]):  # noqa: B006  (registered once per process)
-    """Arm (once per process) an after-fork hook that sends this process SIGINT in the parent after a
-    fork: -> the list to set the last item of to True, to make the next fork signal."""
-    import os
-    import signal
-
-    def hook():
-        if armed.pop():
-            os.kill(os.getpid(), signal.SIGINT)
-        armed.append(False)
-
-    if not armed:
-        armed.append(False)
-        os.register_at_fork(after_in_parent=hook)
-    return armed
 
 
 def test_a_planning_child_ends_with_its_parent_even_when_the_parent_is_killed(tmp_path):
